@@ -1,0 +1,165 @@
+"""Memory records: one value type for every kind, and its pyarrow schema.
+
+Every kind of memory (turns, facts, summaries, insights, subjects) lives in one LanceDB table so that
+one user's memories can be searched, listed, exported and forgotten with one scoped operation. Fields
+that a kind does not use are null. History is kept in the same table: a superseded fact or an old
+insight set has ``valid = False``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+
+class Kind(StrEnum):
+    """What a memory record is."""
+
+    TURN = "turn"
+    FACT = "fact"
+    SUMMARY = "summary"
+    INSIGHT = "insight"
+    SUBJECT = "subject"
+
+
+def new_id() -> str:
+    """A fresh, stable, URL-safe record id."""
+    return uuid.uuid4().hex
+
+
+def utcnow() -> datetime:
+    """The current time, timezone-aware UTC, at microsecond precision."""
+    return datetime.now(UTC)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryRecord:
+    """One remembered thing of one user. ``embedding`` is None until the store embeds ``text``."""
+
+    user_id: str
+    kind: Kind
+    text: str
+    id: str = dataclasses.field(default_factory=new_id)
+    created_at: datetime = dataclasses.field(default_factory=utcnow)
+    updated_at: datetime | None = None
+    last_accessed_at: datetime | None = None
+    embedding: Sequence[float] | None = None
+    model_id: str = ""
+    valid: bool = True
+    # turns
+    conversation_id: str | None = None
+    role: str | None = None
+    partial: bool = False
+    # facts
+    category: str | None = None
+    importance: int = 5
+    entities: tuple[str, ...] = ()
+    sensitive: bool = False
+    source_ids: tuple[str, ...] = ()
+    superseded_by: str | None = None
+    # summaries (time span) and insights (date range)
+    start_at: datetime | None = None
+    end_at: datetime | None = None
+    # insights
+    confidence: float | None = None
+    cluster_size: int | None = None
+    generation_id: str | None = None
+    # subjects
+    subject_kind: str | None = None
+    # free-form extension, JSON text
+    meta: str | None = None
+
+    def replace(self, **changes: Any) -> MemoryRecord:
+        """A copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def public_dict(self) -> dict[str, Any]:
+        """JSON-ready fields for APIs and exports (no embedding vector)."""
+        out: dict[str, Any] = {}
+        for field in dataclasses.fields(self):
+            if field.name == "embedding":
+                continue
+            value = getattr(self, field.name)
+            if isinstance(value, datetime):
+                value = value.isoformat()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[field.name] = value
+        return out
+
+
+def _ts() -> pa.DataType:
+    return pa.timestamp("us", tz="UTC")
+
+
+def arrow_schema(dim: int) -> pa.Schema:
+    """The LanceDB table schema for embeddings of dimension ``dim``."""
+    fields = [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("user_id", pa.string(), nullable=False),
+        pa.field("kind", pa.string(), nullable=False),
+        pa.field("text", pa.string(), nullable=False),
+        pa.field("created_at", _ts(), nullable=False),
+        pa.field("updated_at", _ts()),
+        pa.field("last_accessed_at", _ts()),
+        pa.field("embedding", pa.list_(pa.float32(), dim)),
+        pa.field("model_id", pa.string(), nullable=False),
+        pa.field("valid", pa.bool_(), nullable=False),
+        pa.field("conversation_id", pa.string()),
+        pa.field("role", pa.string()),
+        pa.field("partial", pa.bool_(), nullable=False),
+        pa.field("category", pa.string()),
+        pa.field("importance", pa.int8(), nullable=False),
+        pa.field("entities", pa.list_(pa.string())),
+        pa.field("sensitive", pa.bool_(), nullable=False),
+        pa.field("source_ids", pa.list_(pa.string())),
+        pa.field("superseded_by", pa.string()),
+        pa.field("start_at", _ts()),
+        pa.field("end_at", _ts()),
+        pa.field("confidence", pa.float32()),
+        pa.field("cluster_size", pa.int32()),
+        pa.field("generation_id", pa.string()),
+        pa.field("subject_kind", pa.string()),
+        pa.field("meta", pa.string()),
+    ]
+    return pa.schema(fields, metadata={"memproxy.schema_version": str(SCHEMA_VERSION)})
+
+
+def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
+    """Records (already embedded) as a table in ``arrow_schema(dim)``."""
+    schema = arrow_schema(dim)
+    columns: dict[str, list[Any]] = {name: [] for name in schema.names}
+    for record in records:
+        for name in schema.names:
+            value = getattr(record, name)
+            if name == "kind":
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            columns[name].append(value)
+    return pa.Table.from_pydict(columns, schema=schema)
+
+
+def from_row(row: Mapping[str, Any]) -> MemoryRecord:
+    """A record from one row of a LanceDB/pyarrow result (``to_pylist`` form)."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(MemoryRecord):
+        if field.name not in row:
+            continue
+        value = row[field.name]
+        if field.name == "kind":
+            value = Kind(value)
+        elif field.name in ("entities", "source_ids"):
+            value = tuple(value or ())
+        elif field.name == "embedding" and value is not None:
+            value = list(value)
+        values[field.name] = value
+    return MemoryRecord(**values)
