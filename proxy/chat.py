@@ -1,0 +1,77 @@
+"""Pure helpers for chat completion requests: validation and the messages the write path learns from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from proxy.errors import BadRequest
+
+
+def parse_chat_request(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict; ``BadRequest`` naming the field when it is malformed."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc.msg}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object", code="invalid_json")
+    _check_model(body)
+    _check_messages(body)
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream", code="invalid_type")
+    return body
+
+
+def _check_model(body: Mapping[str, Any]) -> None:
+    if "model" not in body:
+        raise BadRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
+    if not isinstance(body["model"], str) or not body["model"]:
+        raise BadRequest("'model' must be a non-empty string", param="model", code="invalid_type")
+
+
+def _check_messages(body: Mapping[str, Any]) -> None:
+    if "messages" not in body:
+        raise BadRequest("missing required parameter: 'messages'", param="messages",
+                         code="missing_required_parameter")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty array", param="messages", code="invalid_type")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise BadRequest(f"'messages[{index}]' must be an object with a string 'role'",
+                             param=f"messages[{index}]", code="invalid_type")
+
+
+def content_text(content: object) -> str:
+    """The text of a message's content: a string, or the text parts of a content array."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
+        return "\n".join(part for part in parts if isinstance(part, str))
+    return ""
+
+
+def new_user_messages(messages: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The user messages after the last assistant message: what this request adds to the conversation."""
+    trailing: list[str] = []
+    for message in reversed(messages):
+        role = message.get("role")
+        if role == "assistant":
+            break
+        if role == "user":
+            text = content_text(message.get("content"))
+            if text:
+                trailing.append(text)
+    return tuple(reversed(trailing))
+
+
+def system_prompt(messages: list[dict[str, Any]]) -> str | None:
+    """The app's own system prompt, if any (the write path must never learn facts from it)."""
+    for message in messages:
+        if message.get("role") in ("system", "developer"):
+            return content_text(message.get("content"))
+    return None

@@ -1,0 +1,57 @@
+"""The ``memproxy`` command line: ``serve`` runs the proxy; the other commands manage memory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from proxy.config import ConfigError, Settings, load_settings
+from proxy.logs import configure_logging
+from proxy.server import serve
+
+EXIT_CONFIG = 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="memproxy", description="A memory sidecar for chat-completion APIs.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser("serve", help="run the proxy")
+    run.add_argument("--config", type=Path, help="TOML config file (default: $MEMPROXY_CONFIG or built-in)")
+    run.add_argument("--host", help="listen address (overrides server.host)")
+    run.add_argument("--port", type=int, help="listen port (overrides server.port; 0 picks a free one)")
+    return parser
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    server: dict[str, Any] = {}
+    if args.host is not None:
+        server["host"] = args.host
+    if args.port is not None:
+        server["port"] = args.port
+    return {"server": server} if server else {}
+
+
+def load_or_exit(args: argparse.Namespace) -> Settings:
+    """The settings, or exit code 2 with one message naming the bad key."""
+    try:
+        return load_settings(getattr(args, "config", None), overrides=_overrides(args))
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the ``memproxy`` console script."""
+    args = _parser().parse_args(argv)
+    if args.command == "serve":
+        settings = load_or_exit(args)
+        configure_logging(settings.logging.level)
+        asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Typed configuration, read once at start.
+
+Sources, later ones winning: the defaults below, a TOML file (``--config`` or ``MEMPROXY_CONFIG``), environment
+variables ``MEMPROXY_<SECTION>__<KEY>`` (nested keys joined by ``__``), then command-line flags. Only
+``load_settings`` reads the environment. ``config/memproxy.toml`` holds every key with a comment and loads to
+exactly ``Settings()`` (a test checks it).
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+
+ENV_PREFIX = "MEMPROXY_"
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ServerSettings(_Frozen):
+    """Where memproxy listens and how it treats incoming requests."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    max_body_bytes: int = Field(default=8 * 2**20, gt=0)
+    shutdown_grace_s: float = Field(default=20.0, ge=0)
+
+
+class UpstreamSettings(_Frozen):
+    """The default OpenAI-compatible upstream; models without a route go here unchanged."""
+
+    base_url: str = "https://api.openai.com/v1"
+    api_key: SecretStr = SecretStr("")
+    timeout_s: float = Field(default=600.0, gt=0)
+    connect_timeout_s: float = Field(default=10.0, gt=0)
+    max_connections: int = Field(default=256, gt=0)
+
+    @field_validator("base_url")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+
+class RouteSettings(_Frozen):
+    """Models whose name starts with ``prefix`` go to this route instead of the default upstream."""
+
+    prefix: str = Field(min_length=1)
+    provider: Literal["openai", "litellm"] = "litellm"
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    strip_prefix: bool = False
+
+
+class StorageSettings(_Frozen):
+    """The data directory: LanceDB, Tantivy and the job queue live under it."""
+
+    path: Path = Path("./data")
+
+
+class AdminSettings(_Frozen):
+    """The management API's key; empty turns the management API off."""
+
+    api_key: SecretStr = SecretStr("")
+
+
+class LoggingSettings(_Frozen):
+    """structlog JSON logs on stdout."""
+
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    user_ids: Literal["hash", "raw"] = "hash"
+
+
+class MemorySettings(_Frozen):
+    """Memory behaviour that the HTTP shell needs to know."""
+
+    enabled: bool = True
+    default_mode: Literal["full", "read", "write", "off"] = "full"
+    retrieval_timeout_ms: float = Field(default=250.0, gt=0)
+
+
+class Settings(_Frozen):
+    """Everything memproxy can be told."""
+
+    server: ServerSettings = ServerSettings()
+    upstream: UpstreamSettings = UpstreamSettings()
+    routes: tuple[RouteSettings, ...] = ()
+    storage: StorageSettings = StorageSettings()
+    admin: AdminSettings = AdminSettings()
+    logging: LoggingSettings = LoggingSettings()
+    memory: MemorySettings = MemorySettings()
+
+
+class ConfigError(Exception):
+    """The configuration is invalid; the message names the key and the problem."""
+
+
+def _set_path(tree: dict[str, Any], keys: list[str], value: str) -> None:
+    node = tree
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"config error: {'.'.join(keys)}: cannot set inside a non-table value")
+        node = child
+    node[keys[-1]] = value
+
+
+def env_overrides(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The nested tree given by ``MEMPROXY_<SECTION>__<KEY>`` variables (``MEMPROXY_CONFIG`` excluded)."""
+    tree: dict[str, Any] = {}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX) or name == f"{ENV_PREFIX}CONFIG":
+            continue
+        keys = [part.lower() for part in name[len(ENV_PREFIX) :].split("__")]
+        if any(not key for key in keys):
+            raise ConfigError(f"config error: {name}: malformed variable name")
+        _set_path(tree, keys, value)
+    return tree
+
+
+def _merge(base: dict[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with path.open("rb") as handle:
+            return tomllib.load(handle)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config error: {path}: file not found") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config error: {path}: invalid TOML: {exc}") from exc
+
+
+def _describe(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        key = ".".join(str(part) for part in error["loc"]) or "(root)"
+        lines.append(f"config error: {key}: {error['msg']}")
+    return "\n".join(lines)
+
+
+def load_settings(
+    path: Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Build the settings from file, environment and overrides; raise ``ConfigError`` when invalid."""
+    env = os.environ if environ is None else environ
+    if path is None and env.get(f"{ENV_PREFIX}CONFIG"):
+        path = Path(env[f"{ENV_PREFIX}CONFIG"])
+    tree = _read_toml(path) if path is not None else {}
+    tree = _merge(tree, env_overrides(env))
+    tree = _merge(tree, overrides or {})
+    try:
+        return Settings.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None

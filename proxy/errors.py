@@ -1,0 +1,146 @@
+"""Errors the HTTP shell reports, rendered as OpenAI error JSON by one middleware.
+
+``ProxyError`` is the root: every subclass knows its HTTP status and OpenAI ``type``/``code``. Handlers raise
+them; ``error_middleware`` turns them (and anything unexpected, without a traceback in the body) into
+``{"error": {"message", "type", "param", "code"}}``. Once an SSE stream has started, errors are sent as a final
+event instead (``sse_error_event``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import orjson
+import structlog
+from aiohttp import web
+
+log = structlog.get_logger("memproxy.errors")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ProxyError(Exception):
+    """An error with an HTTP status and an OpenAI-style body."""
+
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        if code is not None:
+            self.code = code
+
+    def body(self) -> dict[str, object]:
+        """The OpenAI error object."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(ProxyError):
+    """The request is malformed (400)."""
+
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    """Missing or wrong credentials (401)."""
+
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class NotFound(ProxyError):
+    """No such route or record (404)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class PayloadTooLarge(ProxyError):
+    """The body exceeds ``server.max_body_bytes`` (413)."""
+
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
+class ServiceUnavailable(ProxyError):
+    """A component this route needs is off or not ready (503)."""
+
+    status = 503
+    type = "server_error"
+    code = "unavailable"
+
+
+class UpstreamUnreachable(ProxyError):
+    """The upstream refused or dropped the connection (502)."""
+
+    status = 502
+    type = "upstream_error"
+    code = "upstream_unreachable"
+
+
+class UpstreamTimeout(ProxyError):
+    """The upstream did not answer in time (504)."""
+
+    status = 504
+    type = "upstream_error"
+    code = "upstream_timeout"
+
+
+class UpstreamStatusError(ProxyError):
+    """The upstream answered with an error status; its status and body are relayed as they were."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"upstream returned HTTP {status}")
+        self.status = status
+        self.raw_body = body
+        self.content_type = content_type
+
+
+def error_response(exc: ProxyError) -> web.Response:
+    """The HTTP response for ``exc``."""
+    if isinstance(exc, UpstreamStatusError):
+        return _relayed(exc)
+    return web.Response(status=exc.status, body=orjson.dumps(exc.body()), content_type="application/json")
+
+
+def _relayed(exc: UpstreamStatusError) -> web.Response:
+    try:
+        parsed = orjson.loads(exc.raw_body)
+    except orjson.JSONDecodeError:
+        parsed = None
+    if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+        return web.Response(status=exc.status, body=exc.raw_body, content_type="application/json")
+    message = exc.raw_body.decode("utf-8", "replace")[:2000] or exc.message
+    wrapped = ProxyError(message)
+    wrapped.type = "upstream_error"
+    return web.Response(status=exc.status, body=orjson.dumps(wrapped.body()), content_type="application/json")
+
+
+def sse_error_event(exc: ProxyError) -> bytes:
+    """A final SSE event carrying ``exc`` for a stream that has already started."""
+    return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Render every error as OpenAI error JSON; never leak a traceback to the client."""
+    try:
+        return await handler(request)
+    except ProxyError as exc:
+        return error_response(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        err = NotFound(exc.reason) if exc.status == 404 else BadRequest(exc.reason)
+        err.status = exc.status
+        return error_response(err)
+    except Exception:
+        log.exception("request.unhandled", path=request.path)
+        return error_response(ProxyError("internal error in memproxy; see its logs"))

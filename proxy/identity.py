@@ -1,0 +1,126 @@
+"""Who a chat request is for, which conversation it continues, and what memory may do with it.
+
+Pure functions of the request's headers and parsed body (see ARCHITECTURE.md, "Identity, modes and headers").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import orjson
+
+from proxy.errors import BadRequest
+
+USER_HEADER = "X-Memory-User"
+CONVERSATION_HEADER = "X-Memory-Conversation"
+MODE_HEADER = "X-Memory-Mode"
+
+_ID_PATTERN = re.compile(r"[A-Za-z0-9._@:+\-=/|~]{1,128}")
+
+
+class Mode(StrEnum):
+    """What memory may do for one request: ``off`` is a temporary chat (nothing read, nothing stored)."""
+
+    FULL = "full"
+    READ = "read"
+    WRITE = "write"
+    OFF = "off"
+
+    @property
+    def reads(self) -> bool:
+        """Whether memories are retrieved and injected."""
+        return self in (Mode.FULL, Mode.READ)
+
+    @property
+    def writes(self) -> bool:
+        """Whether the exchange is stored and learned from."""
+        return self in (Mode.FULL, Mode.WRITE)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Identity:
+    """The memory context of one request; ``user_id`` None means pure passthrough."""
+
+    user_id: str | None
+    conversation_id: str | None
+    mode: Mode
+
+
+def valid_id(value: str) -> bool:
+    """Whether ``value`` is an acceptable user or conversation id (1-128 safe characters)."""
+    return _ID_PATTERN.fullmatch(value) is not None
+
+
+def _checked(value: object, param: str) -> str:
+    if not isinstance(value, str) or not valid_id(value):
+        raise BadRequest(
+            f"{param} must be 1-128 characters of letters, digits and . _ @ : + - = / | ~",
+            param=param,
+            code="invalid_memory_id",
+        )
+    return value
+
+
+def _user_from(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+    if USER_HEADER in headers:
+        return _checked(headers[USER_HEADER], USER_HEADER)
+    if body.get("user") is not None:
+        return _checked(body["user"], "user")
+    metadata = body.get("metadata")
+    if isinstance(metadata, Mapping) and metadata.get("user_id") is not None:
+        return _checked(metadata["user_id"], "metadata.user_id")
+    return None
+
+
+def _mode_from(headers: Mapping[str, str], default: Mode) -> Mode:
+    raw = headers.get(MODE_HEADER)
+    if raw is None:
+        return default
+    try:
+        return Mode(raw.strip().lower())
+    except ValueError:
+        raise BadRequest(
+            f"{MODE_HEADER} must be one of full, read, write, off; got {raw[:40]!r}",
+            param=MODE_HEADER,
+            code="invalid_memory_mode",
+        ) from None
+
+
+def conversation_fingerprint(messages: list[Any]) -> str:
+    """A stable id for a conversation: a hash of its system prompt and first user message."""
+    opening: list[Any] = []
+    for message in messages:
+        if not isinstance(message, Mapping):
+            continue
+        if message.get("role") in ("system", "developer"):
+            opening.append(message.get("content"))
+        elif message.get("role") == "user":
+            opening.append(message.get("content"))
+            break
+    digest = hashlib.sha256(orjson.dumps(opening, option=orjson.OPT_SORT_KEYS)).hexdigest()
+    return f"fp-{digest[:24]}"
+
+
+def identify(headers: Mapping[str, str], body: Mapping[str, Any], default_mode: Mode) -> Identity:
+    """The identity of a request; raises ``BadRequest`` for malformed memory headers or ids."""
+    mode = _mode_from(headers, default_mode)
+    user_id = _user_from(headers, body)
+    if user_id is None:
+        return Identity(None, None, Mode.OFF)
+    if CONVERSATION_HEADER in headers:
+        conversation = _checked(headers[CONVERSATION_HEADER], CONVERSATION_HEADER)
+    else:
+        conversation = conversation_fingerprint(body.get("messages") or [])
+    return Identity(user_id, conversation, mode)
+
+
+def log_user(user_id: str | None, how: str) -> str | None:
+    """The user id as it may appear in logs: hashed (default) or raw."""
+    if user_id is None or how == "raw":
+        return user_id
+    return "u-" + hashlib.sha256(user_id.encode()).hexdigest()[:16]

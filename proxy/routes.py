@@ -1,0 +1,259 @@
+"""HTTP handlers of the proxy: chat completions, models, health, readiness and metrics.
+
+The chat handler is the hot path: parse once, ask the memory seam for injected messages (bounded by a
+timeout, failures degrade to no memory), forward the client's own bytes when nothing changed, relay the
+answer as it arrives, then hand the finished exchange to the write path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+import structlog
+from aiohttp import web
+
+from proxy.chat import new_user_messages, parse_chat_request, system_prompt
+from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
+from proxy.identity import Identity, Mode, identify, log_user
+from proxy.memory.service import Exchange, Injection
+from proxy.sse import ReplyAssembler, reply_from_completion
+from proxy.state import STATE, AppState
+from proxy.upstream import relayed_headers
+
+log = structlog.get_logger("memproxy.request")
+
+
+def memory_headers(identity: Identity, injection: Injection) -> dict[str, str]:
+    """The ``X-Memory-*`` response headers for one request."""
+    arms = list(injection.arms)
+    arms += [f"degraded={name}:{reason}" for name, reason in injection.degraded.items()]
+    return {
+        "X-Memory-Mode": identity.mode.value,
+        "X-Memory-Injected": str(len(injection.injected_ids)),
+        "X-Memory-Ids": ",".join(injection.injected_ids),
+        "X-Memory-Arms": ",".join(arms),
+        "X-Memory-Retrieval-Ms": f"{injection.retrieval_ms:.2f}",
+    }
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes") from None
+
+
+async def _inject(state: AppState, identity: Identity, body: Mapping[str, Any]) -> Injection:
+    if identity.user_id is None or identity.conversation_id is None or not identity.mode.reads:
+        return Injection()
+    timeout = state.settings.memory.retrieval_timeout_ms / 1000
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout):
+            return await state.memory.inject(identity.user_id, identity.conversation_id, body)
+    except TimeoutError:
+        reason = "timeout"
+    except Exception as exc:  # the chat never pays for memory failures; the reason goes to the headers
+        log.warning("memory.inject_failed", error=type(exc).__name__, detail=str(exc)[:200])
+        reason = type(exc).__name__
+    state.metrics.memory_degraded.labels("read").inc()
+    return Injection(degraded={"memory": reason}, retrieval_ms=(time.perf_counter() - started) * 1000)
+
+
+class ChatCall:
+    """One chat completion request on its way through the proxy."""
+
+    def __init__(self, request: web.Request, state: AppState) -> None:
+        self.request = request
+        self.state = state
+        self.started = time.perf_counter()
+        self.request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        self.status = 0
+        self.bytes_out = 0
+        self.route = ""
+        self.partial = False
+
+    async def run(self) -> web.StreamResponse:
+        """Serve the request end to end."""
+        settings = self.state.settings
+        raw = await _read_body(self.request, settings.server.max_body_bytes)
+        body = parse_chat_request(raw)
+        default_mode = Mode(settings.memory.default_mode) if settings.memory.enabled else Mode.OFF
+        identity = identify(self.request.headers, body, default_mode)
+        if not settings.memory.enabled:
+            identity = Identity(identity.user_id, identity.conversation_id, Mode.OFF)
+        self.state.metrics.observe("parse", time.perf_counter() - self.started)
+        structlog.contextvars.bind_contextvars(request_id=self.request_id,
+                                               user=log_user(identity.user_id, settings.logging.user_ids))
+        injection = await _inject(self.state, identity, body)
+        if identity.mode.reads:
+            self.state.metrics.observe("retrieve", injection.retrieval_ms / 1000)
+            self.state.metrics.injected.observe(len(injection.injected_ids))
+        outgoing = body if injection.messages is None else {**body, "messages": injection.messages}
+        try:
+            return await self._forward(body, outgoing, None if injection.messages else raw, identity, injection)
+        finally:
+            self._log(body, identity, injection, len(raw))
+
+    async def _forward(self, body: dict[str, Any], outgoing: dict[str, Any], raw: bytes | None,
+                       identity: Identity, injection: Injection) -> web.StreamResponse:
+        upstream = self.state.router.pick(body["model"])
+        self.route = upstream.name
+        headers = memory_headers(identity, injection)
+        headers["X-Request-Id"] = self.request_id
+        try:
+            async with upstream.open(outgoing, raw, self.request.headers) as reply:
+                self.state.metrics.observe("upstream_ttfb", reply.ttfb_s)
+                if reply.status >= 400:
+                    self.state.metrics.upstream_errors.labels(str(reply.status)).inc()
+                    raise UpstreamStatusError(reply.status, await reply.read(),
+                                              reply.headers.get("Content-Type", ""))
+                headers.update(relayed_headers(reply.headers))
+                if body.get("stream"):
+                    return await self._relay_stream(reply, headers, body, identity)
+                return await self._relay_json(reply, headers, body, identity)
+        except ProxyError as exc:
+            self.status = exc.status
+            if not isinstance(exc, UpstreamStatusError):
+                self.state.metrics.upstream_errors.labels(type(exc).__name__).inc()
+            raise
+
+    async def _relay_json(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
+                          identity: Identity) -> web.StreamResponse:
+        data = await reply.read()
+        response = web.StreamResponse(status=reply.status, headers=headers)
+        response.content_length = len(data)
+        await response.prepare(self.request)
+        await response.write(data)
+        self.status, self.bytes_out = reply.status, len(data)
+        if identity.mode.writes:
+            text = reply_from_completion(_loads_or_none(data))
+            await self._record(body, identity, text, partial=False)
+        await response.write_eof()
+        return response
+
+    async def _relay_stream(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
+                            identity: Identity) -> web.StreamResponse:
+        response = web.StreamResponse(status=reply.status, headers=headers)
+        await response.prepare(self.request)
+        self.status = reply.status
+        assembler = ReplyAssembler()
+        try:
+            await self._pump(reply, response, assembler)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.partial = True
+            if identity.mode.writes and assembler.text:
+                await asyncio.shield(self._record(body, identity, assembler.text, partial=True))
+            raise
+        if identity.mode.writes and assembler.text:
+            await self._record(body, identity, assembler.text, partial=not assembler.complete)
+        await response.write_eof()
+        return response
+
+    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ReplyAssembler) -> None:
+        first = True
+        try:
+            async for chunk in reply.chunks():
+                if first:
+                    self.state.metrics.observe("first_chunk", time.perf_counter() - self.started)
+                    first = False
+                assembler.feed(chunk)
+                await response.write(chunk)
+                self.bytes_out += len(chunk)
+        except ProxyError as exc:
+            self.state.metrics.upstream_errors.labels("mid_stream").inc()
+            log.warning("upstream.stream_failed", error=exc.message)
+            self.partial = True
+            await response.write(sse_error_event(exc))
+
+    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool) -> None:
+        if identity.user_id is None or identity.conversation_id is None:
+            return
+        messages = body["messages"]
+        exchange = Exchange(
+            request_id=self.request_id, user_id=identity.user_id, conversation_id=identity.conversation_id,
+            model=body["model"], route=self.route, user_messages=new_user_messages(messages),
+            assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
+            system_prompt=system_prompt(messages),
+        )
+        try:
+            await self.state.memory.record(exchange)
+        except Exception as exc:  # a failing write path never fails the chat; it is counted and logged
+            self.state.metrics.memory_degraded.labels("write").inc()
+            log.warning("memory.record_failed", error=type(exc).__name__, detail=str(exc)[:200])
+
+    def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
+        total = time.perf_counter() - self.started
+        self.state.metrics.observe("total", total)
+        log.info("request.completed", model=body.get("model"), route=self.route, status=self.status,
+                 mode=identity.mode.value, injected=len(injection.injected_ids),
+                 retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),
+                 bytes_in=bytes_in, bytes_out=self.bytes_out, partial=self.partial,
+                 degraded=dict(injection.degraded) or None)
+
+
+def _loads_or_none(data: bytes) -> Any:
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return None
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/chat/completions``."""
+    state = request.app[STATE]
+    call = ChatCall(request, state)
+    try:
+        response = await call.run()
+    except ProxyError as exc:
+        call.status = exc.status
+        state.metrics.requests.labels("chat", str(exc.status)).inc()
+        raise
+    finally:
+        structlog.contextvars.clear_contextvars()
+    state.metrics.requests.labels("chat", str(response.status)).inc()
+    return response
+
+
+async def list_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the default upstream's list, relayed."""
+    state = request.app[STATE]
+    status, data = await state.router.default.models(request.headers)
+    return web.Response(status=status, body=data, content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    """``GET /healthz``: the process is alive."""
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    """``GET /readyz``: every component has loaded."""
+    state = request.app[STATE]
+    ready = state.memory.ready and not state.stopping
+    return web.json_response({"status": "ready" if ready else "not ready", "memory": state.memory.ready},
+                             status=200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text."""
+    state = request.app[STATE]
+    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+def add_routes(app: web.Application) -> None:
+    """Register the proxy's routes."""
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    app.router.add_get("/metrics", metrics)

@@ -1,0 +1,43 @@
+"""Running the app: bind, serve until SIGTERM/SIGINT, then shut down gracefully.
+
+Shutdown order: stop accepting connections, let in-flight requests (streams included) finish up to
+``server.shutdown_grace_s``, then run the app's cleanup (which drains the background workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import structlog
+from aiohttp import web
+
+from proxy.app import MemoryFactory, build_app
+from proxy.config import Settings
+from proxy.state import STATE
+
+log = structlog.get_logger("memproxy.server")
+
+
+async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
+    """Serve until a termination signal arrives."""
+    app = build_app(settings, memory_factory=memory_factory)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=settings.server.shutdown_grace_s)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
+        await site.start()
+        addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
+        log.info("server.started", addresses=addresses, port=runner.addresses[0][1],
+                 upstream=settings.upstream.base_url, memory=settings.memory.enabled)
+        await stop.wait()
+        log.info("server.stopping", grace_s=settings.server.shutdown_grace_s)
+        app[STATE].stopping = True
+    finally:
+        await runner.cleanup()
+        log.info("server.stopped")

@@ -1,0 +1,26 @@
+"""The typed state every handler reads: built once by the app factory, stored under one ``web.AppKey``."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from aiohttp import web
+
+from proxy.config import Settings
+from proxy.memory.service import MemoryService
+from proxy.metrics import Metrics
+from proxy.upstream import Router
+
+
+@dataclasses.dataclass(slots=True)
+class AppState:
+    """Components shared by the handlers."""
+
+    settings: Settings
+    metrics: Metrics
+    memory: MemoryService
+    router: Router = dataclasses.field(init=False)  # set at startup: it needs the running loop
+    stopping: bool = False
+
+
+STATE: web.AppKey[AppState] = web.AppKey("memproxy_state", AppState)

@@ -1,0 +1,280 @@
+"""Upstream clients: a raw aiohttp passthrough for OpenAI-compatible servers, litellm for the rest.
+
+Both answer ``open(body, headers)`` with an ``UpstreamReply`` (status, headers, an async iterator of raw
+bytes) used as an async context manager, so that leaving the block early (client gone, error) closes the
+upstream connection at once. ``map_client_errors`` is the one place that turns aiohttp's errors into ours.
+The upstream URL comes from configuration only: nothing in a request can choose it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import aiohttp
+import orjson
+
+from proxy.config import RouteSettings, UpstreamSettings
+from proxy.errors import (
+    ProxyError,
+    UpstreamStatusError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+)
+from proxy.sse import DONE_EVENT, data_event
+
+# Request headers a client may pass on to an OpenAI-compatible upstream (lower case).
+FORWARDED_REQUEST_HEADERS = frozenset(
+    {"openai-organization", "openai-project", "openai-beta", "user-agent", "x-stainless-lang",
+     "x-stainless-package-version", "x-stainless-os", "x-stainless-arch", "x-stainless-runtime",
+     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key"}
+)
+# Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
+RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
+
+
+@contextlib.contextmanager
+def map_client_errors() -> Iterator[None]:
+    """Turn aiohttp and timeout errors into ``UpstreamUnreachable`` / ``UpstreamTimeout``."""
+    try:
+        yield
+    except TimeoutError as exc:
+        raise UpstreamTimeout("the upstream did not answer in time") from exc
+    except aiohttp.ServerTimeoutError as exc:
+        raise UpstreamTimeout("the upstream did not answer in time") from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamUnreachable(f"cannot connect to the upstream: {exc.os_error.strerror or exc}") from exc
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError) as exc:
+        raise UpstreamUnreachable("the upstream closed the connection") from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamUnreachable(f"upstream connection failed: {type(exc).__name__}") from exc
+
+
+def relayed_headers(headers: Mapping[str, str]) -> dict[str, str]:
+    """The upstream response headers worth passing to the client."""
+    out = {}
+    for name, value in headers.items():
+        lower = name.lower()
+        if any(lower == h or (h.endswith("-") and lower.startswith(h)) for h in RELAYED_RESPONSE_HEADERS):
+            out[name] = value
+    return out
+
+
+class UpstreamReply(Protocol):
+    """An open upstream answer; leave its context to close the connection."""
+
+    status: int
+    headers: Mapping[str, str]
+    ttfb_s: float
+
+    def chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives."""
+        ...
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        ...
+
+
+class Upstream(Protocol):
+    """Something that answers chat completion requests."""
+
+    name: str
+
+    def open(self, body: dict[str, Any], raw: bytes | None,
+             headers: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[UpstreamReply]:
+        """Send one chat completion request; ``raw`` is the client's bytes when the body is unchanged."""
+        ...
+
+
+class _AiohttpReply:
+    def __init__(self, response: aiohttp.ClientResponse, ttfb_s: float) -> None:
+        self._response = response
+        self.status = response.status
+        self.headers: Mapping[str, str] = response.headers
+        self.ttfb_s = ttfb_s
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        with map_client_errors():
+            async for chunk in self._response.content.iter_any():
+                yield chunk
+
+    async def read(self) -> bytes:
+        with map_client_errors():
+            return await self._response.read()
+
+
+class OpenAICompatibleUpstream:
+    """Raw passthrough to an OpenAI-compatible ``/chat/completions`` over one pooled session."""
+
+    def __init__(self, name: str, base_url: str, api_key: str, session: aiohttp.ClientSession,
+                 strip_prefix: str | None = None) -> None:
+        self.name = name
+        self._strip_prefix = strip_prefix
+        self._url = f"{base_url.rstrip('/')}/chat/completions"
+        self._models_url = f"{base_url.rstrip('/')}/models"
+        self._api_key = api_key
+        self._session = session
+
+    def _headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        for name, value in client_headers.items():
+            if name.lower() in FORWARDED_REQUEST_HEADERS:
+                headers[name] = value
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        elif "Authorization" in client_headers:
+            headers["Authorization"] = client_headers["Authorization"]
+        return headers
+
+    @contextlib.asynccontextmanager
+    async def open(self, body: dict[str, Any], raw: bytes | None,
+                   headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
+        if self._strip_prefix and str(body.get("model", "")).startswith(self._strip_prefix):
+            body = {**body, "model": str(body["model"])[len(self._strip_prefix):]}
+            raw = None
+        data = raw if raw is not None else orjson.dumps(body)
+        started = time.perf_counter()
+        with map_client_errors():
+            async with self._session.post(self._url, data=data, headers=self._headers(headers)) as response:
+                yield _AiohttpReply(response, time.perf_counter() - started)
+
+    async def models(self, headers: Mapping[str, str]) -> tuple[int, bytes]:
+        """The upstream's ``GET /models`` answer (status, body)."""
+        auth = {k: v for k, v in self._headers(headers).items() if k != "Content-Type"}
+        with map_client_errors():
+            async with self._session.get(self._models_url, headers=auth) as response:
+                return response.status, await response.read()
+
+
+class _LiteLLMReply:
+    def __init__(self, stream: bool, result: Any, ttfb_s: float) -> None:
+        self.status = 200
+        content_type = "text/event-stream" if stream else "application/json"
+        self.headers: Mapping[str, str] = MappingProxyType({"Content-Type": content_type})
+        self.ttfb_s = ttfb_s
+        self._stream = stream
+        self._result = result
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        if not self._stream:
+            yield await self.read()
+            return
+        with map_litellm_errors():
+            async for chunk in self._result:
+                yield data_event(chunk.model_dump_json(exclude_none=True).encode())
+        yield DONE_EVENT
+
+    async def read(self) -> bytes:
+        if self._stream:
+            return b"".join([chunk async for chunk in self.chunks()])
+        return self._result.model_dump_json(exclude_none=True).encode()  # type: ignore[no-any-return]
+
+
+def _import_litellm() -> Any:
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm  # noqa: PLC0415 - imported lazily: 5-8 s at import, only routes that need it pay
+
+    litellm.telemetry = False
+    return litellm
+
+
+@contextlib.contextmanager
+def map_litellm_errors() -> Iterator[None]:
+    """Turn litellm's exceptions into relayed upstream errors with their status."""
+    try:
+        yield
+    except ProxyError:
+        raise
+    except Exception as exc:  # litellm raises many unrelated types; every one must become an API error
+        status = getattr(exc, "status_code", None)
+        if isinstance(status, int) and 400 <= status < 600:
+            body = orjson.dumps({"error": {"message": str(exc)[:2000], "type": "upstream_error",
+                                           "param": None, "code": None}})
+            raise UpstreamStatusError(status, body, "application/json") from exc
+        if isinstance(exc, TimeoutError | asyncio.TimeoutError):
+            raise UpstreamTimeout("the upstream did not answer in time") from exc
+        raise UpstreamUnreachable(f"litellm route failed: {type(exc).__name__}") from exc
+
+
+class LiteLLMUpstream:
+    """A route through ``litellm.acompletion``, re-emitted in OpenAI wire format (streaming included)."""
+
+    def __init__(self, route: RouteSettings, timeout_s: float) -> None:
+        self.name = f"litellm:{route.prefix}"
+        self._route = route
+        self._timeout_s = timeout_s
+
+    def _arguments(self, body: dict[str, Any]) -> dict[str, Any]:
+        args = {k: v for k, v in body.items() if k not in ("api_base", "base_url", "api_key")}
+        if self._route.strip_prefix:
+            args["model"] = str(args["model"])[len(self._route.prefix):]
+        if self._route.base_url:
+            args["api_base"] = self._route.base_url
+        if self._route.api_key is not None:
+            args["api_key"] = self._route.api_key.get_secret_value()
+        args["timeout"] = self._timeout_s
+        return args
+
+    @contextlib.asynccontextmanager
+    async def open(self, body: dict[str, Any], raw: bytes | None,
+                   headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
+        litellm = await asyncio.to_thread(_import_litellm)
+        started = time.perf_counter()
+        with map_litellm_errors():
+            result = await litellm.acompletion(**self._arguments(body))
+        stream = bool(body.get("stream"))
+        reply = _LiteLLMReply(stream, result, time.perf_counter() - started)
+        try:
+            yield reply
+        finally:
+            if stream and hasattr(result, "aclose"):
+                await result.aclose()
+
+
+class Router:
+    """Chooses the upstream for a model: the first route whose prefix matches, else the default."""
+
+    def __init__(self, default: OpenAICompatibleUpstream,
+                 routes: list[tuple[RouteSettings, Upstream]]) -> None:
+        self.default = default
+        self._routes = routes
+
+    def pick(self, model: str) -> Upstream:
+        """The upstream that serves ``model``."""
+        for route, upstream in self._routes:
+            if model.startswith(route.prefix):
+                return upstream
+        return self.default
+
+
+def build_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
+    """The one pooled client session for every OpenAI-compatible upstream."""
+    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s,
+                                    sock_read=settings.timeout_s)
+    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=settings.max_connections,
+                                     ttl_dns_cache=300)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=True,
+                                 skip_auto_headers=("User-Agent",))
+
+
+def build_router(settings: UpstreamSettings, routes: tuple[RouteSettings, ...],
+                 session: aiohttp.ClientSession) -> Router:
+    """The router for the configured default upstream and routes."""
+    default = OpenAICompatibleUpstream("default", settings.base_url,
+                                       settings.api_key.get_secret_value(), session)
+    built: list[tuple[RouteSettings, Upstream]] = []
+    for route in routes:
+        if route.provider == "openai":
+            key = route.api_key.get_secret_value() if route.api_key else ""
+            built.append((route, OpenAICompatibleUpstream(
+                f"openai:{route.prefix}", route.base_url or settings.base_url, key, session,
+                route.prefix if route.strip_prefix else None)))
+        else:
+            built.append((route, LiteLLMUpstream(route, settings.timeout_s)))
+    return Router(default, built)

@@ -1,0 +1,48 @@
+"""Shared fixtures: the fake upstream and an in-process proxy built by the real app factory."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+
+from proxy.app import MemoryFactory, build_app  # noqa: E402 - env must be set before heavy imports
+from proxy.config import load_settings  # noqa: E402
+from tests.fake_upstream import FakeUpstream  # noqa: E402
+
+ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeUpstream]:
+    """A fresh fake upstream on 127.0.0.1."""
+    async with FakeUpstream() as upstream:
+        yield upstream
+
+
+@pytest.fixture
+async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFactory]:
+    """Build a proxy in-process against ``fake``; keyword overrides are nested settings dicts."""
+    clients: list[TestClient[Any, Any]] = []
+
+    async def build(memory_factory: MemoryFactory | None = None, **overrides: Any) -> TestClient[Any, Any]:
+        tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)}}
+        for section, values in overrides.items():
+            tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values
+        settings = load_settings(None, environ={}, overrides=tree)
+        server = TestServer(build_app(settings, memory_factory=memory_factory), host="127.0.0.1",
+                            handler_cancellation=True)
+        client = TestClient(server)
+        await client.start_server()
+        clients.append(client)
+        return client
+
+    yield build
+    for client in clients:
+        await client.close()
