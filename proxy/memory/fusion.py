@@ -1,0 +1,325 @@
+"""Fusion of the retrieval arms into one ranked candidate list (pure functions).
+
+The arms are ``dense`` (cosine), ``bm25`` (keyword) and ``entity`` (names of the user's memories found in the
+query). Their union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
+of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
+carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
+them). Additive boosts follow: subject similarity, adjacent turns, and dates the query names. Keyword gating
+leaves BM25 out when none of its top results holds enough of the query's terms.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from proxy.memory.query import Query, has_cjk, query_dates, stem, stems, words
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.retrieval_settings import RetrievalSettings
+
+DENSE = "dense"
+BM25 = "bm25"
+ENTITY = "entity"
+RAW_SCORE_ARMS = frozenset({ENTITY})  # arms whose scores are used without min-max normalisation
+
+
+class ScoredRecord(Protocol):
+    """One arm hit: a record and the arm's score for it (``store.Hit`` has this shape)."""
+
+    @property
+    def record(self) -> MemoryRecord: ...
+
+    @property
+    def score(self) -> float: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ArmHit:
+    """A hit of an arm computed here (the entity arm) or in tests."""
+
+    record: MemoryRecord
+    score: float
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A memory in the fused list: raw arm scores, additive boosts, fused relevance and final score."""
+
+    record: MemoryRecord
+    arm_scores: Mapping[str, float]
+    fused: float = 0.0
+    final: float = 0.0
+    boosts: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """The record id."""
+        return self.record.id
+
+    def boosted(self, name: str, amount: float) -> Candidate:
+        """This candidate with ``amount`` added to its fused score under ``name``."""
+        if amount <= 0.0:
+            return self
+        return replace(self, fused=self.fused + amount, boosts={**self.boosts, name: amount})
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """The fused candidates (best first) and whether the keyword arm was gated out."""
+
+    candidates: list[Candidate]
+    gated: bool
+
+
+def min_max(values: Sequence[float]) -> list[float]:
+    """Values mapped onto [0, 1] by min-max; when all are equal, every value maps to 1."""
+    if not values:
+        return []
+    low, high = min(values), max(values)
+    if high - low <= 1e-12:
+        return [1.0] * len(values)
+    return [(v - low) / (high - low) for v in values]
+
+
+def best_per_record(hits: Iterable[ScoredRecord]) -> dict[str, ScoredRecord]:
+    """Each record's best hit, in order of first appearance."""
+    best: dict[str, ScoredRecord] = {}
+    for hit in hits:
+        seen = best.get(hit.record.id)
+        if seen is None or hit.score > seen.score:
+            best[hit.record.id] = hit
+    return best
+
+
+def _candidates(arms: Mapping[str, Sequence[ScoredRecord]]) -> dict[str, Candidate]:
+    """The union of the arms as candidates holding each arm's raw score."""
+    records: dict[str, MemoryRecord] = {}
+    scores: dict[str, dict[str, float]] = {}
+    for arm, hits in arms.items():
+        for rid, hit in best_per_record(hits).items():
+            records.setdefault(rid, hit.record)
+            scores.setdefault(rid, {})[arm] = float(hit.score)
+    return {rid: Candidate(record=records[rid], arm_scores=scores[rid]) for rid in records}
+
+
+def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Candidates by fused score, best first (ties: newer first, then id, so the order is stable)."""
+    return sorted(candidates, key=lambda c: (-c.fused, -c.record.created_at.timestamp(), c.id))
+
+
+def weighted_fusion(
+    arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]
+) -> list[Candidate]:
+    """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
+    candidates = _candidates(arms)
+    fused = dict.fromkeys(candidates, 0.0)
+    for arm, hits in arms.items():
+        best = best_per_record(hits)
+        raw = [h.score for h in best.values()]
+        normalised = raw if arm in RAW_SCORE_ARMS else min_max(raw)
+        for rid, value in zip(best, normalised, strict=True):
+            fused[rid] += weights.get(arm, 0.0) * value
+    return _ranked(replace(c, fused=fused[rid]) for rid, c in candidates.items())
+
+
+def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 60) -> list[Candidate]:
+    """Sum of 1 / (k + rank) over the arms, best first.
+
+    Ranks start at 1 and tied scores share a rank. The entity arm's term is scaled by its damped score, since
+    its ties say nothing about order and a common name should count for less.
+    """
+    candidates = _candidates(arms)
+    fused = dict.fromkeys(candidates, 0.0)
+    for arm, hits in arms.items():
+        best = best_per_record(hits)
+        ordered = sorted(best.values(), key=lambda h: -h.score)
+        rank, previous = 0, math.inf
+        for position, hit in enumerate(ordered, start=1):
+            if hit.score < previous:
+                rank, previous = position, hit.score
+            scale = hit.score if arm in RAW_SCORE_ARMS else 1.0
+            fused[hit.record.id] += scale / (k + rank)
+    return _ranked(replace(c, fused=fused[rid]) for rid, c in candidates.items())
+
+
+def keyword_gate(
+    query_terms: Sequence[str], bm25_hits: Sequence[ScoredRecord], *, top_n: int, min_fraction: float
+) -> bool:
+    """Whether BM25 should be left out: none of its top hits holds ``min_fraction`` of the query's terms.
+
+    A query without content terms (only stop words) gates BM25 whenever it has hits: they matched noise.
+    """
+    if not bm25_hits:
+        return False
+    wanted = {stem(t) for t in query_terms}
+    if not wanted:
+        return True
+    need = max(1, math.ceil(min_fraction * len(wanted)))
+    top = sorted(bm25_hits, key=lambda h: -h.score)[:top_n]
+    return all(len(wanted & stems(h.record.text)) < need for h in top)
+
+
+# --- entity arm -------------------------------------------------------------------------------------------
+
+
+def normalise_name(name: str) -> str:
+    """A name as the index keys it: lowercase word tokens joined by single spaces."""
+    return " ".join(words(name))
+
+
+@dataclass(frozen=True, slots=True)
+class NameIndex:
+    """Names found on one user's memories (entities, subjects) and the memories that carry each name."""
+
+    names: Mapping[str, tuple[str, ...]]
+    max_words: int = 1
+    cjk_names: tuple[str, ...] = ()  # matched as substrings: CJK text has no spaces between words
+
+    @classmethod
+    def build(cls, records: Iterable[MemoryRecord]) -> NameIndex:
+        """Index entity names of memories, and subject names linked to their memories' ids."""
+        names: dict[str, dict[str, None]] = {}
+        for record in records:
+            if record.kind is Kind.SUBJECT:
+                pairs = [(record.text, rid) for rid in record.source_ids]
+            else:
+                pairs = [(entity, record.id) for entity in record.entities]
+            for name, rid in pairs:
+                key = normalise_name(name)
+                if _usable_name(key):
+                    names.setdefault(key, {})[rid] = None
+        frozen = {key: tuple(ids) for key, ids in names.items()}
+        longest = max((len(key.split()) for key in frozen), default=1)
+        return cls(names=frozen, max_words=longest, cjk_names=tuple(k for k in frozen if has_cjk(k)))
+
+
+def _usable_name(key: str) -> bool:
+    """Names worth matching: not empty, not a lone stop word, not a single Latin letter or digit."""
+    if not key:
+        return False
+    single_word = " " not in key
+    return not (single_word and ((len(key) < 2 and key.isascii()) or key in _NAME_STOPWORDS))
+
+
+_NAME_STOPWORDS = frozenset({"i", "me", "my", "we", "us", "you", "he", "she", "it", "they", "the", "a", "an"})
+
+
+def names_in_query(text: str, index: NameIndex) -> list[str]:
+    """Index names the query mentions, as whole words (case-insensitive); CJK names as substrings."""
+    tokens = words(text)
+    found: dict[str, None] = {}
+    for size in range(1, index.max_words + 1):
+        for start in range(len(tokens) - size + 1):
+            key = " ".join(tokens[start : start + size])
+            if key in index.names:
+                found[key] = None
+    lowered = text.lower()
+    found.update(dict.fromkeys(key for key in index.cjk_names if key in lowered))
+    return list(found)
+
+
+def name_damping(memories_with_name: int) -> float:
+    """How much one name says: 1 for a name on one memory, ~0.2 for a name on 60 (1 / (1 + ln n))."""
+    return 1.0 / (1.0 + math.log(max(1, memories_with_name)))
+
+
+def entity_scores(names: Iterable[str], index: NameIndex) -> dict[str, float]:
+    """Memory id -> sum of the damped weights of the query names it carries, capped at 1."""
+    scores: dict[str, float] = {}
+    for name in names:
+        ids = index.names.get(name, ())
+        weight = name_damping(len(ids))
+        for rid in ids:
+            scores[rid] = min(1.0, scores.get(rid, 0.0) + weight)
+    return dict(sorted(scores.items(), key=lambda item: -item[1]))
+
+
+# --- additive boosts --------------------------------------------------------------------------------------
+
+
+def apply_subject_boost(
+    candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float
+) -> list[Candidate]:
+    """Add ``weight * max cos(q, s)`` over each memory's subjects among ``subject_hits`` (never negative)."""
+    best: dict[str, float] = {}
+    for hit in subject_hits:
+        for rid in hit.record.source_ids:
+            best[rid] = max(best.get(rid, 0.0), float(hit.score))
+    return [c.boosted("subject", weight * best.get(c.id, 0.0)) for c in candidates]
+
+
+def smooth_neighbours(candidates: Sequence[Candidate], weight: float, window_s: float) -> list[Candidate]:
+    """Add ``weight`` x the best fused score of a candidate turn's adjacent turns (same conversation)."""
+    by_conversation: dict[str, list[Candidate]] = {}
+    for c in candidates:
+        if c.record.kind is Kind.TURN and c.record.conversation_id is not None:
+            by_conversation.setdefault(c.record.conversation_id, []).append(c)
+    lift: dict[str, float] = {}
+    for turns in by_conversation.values():
+        turns.sort(key=lambda c: (c.record.created_at, c.id))
+        for left, right in itertools.pairwise(turns):
+            gap = (right.record.created_at - left.record.created_at).total_seconds()
+            if gap <= window_s:
+                lift[left.id] = max(lift.get(left.id, 0.0), right.fused)
+                lift[right.id] = max(lift.get(right.id, 0.0), left.fused)
+    return [c.boosted("neighbour", weight * lift.get(c.id, 0.0)) for c in candidates]
+
+
+def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:
+    """(year, month) pairs a memory is about: its creation, and a summary's or insight's span ends."""
+    stamps = [record.created_at, record.start_at, record.end_at]
+    return [(d.year, d.month) for d in stamps if d is not None]
+
+
+def apply_date_boost(candidates: Sequence[Candidate], query_text: str, weight: float) -> list[Candidate]:
+    """Add ``weight`` to memories dated in a month or year the query names."""
+    wanted = query_dates(query_text)
+    if not wanted:
+        return list(candidates)
+
+    def matches(record: MemoryRecord) -> bool:
+        return any(
+            (year is None or y == year) and (month is None or m == month)
+            for y, m in _record_dates(record)
+            for year, month in wanted
+        )
+
+    return [c.boosted("date", weight if matches(c.record) else 0.0) for c in candidates]
+
+
+# --- the whole fusion step --------------------------------------------------------------------------------
+
+
+def fuse(
+    arms: Mapping[str, Sequence[ScoredRecord]],
+    query: Query,
+    settings: RetrievalSettings,
+    subject_hits: Sequence[ScoredRecord] = (),
+) -> Fusion:
+    """Gate, fuse and boost the arms' hits into one candidate list, best first."""
+    gated = (
+        settings.gating
+        and bool(arms.get(DENSE))
+        and keyword_gate(
+            query.terms,
+            arms.get(BM25, ()),
+            top_n=settings.gating_top_n,
+            min_fraction=settings.gating_min_term_fraction,
+        )
+    )
+    used = {arm: hits for arm, hits in arms.items() if not (gated and arm == BM25)}
+    if settings.fusion == "rrf":
+        candidates = reciprocal_rank_fusion(used, settings.rrf_k)
+    else:
+        weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
+        candidates = weighted_fusion(used, weights)
+    if settings.subject_weight > 0 and subject_hits:
+        candidates = apply_subject_boost(candidates, subject_hits, settings.subject_weight)
+    if settings.neighbour_weight > 0:
+        candidates = smooth_neighbours(candidates, settings.neighbour_weight, settings.neighbour_window_s)
+    if settings.date_weight > 0:
+        candidates = apply_date_boost(candidates, query.text, settings.date_weight)
+    return Fusion(candidates=_ranked(candidates), gated=gated)

@@ -1,0 +1,70 @@
+"""Settings of the read path: query building, arms, fusion, scoring, and injection.
+
+Two models, one per component: ``RetrievalSettings`` (everything that decides which memories come back and
+in what order) and ``InjectionSettings`` (how the chosen memories are written into the request). Both are
+frozen and reject unknown keys. Weights marked "the LoCoMo harness decides" are config on purpose: the
+published 0.8/0.1/0.1 fusion weights came from a stronger embedder than the embedded MiniLM, for which a
+dense weight near 0.5 generalised better (``RETRIEVAL-CALIBRATION.md``).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class RetrievalSettings(BaseModel):
+    """Which memories the read path finds for a request, and how it ranks them."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    # query
+    short_query_words: int = Field(4, ge=0)  # a latest message of at most this many words is "short"
+    expand_anaphoric: bool = True  # short or anaphoric latest message: add the previous user turn
+    # arms
+    dense_k: int = Field(50, ge=1)  # hits asked of the dense arm, per pool (facts; recent turns+summaries)
+    bm25_k: int = Field(50, ge=1)  # hits asked of the keyword arm, per pool
+    entity_k: int = Field(20, ge=0)  # most memories the entity arm may add; 0 turns the arm off
+    bm25_drop_stopwords: bool = True  # send only content words to BM25
+    min_dense_score: float = -1.0  # dense hits below this cosine are ignored (-1 keeps all)
+    arm_timeout_ms: float = Field(250.0, gt=0)  # each arm (and the query embedding) gets this long
+    # fusion
+    fusion: Literal["weighted", "rrf"] = "weighted"
+    dense_weight: float = Field(0.8, ge=0)  # the LoCoMo harness decides the default
+    bm25_weight: float = Field(0.1, ge=0)
+    entity_weight: float = Field(0.1, ge=0)
+    rrf_k: int = Field(60, ge=1)
+    # keyword gating
+    gating: bool = True
+    gating_top_n: int = Field(5, ge=1)  # BM25 results inspected by the gate
+    gating_min_term_fraction: float = Field(0.5, ge=0, le=1)
+    # subject fusion: score += subject_weight * max cos(q, s) over the memory's subjects in the top-N
+    subject_weight: float = Field(0.4, ge=0)  # 0 turns it off
+    subject_top_n: int = Field(40, ge=1)
+    # general boosts from the calibration (all additive; 0 turns each off; the harness decides)
+    neighbour_weight: float = Field(0.0, ge=0)  # + a * best adjacent turn's fused score
+    neighbour_window_s: float = Field(600.0, ge=0)  # turns this close in one conversation are adjacent
+    date_weight: float = Field(0.0, ge=0)  # + w when a memory's date matches a month/year the query names
+    # scoring: relevance + recency + importance, each min-max normalised across the candidates
+    relevance_weight: float = Field(1.0, ge=0)
+    recency_weight: float = Field(1.0, ge=0)
+    importance_weight: float = Field(1.0, ge=0)
+    recency_decay: float = Field(0.995, gt=0, le=1)  # per hour since last access (or creation)
+    # what gets injected
+    max_facts: int = Field(8, ge=0)
+    max_past: int = Field(6, ge=0)  # relevant past turns and summaries
+    turn_window_days: float | None = Field(14.0, gt=0)  # None: turns and summaries of all time
+    recent_messages: int = Field(5, ge=0)  # the user's last messages from other conversations
+    max_insights: int = Field(10, ge=0)
+    summary_cooldown_minutes: float = Field(0.0, ge=0)  # skip summaries injected this recently (0: off)
+
+
+class InjectionSettings(BaseModel):
+    """How the memory block is written into the request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    budget_tokens: int = Field(600, ge=0)  # the whole block, preamble included (estimated, see injection)
+    max_item_tokens: int = Field(90, ge=8)  # longer items are cut to their best excerpt
+    dedupe_against_conversation: bool = True

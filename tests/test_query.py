@@ -1,0 +1,136 @@
+"""Tests of the retrieval query: which user text the read path searches with, and its terms."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from proxy.memory.query import build_query, is_anaphoric, query_dates, stem, terms
+
+
+def _chat(*user_texts: str) -> list[dict[str, object]]:
+    """A conversation alternating the given user texts with assistant replies."""
+    messages: list[dict[str, object]] = [{"role": "system", "content": "You are helpful."}]
+    for text in user_texts:
+        messages += [{"role": "user", "content": text}, {"role": "assistant", "content": "Sure."}]
+    return messages[:-1]
+
+
+def test_query_is_the_latest_user_message() -> None:
+    """A self-contained question is searched as it is, without older turns."""
+    query = build_query(
+        _chat("I moved to Paris last year", "What is a good vegetarian pasta recipe for kids?")
+    )
+    assert query is not None
+    assert query.text == "What is a good vegetarian pasta recipe for kids?"
+    assert not query.expanded
+
+
+def test_short_anaphoric_follow_up_brings_the_previous_user_turn() -> None:
+    """ "and her?" alone finds nothing; with the previous user turn it names who is meant."""
+    query = build_query(_chat("What does Caroline do for work?", "and her sister?"))
+    assert query is not None
+    assert query.expanded
+    assert query.text == "What does Caroline do for work?\nand her sister?"
+    assert "caroline" in query.terms
+    assert query.latest == "and her sister?"
+
+
+def test_longer_message_leaning_on_a_pronoun_is_expanded() -> None:
+    """A message whose only content is a pronoun and a verb leans on the previous turn."""
+    assert is_anaphoric("What did she think about that?", short_words=4)
+    assert not is_anaphoric("What did Melanie paint at the pottery class in July?", short_words=4)
+
+
+def test_first_message_is_not_expanded_even_when_short() -> None:
+    """With no earlier user turn the short message is the whole query."""
+    query = build_query([{"role": "user", "content": "and her?"}])
+    assert query is not None
+    assert query.text == "and her?"
+    assert not query.expanded
+
+
+def test_expansion_can_be_switched_off() -> None:
+    """With expansion off, only the latest message is searched."""
+    query = build_query(_chat("Tell me about Caroline", "and her?"), expand=False)
+    assert query is not None
+    assert query.text == "and her?"
+
+
+def test_text_parts_of_list_content_are_read() -> None:
+    """Multimodal (list) content contributes its text parts; images are ignored."""
+    messages = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": "data:,"}},
+                {"type": "text", "text": "Where did I hike in June?"},
+            ],
+        }
+    ]
+    query = build_query(messages)
+    assert query is not None
+    assert query.text == "Where did I hike in June?"
+
+
+def test_no_user_text_gives_no_query() -> None:
+    """A request without user text (tool round-trips only, empty messages) retrieves nothing."""
+    assert build_query([]) is None
+    assert build_query([{"role": "system", "content": "x"}, {"role": "user", "content": "   "}]) is None
+    assert build_query([{"role": "tool", "content": "42"}]) is None
+
+
+def test_terms_drop_stop_words_and_split_cjk_into_bigrams() -> None:
+    """Content words survive, stop words go, and CJK text becomes bigrams like the store's CJK field."""
+    assert terms("What did Caroline say about her hiking trip?") == ("caroline", "hiking", "trip")
+    assert terms("東京タワー") == ("東京", "京タ", "タワ", "ワー")
+
+
+def test_stem_makes_inflections_agree() -> None:
+    """Inflected forms compare equal, so "hikes" in a memory counts for "hiking" in a question."""
+    assert stem("hiking") == stem("hikes") == stem("hiked") == stem("hike")
+    assert stem("stories") == stem("story")
+    assert stem("glass") == "glass"
+
+
+def test_query_dates_reads_months_and_years() -> None:
+    """Named months and years are found; the verb "may" and the word "march" are not dates."""
+    assert query_dates("What happened in May 2023?") == [(2023, 5)]
+    assert query_dates("Where did she go last August?") == [(None, 8)]
+    assert query_dates("in 2022 we moved") == [(2022, None)]
+    assert query_dates("you may go, we march on") == []
+    assert query_dates("May I ask something?") == []
+
+
+_messages = st.lists(
+    st.fixed_dictionaries(
+        {
+            "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+            "content": st.one_of(st.text(max_size=80), st.none(), st.lists(st.just({"type": "text"}))),
+        }
+    ),
+    max_size=8,
+)
+
+
+@given(_messages)
+def test_build_query_never_fails_and_ends_with_the_latest_user_text(
+    messages: list[dict[str, object]],
+) -> None:
+    """Any message list gives None or a query whose text ends with the latest non-empty user text."""
+    query = build_query(messages)
+    user = [m["content"] for m in messages if m["role"] == "user" and isinstance(m["content"], str)]
+    user = [u for u in user if u.strip()]
+    if query is None:
+        assert not user
+    else:
+        assert query.latest == user[-1].strip()
+        assert query.text.endswith(query.latest)
+
+
+@given(st.text(max_size=200))
+def test_terms_are_lowercase_distinct_and_never_stop_words(text: str) -> None:
+    """Terms are what BM25 gating and excerpts compare: distinct, lowercase, no stop words."""
+    found = terms(text)
+    assert len(set(found)) == len(found)
+    assert all(t == t.lower() and t not in {"the", "and", "what"} for t in found)
