@@ -1,0 +1,47 @@
+# memproxy: `make serve` runs the proxy on the embedded default; `make test` runs the whole suite.
+# Both create .venv on first use. The Dockerfile runs the same install steps.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+CONSTRAINTS := constraints.txt
+export HF_HUB_OFFLINE := 1
+export LITELLM_LOCAL_MODEL_COST_MAP := True
+
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-load clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(VENV)/.runtime: pyproject.toml $(CONSTRAINTS) | $(BIN)/python
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(CONSTRAINTS) $(VENV)/.runtime
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test]'
+	touch $@
+
+tests/node/node_modules/.installed: tests/node/package-lock.json
+	npm ci --prefix tests/node --no-audit --no-fund
+	touch $@
+
+install: $(VENV)/.runtime
+
+install-test: $(VENV)/.test tests/node/node_modules/.installed
+
+serve: install
+	$(BIN)/memproxy serve $(ARGS)
+
+test: install-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: install-test
+	$(BIN)/ruff check proxy insights tests bench scripts
+
+bench-overhead: install-test
+	$(BIN)/python bench/overhead.py
+
+clean:
+	rm -rf $(VENV) tests/node/node_modules .pytest_cache

@@ -1,0 +1,101 @@
+"""Start the fake upstream and the real ``memproxy serve`` CLI as subprocesses, and stop them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEMPROXY = Path(sys.executable).with_name("memproxy")
+
+
+class Process:
+    """A child process whose stdout lines are collected by a reader thread."""
+
+    def __init__(self, args: list[str], env: Mapping[str, str]) -> None:
+        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=dict(env), cwd=ROOT)
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
+        """The first output line matching ``pattern``; fails if the process dies or time runs out."""
+        compiled = re.compile(pattern)
+        deadline = time.monotonic() + timeout
+        seen = 0
+        while time.monotonic() < deadline:
+            for line in self.lines[seen:]:
+                if match := compiled.search(line):
+                    return match
+            seen = len(self.lines)
+            if self.popen.poll() is not None and seen == len(self.lines):
+                break
+            time.sleep(0.02)
+        raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-40:]))
+
+    @property
+    def output(self) -> str:
+        """Everything printed so far."""
+        return "\n".join(self.lines)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        """Send ``sig`` and wait for exit; returns the exit code."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        self._reader.join(5)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        return self.popen.returncode
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for child processes: offline, no inherited MEMPROXY_* settings."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPROXY_")}
+    env.update({"HF_HUB_OFFLINE": "1", "LITELLM_LOCAL_MODEL_COST_MAP": "True", "PYTHONUNBUFFERED": "1"})
+    env.update(extra)
+    return env
+
+
+@contextmanager
+def fake_upstream_process(latency_ms: float = 0.0) -> Iterator[tuple[Process, str]]:
+    """The fake upstream in its own process; yields it and its base URL."""
+    proc = Process([sys.executable, "-m", "tests.fake_upstream", "--port", "0",
+                    "--latency-ms", str(latency_ms)], child_env())
+    try:
+        url = proc.wait_for(r"fake upstream on (\S+)").group(1)
+        yield proc, url
+    finally:
+        proc.stop()
+
+
+@contextmanager
+def memproxy_process(env: Mapping[str, str], args: list[str] | None = None,
+                     timeout: float = 120.0) -> Iterator[tuple[Process, str]]:
+    """``memproxy serve --port 0`` with ``env``; yields it and its base URL (ending in /v1)."""
+    proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env))
+    try:
+        line = proc.wait_for(r'"event":\s*"server.started"', timeout=timeout).string
+        port = json.loads(line)["port"]
+        yield proc, f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.stop()

@@ -1,0 +1,65 @@
+"""Configuration: defaults, the commented default file, env overrides and clear errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from proxy.config import ConfigError, Settings, load_settings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_default_file_is_exactly_the_defaults() -> None:
+    """config/memproxy.toml loads to the same settings as no file at all."""
+    assert load_settings(ROOT / "config" / "memproxy.toml", environ={}) == Settings()
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "config" / "examples").glob("*.toml")))
+def test_examples_load(example: Path) -> None:
+    """Every example config is valid."""
+    load_settings(example, environ={})
+
+
+def test_env_overrides() -> None:
+    """MEMPROXY_<SECTION>__<KEY> variables override the file, typed."""
+    env = {
+        "MEMPROXY_UPSTREAM__BASE_URL": "http://127.0.0.1:1234/v1",
+        "MEMPROXY_UPSTREAM__API_KEY": "sk-test",
+        "MEMPROXY_STORAGE__PATH": "/tmp/x",
+        "MEMPROXY_SERVER__HOST": "0.0.0.0",
+        "MEMPROXY_SERVER__PORT": "9001",
+        "MEMPROXY_ADMIN__API_KEY": "admin",
+    }
+    settings = load_settings(None, environ=env)
+    assert settings.upstream.base_url == "http://127.0.0.1:1234/v1"
+    assert settings.upstream.api_key.get_secret_value() == "sk-test"
+    assert str(settings.storage.path) == "/tmp/x"
+    assert (settings.server.host, settings.server.port) == ("0.0.0.0", 9001)
+    assert settings.admin.api_key.get_secret_value() == "admin"
+
+
+def test_unknown_key_is_named() -> None:
+    """A misspelt key is an error that names it."""
+    with pytest.raises(ConfigError, match=r"server\.prot"):
+        load_settings(None, environ={"MEMPROXY_SERVER__PROT": "1"})
+
+
+def test_secrets_do_not_print() -> None:
+    """Keys never appear in the settings' repr."""
+    settings = load_settings(None, environ={"MEMPROXY_UPSTREAM__API_KEY": "sk-very-secret"})
+    assert "sk-very-secret" not in repr(settings)
+
+
+def test_cli_exits_2_naming_the_key(tmp_path: Path) -> None:
+    """memproxy serve with an invalid value prints one line naming the key and exits with 2."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[upstream]\nbase_url = "ftp://nope"\n')
+    result = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--config", str(bad)],
+                            capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert result.stderr.strip().startswith("config error: upstream.base_url:")
+    assert "Traceback" not in result.stderr
