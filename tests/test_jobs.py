@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import time
 from collections import defaultdict
@@ -38,9 +39,9 @@ def settings(path: Path, **changes: object) -> JobQueueSettings:
     return JobQueueSettings.model_validate(values)
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
     """Wait until ``check`` is true, or fail."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + within_s
     while not await check():
         assert time.monotonic() < deadline, "condition not reached in time"
         await asyncio.sleep(0.01)
@@ -53,7 +54,7 @@ async def state_of(queue: JobQueue, job_id: str) -> str | None:
 
 
 async def test_enqueued_job_survives_reopen(tmp_path: Path) -> None:
-    """A job whose enqueue returned is still there, with its payload, after the queue is closed and reopened."""
+    """A job whose enqueue returned is still there, with its payload, after the queue is closed and opened."""
     async with JobQueue(settings(tmp_path)) as queue:
         job_id = await queue.enqueue("exchange", "u1", {"text": "hello"})
     async with JobQueue(settings(tmp_path)) as queue:
@@ -116,10 +117,12 @@ async def test_failures_retry_with_backoff_then_succeed(tmp_path: Path) -> None:
         async with JobRunner(queue, {"exchange": handler}):
             await eventually(lambda: state_is(queue, job_id, "done"))
         metrics = await queue.metrics()
-    gaps = [b - a for a, b in zip(attempts, attempts[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(attempts)]
     assert len(attempts) == 3
-    assert gaps[0] >= 0.05 and gaps[1] >= 0.1  # equal jitter: at least half of 0.1 s, then of 0.2 s
-    assert metrics.failed_total == 2 and metrics.completed_total == 1
+    assert gaps[0] >= 0.05
+    assert gaps[1] >= 0.1
+    assert metrics.failed_total == 2
+    assert metrics.completed_total == 1
 
 
 async def test_dead_letter_after_max_attempts_and_lane_moves_on(tmp_path: Path) -> None:
@@ -141,7 +144,8 @@ async def test_dead_letter_after_max_attempts_and_lane_moves_on(tmp_path: Path) 
     assert ran == ["poison", "poison", "poison", "good"]
     assert [d["id"] for d in dead] == [poison]
     assert "cannot parse this payload" in dead[0]["last_error"]
-    assert metrics.dead == 1 and metrics.dead_total == 1
+    assert metrics.dead == 1
+    assert metrics.dead_total == 1
 
 
 async def test_give_up_dead_letters_at_once_and_requeue_revives(tmp_path: Path) -> None:
@@ -177,7 +181,8 @@ async def test_retry_later_waits_without_spending_attempts(tmp_path: Path) -> No
             await eventually(lambda: state_is(queue, job_id, "done"))
         metrics = await queue.metrics()
     assert rounds == [1] * 6
-    assert metrics.deferred_total == 5 and metrics.dead_total == 0
+    assert metrics.deferred_total == 5
+    assert metrics.dead_total == 0
 
 
 async def test_worker_survives_crashing_and_hanging_handlers(tmp_path: Path) -> None:
@@ -205,19 +210,21 @@ async def test_worker_survives_crashing_and_hanging_handlers(tmp_path: Path) -> 
 
 
 async def test_debounced_enqueue_collapses_and_pushes(tmp_path: Path) -> None:
-    """Enqueueing the same debounce key while pending keeps one job, pushed later, carrying the last payload."""
+    """Enqueueing the same debounce key while pending keeps one job, pushed later, with the last payload."""
     async with JobQueue(settings(tmp_path, debounce_max_delay_s=100.0)) as queue:
         now = time.time()
         first = await queue.enqueue("insights", "u1", {"n": 1}, dedupe_key="insights", run_after=now + 10)
         second = await queue.enqueue("insights", "u1", {"n": 2}, dedupe_key="insights", run_after=now + 20)
-        other_user = await queue.enqueue("insights", "u2", {"n": 1}, dedupe_key="insights", run_after=now + 20)
+        other = await queue.enqueue("insights", "u2", {"n": 1}, dedupe_key="insights", run_after=now + 20)
         capped = await queue.enqueue("insights", "u1", {"n": 3}, dedupe_key="insights", run_after=now + 500)
         row = await queue.get(first)
         metrics = await queue.metrics()
-    assert first == second == capped != other_user
-    assert row is not None and row["payload"] == '{"n":3}'
+    assert first == second == capped != other
+    assert row is not None
+    assert row["payload"] == '{"n":3}'
     assert now + 99 < row["run_after"] <= now + 101  # pushed, but never past the max delay
-    assert metrics.scheduled == 2 and metrics.ready == 0
+    assert metrics.scheduled == 2
+    assert metrics.ready == 0
 
 
 async def test_debounced_job_does_not_block_lane(tmp_path: Path) -> None:
@@ -242,12 +249,11 @@ async def test_enqueue_with_job_id_is_idempotent(tmp_path: Path) -> None:
     async def handler(job: Job) -> None:
         ran.append(1)
 
-    async with JobQueue(settings(tmp_path)) as queue:
-        async with JobRunner(queue, {"facts": handler}):
-            first = await queue.enqueue("facts", "u1", {}, job_id="exchange-1:facts")
-            await eventually(lambda: state_is(queue, first, "done"))
-            again = await queue.enqueue("facts", "u1", {}, job_id="exchange-1:facts")
-            await asyncio.sleep(0.2)
+    async with JobQueue(settings(tmp_path)) as queue, JobRunner(queue, {"facts": handler}):
+        first = await queue.enqueue("facts", "u1", {}, job_id="exchange-1:facts")
+        await eventually(lambda: state_is(queue, first, "done"))
+        again = await queue.enqueue("facts", "u1", {}, job_id="exchange-1:facts")
+        await asyncio.sleep(0.2)
     assert first == again == "exchange-1:facts"
     assert ran == [1]
 
@@ -275,9 +281,8 @@ async def test_jobs_left_running_by_a_dead_process_run_after_restart(tmp_path: P
     async def handler(job: Job) -> None:
         seen.append(dict(job.progress))
 
-    async with JobQueue(settings(tmp_path, lease_s=3600)) as queue:
-        async with JobRunner(queue, {"exchange": handler}):
-            await eventually(lambda: state_is(queue, job_id, "done"))
+    async with JobQueue(settings(tmp_path, lease_s=3600)) as queue, JobRunner(queue, {"exchange": handler}):
+        await eventually(lambda: state_is(queue, job_id, "done"))
     assert seen == [{"turns": ["t1", "t2"]}]
 
 
@@ -313,7 +318,8 @@ async def test_forget_user_drops_queued_and_stops_running_jobs(tmp_path: Path) -
         state = await queue.get_state("gone", "summary:c1")
     assert deleted == 2
     assert finished == ["kept"]
-    assert state is None and metrics.depth == 0
+    assert state is None
+    assert metrics.depth == 0
 
 
 async def test_shutdown_hands_unfinished_job_back(tmp_path: Path) -> None:
