@@ -1,0 +1,263 @@
+"""The memory side's LLM calls: one narrow protocol for structured JSON output, and its implementations.
+
+``LLMClient.complete_json`` sends chat messages with a strict ``json_schema`` response format and returns the
+parsed JSON object. Two kinds of failure matter to the write path, and every implementation maps its own
+errors onto them:
+
+- ``LLMUnavailable``: the upstream could not be asked (connection refused, timeout, 401/403/408/429/5xx).
+  The job waits with backoff and tries again later; nothing is lost.
+- ``LLMBadOutput``: the upstream answered, but not with a usable object (invalid JSON, a refusal, an empty
+  answer, another 4xx). The caller retries once, then gives up on that step.
+
+``OpenAICompatibleLLM`` posts to ``{base_url}/chat/completions`` with aiohttp (the cheap path);
+``LiteLLMClient`` goes through litellm for providers that need translation; ``PrefixRouter`` picks one by
+model-name prefix, the same way the chat itself was routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from types import TracebackType
+from typing import Any, Protocol, runtime_checkable
+
+import aiohttp
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from proxy.memory.errors import MemoryLayerError
+
+JSON = dict[str, Any]
+_UNAVAILABLE_STATUSES = frozenset({401, 403, 408, 409, 425, 429})
+
+
+class LLMError(MemoryLayerError):
+    """Base of the memory-side LLM errors."""
+
+
+class LLMUnavailable(LLMError):
+    """The upstream could not be asked right now; try again later."""
+
+
+class LLMBadOutput(LLMError):
+    """The upstream answered with something other than the requested JSON object."""
+
+
+@runtime_checkable
+class LLMClient(Protocol):
+    """Asks a model for one JSON object that follows ``schema``."""
+
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
+        """The parsed object; raises ``LLMUnavailable`` or ``LLMBadOutput``."""
+        ...
+
+
+def response_format(schema: Mapping[str, Any], schema_name: str) -> JSON:
+    """The OpenAI ``response_format`` for strict structured output."""
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": schema_name, "schema": dict(schema), "strict": True},
+    }
+
+
+def parse_completion(body: Any) -> JSON:
+    """The JSON object in a chat-completion response body, or ``LLMBadOutput`` saying what was wrong."""
+    try:
+        message = body["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        raise LLMBadOutput("the response has no choices[0].message") from None
+    if not isinstance(message, Mapping):
+        raise LLMBadOutput("choices[0].message is not an object")
+    if message.get("refusal"):
+        raise LLMBadOutput(f"the model refused: {str(message['refusal'])[:200]}")
+    return parse_json_object(message.get("content"))
+
+
+def parse_json_object(content: Any) -> JSON:
+    """``content`` parsed as one JSON object (code fences tolerated), or ``LLMBadOutput``."""
+    if not isinstance(content, str) or not content.strip():
+        raise LLMBadOutput("the model returned no content")
+    text = content.strip()
+    if text.startswith("```"):
+        text = text.strip("`").removeprefix("json").strip()
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise LLMBadOutput(f"the model returned invalid JSON: {error.msg} at {error.pos}") from None
+    if not isinstance(value, dict):
+        raise LLMBadOutput(f"the model returned JSON {type(value).__name__}, not an object")
+    return value
+
+
+def status_error(status: int, body: str) -> LLMError:
+    """The error for a non-200 answer: ``LLMUnavailable`` for statuses worth waiting out, else bad output."""
+    detail = f"upstream status {status}: {body[:300]}"
+    if status >= 500 or status in _UNAVAILABLE_STATUSES:
+        return LLMUnavailable(detail)
+    return LLMBadOutput(detail)
+
+
+class OpenAICompatibleSettings(BaseModel):
+    """An OpenAI-compatible server for memory-side calls."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    base_url: str = "https://api.openai.com/v1"
+    api_key: SecretStr = SecretStr("")
+    timeout_s: float = Field(default=60.0, gt=0)
+    max_connections: int = Field(default=16, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+
+
+class OpenAICompatibleLLM:
+    """``LLMClient`` over a raw aiohttp POST to ``/chat/completions``; owns one pooled session."""
+
+    def __init__(self, settings: OpenAICompatibleSettings) -> None:
+        self._settings = settings
+        self._url = settings.base_url.rstrip("/") + "/chat/completions"
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> OpenAICompatibleLLM:
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self._settings.max_connections),
+            timeout=aiohttp.ClientTimeout(total=self._settings.timeout_s),
+        )
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    def _headers(self) -> dict[str, str]:
+        key = self._settings.api_key.get_secret_value()
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
+        """POST the request and parse the answer (see the module doc for the errors)."""
+        if self._session is None:
+            raise LLMUnavailable("the memory LLM client is not open")
+        body = {
+            "model": model,
+            "messages": messages,
+            "temperature": self._settings.temperature,
+            "response_format": response_format(schema, schema_name),
+        }
+        try:
+            async with self._session.post(self._url, json=body, headers=self._headers()) as response:
+                text = await response.text()
+                status = response.status
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
+        if status != 200:
+            raise status_error(status, text)
+        try:
+            return parse_completion(json.loads(text))
+        except json.JSONDecodeError:
+            raise LLMBadOutput("the upstream answered with a body that is not JSON") from None
+
+
+class LiteLLMSettings(BaseModel):
+    """Memory-side calls through litellm (providers that do not speak the OpenAI wire format)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    api_base: str | None = None
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(default=60.0, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+
+
+def _import_litellm() -> Any:
+    """litellm, imported on first use (5-8 s), with the local cost map so the import makes no request."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    module = importlib.import_module("litellm")
+    module.telemetry = False
+    return module
+
+
+class LiteLLMClient:
+    """``LLMClient`` over ``litellm.acompletion``; litellm is imported lazily, off the event loop."""
+
+    def __init__(self, settings: LiteLLMSettings) -> None:
+        self._settings = settings
+        self._litellm: Any = None
+        self._import_lock = asyncio.Lock()
+
+    async def _module(self) -> Any:
+        async with self._import_lock:
+            if self._litellm is None:
+                self._litellm = await asyncio.to_thread(_import_litellm)
+        return self._litellm
+
+    def _arguments(self, model: str, messages: list[dict[str, Any]], schema: JSON, name: str) -> JSON:
+        args: JSON = {
+            "model": model,
+            "messages": messages,
+            "response_format": response_format(schema, name),
+            "temperature": self._settings.temperature,
+            "timeout": self._settings.timeout_s,
+        }
+        if self._settings.api_base:
+            args["api_base"] = self._settings.api_base
+        if self._settings.api_key is not None:
+            args["api_key"] = self._settings.api_key.get_secret_value()
+        return args
+
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
+        """Call litellm and parse the answer (see the module doc for the errors)."""
+        litellm = await self._module()
+        try:
+            result = await litellm.acompletion(**self._arguments(model, messages, schema, schema_name))
+        except Exception as error:  # litellm raises many unrelated types; each must become one of ours
+            raise _map_litellm_error(error) from None
+        return parse_completion(result.model_dump())
+
+
+def _map_litellm_error(error: Exception) -> LLMError:
+    status = getattr(error, "status_code", None)
+    if isinstance(status, int) and 400 <= status < 600:
+        return status_error(status, str(error))
+    return LLMUnavailable(f"litellm call failed: {type(error).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Models named ``prefix...`` go to ``client`` (with the prefix removed when ``strip_prefix``)."""
+
+    prefix: str
+    client: LLMClient
+    strip_prefix: bool = False
+
+
+class PrefixRouter:
+    """``LLMClient`` that sends each model to the route of its longest matching prefix, else ``default``."""
+
+    def __init__(self, default: LLMClient, routes: Sequence[Route] = ()) -> None:
+        self._default = default
+        self._routes = sorted(routes, key=lambda route: len(route.prefix), reverse=True)
+
+    def resolve(self, model: str) -> tuple[LLMClient, str]:
+        """The client and the model name to send it."""
+        for route in self._routes:
+            if model.startswith(route.prefix):
+                return route.client, model[len(route.prefix) :] if route.strip_prefix else model
+        return self._default, model
+
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
+        """Delegate to the routed client."""
+        client, name = self.resolve(model)
+        return await client.complete_json(name, messages, schema, schema_name)
