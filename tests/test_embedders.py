@@ -1,0 +1,287 @@
+"""Embedders: the shipped all-MiniLM-L6-v2 ONNX model through fastembed, and litellm against a fake server."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp import web
+
+from proxy.memory.embedders import (
+    Embedder,
+    EmbedderError,
+    EmbedderSettings,
+    LiteLLMEmbedder,
+    LocalEmbedder,
+    QueryCache,
+    build_embedder,
+    default_model_dirs,
+)
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+MODEL_DIR = default_model_dirs()[0]
+FAKE_DIM = 8
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def local() -> AsyncIterator[LocalEmbedder]:
+    """The shipped model, loaded once for the module."""
+    embedder = build_embedder(EmbedderSettings())
+    assert isinstance(embedder, LocalEmbedder)
+    async with embedder:
+        yield embedder
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b))
+
+
+async def test_similar_sentences_are_closer_than_unrelated(local: LocalEmbedder) -> None:
+    """A paraphrase scores higher than an unrelated sentence, so retrieval finds the right memory."""
+    query = await local.embed_query("Where does the user live?")
+    docs = await local.embed_documents(["The user lives in Berlin.", "The user's cat likes tuna."])
+    assert _cos(query, docs[0]) > _cos(query, docs[1]) + 0.1
+
+
+async def test_vectors_are_unit_float32_of_the_model_dim(local: LocalEmbedder) -> None:
+    """Documents and queries come back as float32 unit vectors of 384 dimensions."""
+    docs = await local.embed_documents(["one", "two words", "three words here"])
+    query = await local.embed_query("a query")
+    assert local.dim == 384
+    assert docs.shape == (3, 384)
+    assert query.shape == (384,)
+    assert docs.dtype == np.float32
+    assert query.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(docs, axis=1), 1.0, atol=1e-5)
+    assert abs(float(np.linalg.norm(query)) - 1.0) < 1e-5
+
+
+async def test_model_id_names_the_variant(local: LocalEmbedder) -> None:
+    """The model id says which export produced the vectors, so fp32 and int8 spaces never mix."""
+    assert local.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
+    assert isinstance(local, Embedder)
+
+
+async def test_embedding_is_deterministic(local: LocalEmbedder) -> None:
+    """The same text always gets the same vector, as a document and as a query."""
+    first = await local.embed_documents(["I am allergic to peanuts."])
+    second = await local.embed_documents(["I am allergic to peanuts."])
+    query = await local.embed_query("I am allergic to peanuts.")
+    np.testing.assert_array_equal(first, second)
+    np.testing.assert_allclose(first[0], query, atol=1e-6)
+
+
+async def test_query_cache_hit_does_not_recompute(local: LocalEmbedder) -> None:
+    """Asking the same query again is served from the cache and cannot be corrupted by the caller."""
+    first = await local.embed_query("what did I say about my sister?")
+    computed = local.texts_embedded
+    again = await local.embed_query("what did I say about my sister?")
+    assert local.texts_embedded == computed
+    np.testing.assert_array_equal(first, again)
+    with pytest.raises(ValueError, match="read-only"):
+        again[0] = 1.0
+
+
+async def test_batches_equal_one_by_one() -> None:
+    """Embedding in batches gives the same vectors as embedding each text alone."""
+    texts = [f"note number {i}: " + "word " * (i * 5 % 7) for i in range(7)]  # lengths out of order
+    async with LocalEmbedder(EmbedderSettings(batch_size=3, threads=1)) as embedder:
+        batched = await embedder.embed_documents(texts)
+        alone = np.stack([(await embedder.embed_documents([t]))[0] for t in texts])
+    np.testing.assert_allclose(batched, alone, atol=1e-5)
+
+
+async def test_concurrent_queries_get_their_own_vectors(local: LocalEmbedder) -> None:
+    """Many queries at once each get the vector they would get alone."""
+    texts = [f"concurrent question {i}" for i in range(12)]
+    together = await asyncio.gather(*(local.embed_query(t) for t in texts))
+    expected = await local.embed_documents(texts)
+    np.testing.assert_allclose(np.stack(together), expected, atol=1e-5)
+
+
+async def test_cjk_and_emoji_input(local: LocalEmbedder) -> None:
+    """Korean, Japanese, Chinese and emoji text embeds to distinct finite unit vectors."""
+    texts = ["저는 서울에 살아요", "私は東京で働いています", "我喜欢爬山", "party 🎉🎂 on Saturday 🍕", ""]
+    vectors = await local.embed_documents(texts)
+    assert np.isfinite(vectors).all()
+    np.testing.assert_allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-5)
+    assert len({v.tobytes() for v in vectors}) == len(texts)
+
+
+async def test_long_text_is_truncated_not_rejected(local: LocalEmbedder) -> None:
+    """A text far beyond the model's 256 tokens still embeds."""
+    vector = await local.embed_query("a very long memory " * 500)
+    assert vector.shape == (384,)
+
+
+async def test_empty_list(local: LocalEmbedder) -> None:
+    """No texts gives an empty (0, dim) matrix."""
+    computed = local.texts_embedded
+    vectors = await local.embed_documents([])
+    assert vectors.shape == (0, 384)
+    assert vectors.dtype == np.float32
+    assert local.texts_embedded == computed
+
+
+async def test_missing_model_dir_fails_fast_and_clearly(tmp_path: Path) -> None:
+    """A wrong model path fails at once, naming the path and how to produce the model."""
+    started = time.monotonic()
+    with pytest.raises(EmbedderError, match=r"export_minilm\.py") as info:
+        build_embedder(EmbedderSettings(model_path=tmp_path / "absent"))
+    assert str(tmp_path / "absent") in str(info.value)
+    assert time.monotonic() - started < 1.0
+
+
+async def test_corrupt_model_fails_fast_at_start(tmp_path: Path) -> None:
+    """A model directory with a broken ONNX file fails at start with an EmbedderError, no hub retry."""
+    broken = tmp_path / "broken"
+    shutil.copytree(MODEL_DIR, broken, ignore=shutil.ignore_patterns("model.onnx"))
+    (broken / "model.onnx").write_bytes(b"not an onnx model")
+    embedder = LocalEmbedder(EmbedderSettings(model_path=broken))
+    started = time.monotonic()
+    with pytest.raises(EmbedderError, match="cannot load"):
+        await embedder.start()
+    assert time.monotonic() - started < 5.0
+    await embedder.aclose()
+
+
+async def test_model_dir_for_another_model_is_refused() -> None:
+    """Configuring a different model than the directory holds is refused rather than mislabelled."""
+    with pytest.raises(EmbedderError, match="holds sentence-transformers/all-MiniLM-L6-v2"):
+        LocalEmbedder(EmbedderSettings(model="BAAI/bge-small-en-v1.5", model_path=MODEL_DIR))
+
+
+async def test_closed_embedder_refuses_work() -> None:
+    """After close, embedding raises EmbedderError instead of hanging."""
+    embedder = LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR))
+    await embedder.aclose()
+    with pytest.raises(EmbedderError, match="closed"):
+        await embedder.embed_query("anything")
+
+
+async def test_query_cache_evicts_least_recently_used() -> None:
+    """The cache keeps the most recently used queries up to its size."""
+    cache = QueryCache(2)
+    vector = np.ones(3, dtype=np.float32)
+    cache.put("a", vector)
+    cache.put("b", vector)
+    assert cache.get("a") is not None
+    cache.put("c", vector)
+    assert cache.get("b") is None
+    assert cache.get("a") is not None
+    assert cache.get("c") is not None
+    assert len(cache) == 2
+
+
+# --- litellm against a fake OpenAI-compatible embeddings server -------------------------------------------
+
+
+def _fake_vector(text: str) -> np.ndarray:
+    digest = hashlib.sha256(text.encode()).digest()
+    return np.frombuffer(digest[: FAKE_DIM * 4], dtype=np.uint32).astype(np.float32) / 1e9 + 0.5
+
+
+class FakeEmbeddings:
+    """POST /v1/embeddings on 127.0.0.1, unnormalised vectors derived from each input; 400 for 'bad'."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> FakeEmbeddings:
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        self._runner = web.AppRunner(app)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._runner is not None
+        await self._runner.cleanup()
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append({"json": body, "auth": request.headers.get("Authorization")})
+        inputs = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        if "bad" in inputs:
+            error = {"message": "bad input", "type": "invalid_request_error"}
+            return web.json_response({"error": error}, status=400)
+        data = [{"object": "embedding", "index": i, "embedding": self._encode(t, body)}
+                for i, t in reversed(list(enumerate(inputs)))]
+        usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
+        return web.json_response({"object": "list", "data": data, "model": body["model"], "usage": usage})
+
+    @staticmethod
+    def _encode(text: str, body: dict[str, Any]) -> Any:
+        vector = _fake_vector(text)
+        if body.get("encoding_format") == "base64":
+            return base64.b64encode(vector.astype("<f4").tobytes()).decode()
+        return vector.tolist()
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def fake_server() -> AsyncIterator[FakeEmbeddings]:
+    """A fresh fake embeddings server."""
+    async with FakeEmbeddings() as server:
+        yield server
+
+
+def _litellm_settings(server: FakeEmbeddings, **overrides: Any) -> EmbedderSettings:
+    values: dict[str, Any] = {"provider": "litellm", "model": "openai/some-model",
+                              "api_base": f"http://127.0.0.1:{server.port}/v1", "api_key": "sk-embed-test"}
+    return EmbedderSettings(**(values | overrides))
+
+
+async def test_litellm_embeds_through_the_remote_model(fake_server: FakeEmbeddings) -> None:
+    """Remote vectors come back normalised, in input order, batched, with the key sent as a bearer token."""
+    embedder = build_embedder(_litellm_settings(fake_server, batch_size=2))
+    assert isinstance(embedder, LiteLLMEmbedder)
+    texts = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    async with embedder:
+        vectors = await embedder.embed_documents(texts)
+    assert embedder.model_id == "litellm/openai/some-model"
+    assert embedder.dim == FAKE_DIM
+    expected = np.stack([_fake_vector(t) / np.linalg.norm(_fake_vector(t)) for t in texts])
+    np.testing.assert_allclose(vectors, expected, atol=1e-6)
+    batch_sizes = [len(r["json"]["input"]) for r in fake_server.requests[1:]]  # [0] is the dim probe
+    assert batch_sizes == [2, 2, 1]
+    assert {r["json"]["model"] for r in fake_server.requests} == {"some-model"}
+    assert {r["auth"] for r in fake_server.requests} == {"Bearer sk-embed-test"}
+
+
+async def test_litellm_query_cache(fake_server: FakeEmbeddings) -> None:
+    """A repeated query is answered from the cache without another remote call."""
+    async with build_embedder(_litellm_settings(fake_server, dim=FAKE_DIM)) as embedder:
+        first = await embedder.embed_query("remember me")
+        second = await embedder.embed_query("remember me")
+    assert len(fake_server.requests) == 1
+    np.testing.assert_array_equal(first, second)
+    assert abs(float(np.linalg.norm(first)) - 1.0) < 1e-6
+
+
+async def test_litellm_errors_become_embedder_errors(fake_server: FakeEmbeddings) -> None:
+    """A provider error surfaces as EmbedderError naming the model, not as a litellm exception."""
+    async with build_embedder(_litellm_settings(fake_server, dim=FAKE_DIM)) as embedder:
+        with pytest.raises(EmbedderError, match="litellm/openai/some-model"):
+            await embedder.embed_documents(["fine", "bad"])
+
+
+async def test_litellm_wrong_dimension_is_refused(fake_server: FakeEmbeddings) -> None:
+    """Vectors of another size than configured are refused, so a store never mixes dimensions."""
+    async with build_embedder(_litellm_settings(fake_server, dim=FAKE_DIM + 1)) as embedder:
+        with pytest.raises(EmbedderError, match="shape"):
+            await embedder.embed_query("x")
