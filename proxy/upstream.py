@@ -178,7 +178,7 @@ class _LiteLLMReply:
 
 def _import_litellm() -> Any:
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm  # noqa: PLC0415 - imported lazily: 5-8 s at import, only routes that need it pay
+    import litellm
 
     litellm.telemetry = False
     return litellm

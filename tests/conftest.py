@@ -12,9 +12,9 @@ from aiohttp.test_utils import TestClient, TestServer
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
-from proxy.app import MemoryFactory, build_app  # noqa: E402 - env must be set before heavy imports
-from proxy.config import load_settings  # noqa: E402
-from tests.fake_upstream import FakeUpstream  # noqa: E402
+from proxy.app import MemoryFactory, build_app
+from proxy.config import load_settings
+from tests.fake_upstream import FakeUpstream
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 

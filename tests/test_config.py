@@ -29,7 +29,7 @@ def test_env_overrides() -> None:
     env = {
         "MEMPROXY_UPSTREAM__BASE_URL": "http://127.0.0.1:1234/v1",
         "MEMPROXY_UPSTREAM__API_KEY": "sk-test",
-        "MEMPROXY_STORAGE__PATH": "/tmp/x",
+        "MEMPROXY_STORAGE__PATH": "/srv/memproxy-data",
         "MEMPROXY_SERVER__HOST": "0.0.0.0",
         "MEMPROXY_SERVER__PORT": "9001",
         "MEMPROXY_ADMIN__API_KEY": "admin",
@@ -37,7 +37,7 @@ def test_env_overrides() -> None:
     settings = load_settings(None, environ=env)
     assert settings.upstream.base_url == "http://127.0.0.1:1234/v1"
     assert settings.upstream.api_key.get_secret_value() == "sk-test"
-    assert str(settings.storage.path) == "/tmp/x"
+    assert str(settings.storage.path) == "/srv/memproxy-data"
     assert (settings.server.host, settings.server.port) == ("0.0.0.0", 9001)
     assert settings.admin.api_key.get_secret_value() == "admin"
 

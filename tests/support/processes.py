@@ -8,7 +8,7 @@ import re
 import signal
 import subprocess
 import sys
-import threading
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -19,31 +19,27 @@ MEMPROXY = Path(sys.executable).with_name("memproxy")
 
 
 class Process:
-    """A child process whose stdout lines are collected by a reader thread."""
+    """A child process whose output goes to a temporary file (no reader thread in the caller)."""
 
     def __init__(self, args: list[str], env: Mapping[str, str]) -> None:
-        self.popen = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=dict(env), cwd=ROOT)
-        self.lines: list[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+        self._log = tempfile.NamedTemporaryFile(prefix="memproxy-proc-", suffix=".log", delete=False)  # noqa: SIM115
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=ROOT)
 
-    def _read(self) -> None:
-        assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self.lines.append(line.rstrip("\n"))
+    @property
+    def lines(self) -> list[str]:
+        """Every line printed so far."""
+        return Path(self._log.name).read_text(errors="replace").splitlines()
 
     def wait_for(self, pattern: str, timeout: float = 60.0) -> re.Match[str]:
         """The first output line matching ``pattern``; fails if the process dies or time runs out."""
         compiled = re.compile(pattern)
         deadline = time.monotonic() + timeout
-        seen = 0
         while time.monotonic() < deadline:
-            for line in self.lines[seen:]:
+            exited = self.popen.poll() is not None
+            for line in self.lines:
                 if match := compiled.search(line):
                     return match
-            seen = len(self.lines)
-            if self.popen.poll() is not None and seen == len(self.lines):
+            if exited:
                 break
             time.sleep(0.02)
         raise AssertionError(f"no line matching {pattern!r}; output:\n" + "\n".join(self.lines[-40:]))
@@ -62,10 +58,12 @@ class Process:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(5)
-        self._reader.join(5)
-        if self.popen.stdout is not None:
-            self.popen.stdout.close()
+        self._log.close()
         return self.popen.returncode
+
+    def cleanup(self) -> None:
+        """Remove the output file."""
+        Path(self._log.name).unlink(missing_ok=True)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -86,6 +84,7 @@ def fake_upstream_process(latency_ms: float = 0.0) -> Iterator[tuple[Process, st
         yield proc, url
     finally:
         proc.stop()
+        proc.cleanup()
 
 
 @contextmanager
@@ -99,3 +98,4 @@ def memproxy_process(env: Mapping[str, str], args: list[str] | None = None,
         yield proc, f"http://127.0.0.1:{port}/v1"
     finally:
         proc.stop()
+        proc.cleanup()

@@ -1,0 +1,105 @@
+"""One async load generator for every benchmark: closed-loop clients, latency and time to first byte.
+
+Each of ``concurrency`` workers sends requests back to back for ``requests`` in total; a non-stream request's
+latency is the time to the full body, a stream's TTFT is the time to the first SSE event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import statistics
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+
+@dataclasses.dataclass
+class Sample:
+    """What one run of one target at one concurrency measured."""
+
+    latencies_ms: list[float]
+    ttfts_ms: list[float]
+    errors: int
+    wall_s: float
+
+    @property
+    def rps(self) -> float:
+        """Completed requests per second."""
+        return (len(self.latencies_ms) + len(self.ttfts_ms)) / self.wall_s if self.wall_s else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (0-100) by linear interpolation; NaN for no values."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def body(user_text: str, *, stream: bool = False, model: str = "fake-echo") -> bytes:
+    """A small chat request."""
+    payload: dict[str, Any] = {"model": model, "stream": stream,
+                               "messages": [{"role": "system", "content": "You are helpful."},
+                                            {"role": "user", "content": user_text}]}
+    return orjson.dumps(payload)
+
+
+async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: Mapping[str, str],
+               stream: bool) -> float:
+    started = time.perf_counter()
+    async with session.post(url, data=data, headers=headers) as response:
+        if stream:
+            await response.content.readany()
+            ttft = time.perf_counter() - started
+            await response.read()
+            response.raise_for_status()
+            return ttft * 1000
+        await response.read()
+        response.raise_for_status()
+    return (time.perf_counter() - started) * 1000
+
+
+async def run(url: str, *, concurrency: int, requests: int, stream: bool = False,
+              headers: Mapping[str, str] | None = None, texts: list[str] | None = None) -> Sample:
+    """Drive ``url`` with ``concurrency`` closed-loop clients until ``requests`` are done."""
+    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    prompts = texts or ["What did I say about my plans for the weekend?"]
+    results: list[float] = []
+    errors = 0
+    counter = iter(range(requests))
+    connector = aiohttp.TCPConnector(limit=concurrency * 2)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal errors
+        for index in counter:
+            data = body(prompts[index % len(prompts)], stream=stream)
+            try:
+                results.append(await _one(session, url, data, hdrs, stream))
+            except (aiohttp.ClientError, TimeoutError):
+                errors += 1
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+        wall = time.perf_counter() - started
+    if stream:
+        return Sample([], results, errors, wall)
+    return Sample(results, [], errors, wall)
+
+
+def merge(samples: list[Sample]) -> Sample:
+    """Several rounds of one cell as one sample."""
+    return Sample([v for s in samples for v in s.latencies_ms], [v for s in samples for v in s.ttfts_ms],
+                  sum(s.errors for s in samples), sum(s.wall_s for s in samples))
+
+
+def median(values: list[float]) -> float:
+    """The median, NaN for no values."""
+    return statistics.median(values) if values else float("nan")
