@@ -1,0 +1,515 @@
+"""The read path's I/O shell: run the arms concurrently, fuse, score, and choose what to inject.
+
+``retrieve`` builds the query from the chat messages, embeds it, and runs at once: the dense arm (vector
+search over facts of all time, and over turns and summaries within the window, plus the query's nearest
+subjects for subject fusion), the keyword arm (BM25 over the same two pools), the entity arm (names of the
+user's memories found in the query), the user's current insights, and their last messages from other
+conversations. Each of these has its own timeout; one that raises or times out is reported in
+``degraded`` (arm -> short reason, never a message text) and the others still serve: without the embedder,
+BM25 alone answers. Everything else is the pure core (``query``, ``fusion``, ``scoring``, ``injection``).
+
+Callers inject ``result.items`` with ``injection.inject`` and then ``store.touch`` the injected ids, which
+restarts their recency clock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import numpy.typing as npt
+
+from proxy.memory.embedders import Embedder
+from proxy.memory.fusion import (
+    BM25,
+    DENSE,
+    ENTITY,
+    ArmHit,
+    Candidate,
+    NameIndex,
+    ScoredRecord,
+    entity_scores,
+    fuse,
+    names_in_query,
+)
+from proxy.memory.injection import MemoryItem, Section, item_from_record
+from proxy.memory.query import Query, build_query
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.scoring import recency, score_candidates
+
+_T = TypeVar("_T")
+PAST_KINDS = (Kind.TURN, Kind.SUMMARY)
+INSIGHT_PRIORITY = 0.5  # an insight's item score is this x its confidence (candidates score in [0, 1])
+RECENT_PRIORITY = 0.3  # a recent message's item score is this x its recency
+
+
+class Page(Protocol):
+    """A page of records (``store.Page``)."""
+
+    @property
+    def data(self) -> list[MemoryRecord]: ...
+
+    @property
+    def next_cursor(self) -> str | None: ...
+
+
+class RetrievalStore(Protocol):
+    """The part of ``MemoryStore`` the read path uses; every call is scoped to one user."""
+
+    async def vector_search(
+        self,
+        user_id: str,
+        query: npt.NDArray[np.float32],
+        k: int,
+        *,
+        kinds: Sequence[Kind] | None = None,
+        since: datetime | None = None,
+    ) -> Sequence[ScoredRecord]: ...
+
+    async def keyword_search(
+        self,
+        user_id: str,
+        query: str,
+        k: int,
+        *,
+        kinds: Sequence[Kind] | None = None,
+        since: datetime | None = None,
+    ) -> Sequence[ScoredRecord]: ...
+
+    async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
+
+    async def list(
+        self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50, cursor: str | None = None
+    ) -> Page: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RetrievalResult:
+    """What the read path found for one request and how: ranked candidates, items to inject, arm report."""
+
+    query: Query | None
+    candidates: list[Candidate] = field(default_factory=list)
+    items: list[MemoryItem] = field(default_factory=list)
+    arms_ran: list[str] = field(default_factory=list)
+    gated: bool = False
+    degraded: dict[str, str] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def arms_header(self) -> str:
+        """``X-Memory-Arms``: the arms that ran, ``gated``, and ``degraded=<arm>:<reason>`` entries."""
+        parts = [*self.arms_ran, *(["gated"] if self.gated else [])]
+        parts += [f"degraded={arm}:{reason}" for arm, reason in self.degraded.items()]
+        return ",".join(parts)
+
+
+# --- guarded concurrent steps -----------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _Report:
+    """Degraded arms and per-step timings, filled in by the guarded steps of one retrieval."""
+
+    degraded: dict[str, str] = field(default_factory=dict)
+    timings_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _reason(error: BaseException) -> str:
+    """A short, header-safe reason: ``timeout`` or the error's class name (never its message)."""
+    return "timeout" if isinstance(error, TimeoutError) else type(error).__name__
+
+
+async def _guarded(name: str, step: Awaitable[_T], timeout_s: float, report: _Report) -> _T | None:
+    """Run one step within its timeout; on failure note it as degraded and return None."""
+    started = time.perf_counter()
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await step
+    # One arm failing must never fail the chat, whatever the backend raised: the others still serve.
+    except Exception as error:
+        report.degraded[name] = _reason(error)
+        return None
+    finally:
+        report.timings_ms[name] = round((time.perf_counter() - started) * 1000, 3)
+
+
+# --- arms -------------------------------------------------------------------------------------------------
+
+
+def _since(now: datetime, settings: RetrievalSettings) -> datetime | None:
+    """The start of the window for turns and summaries (None: all time)."""
+    days = settings.turn_window_days
+    return None if days is None else now - timedelta(days=days)
+
+
+async def _pools(
+    search: Callable[..., Awaitable[Sequence[ScoredRecord]]], since: datetime | None
+) -> list[ScoredRecord]:
+    """One arm's hits over both pools: facts of all time, and turns and summaries since ``since``."""
+    facts, past = await asyncio.gather(search(kinds=[Kind.FACT]), search(kinds=list(PAST_KINDS), since=since))
+    return sorted([*facts, *past], key=lambda h: -h.score)
+
+
+@dataclass(frozen=True, slots=True)
+class _Dense:
+    """The dense arm's hits and the query's nearest subjects."""
+
+    hits: list[ScoredRecord]
+    subjects: list[ScoredRecord]
+
+
+async def _dense_arm(
+    store: RetrievalStore,
+    embedder: Embedder,
+    user_id: str,
+    query: Query,
+    settings: RetrievalSettings,
+    since: datetime | None,
+    report: _Report,
+) -> _Dense | None:
+    """Embed the query, then search both pools and the subjects concurrently."""
+    timeout_s = settings.arm_timeout_ms / 1000
+    vector = await _guarded("embedder", embedder.embed_query(query.text), timeout_s, report)
+    if vector is None:
+        report.degraded[DENSE] = f"embedder-{report.degraded.pop('embedder')}"
+        return None
+
+    def search(**filters: Any) -> Awaitable[Sequence[ScoredRecord]]:
+        return store.vector_search(user_id, vector, settings.dense_k, **filters)
+
+    subjects = _subjects(store, user_id, vector, settings, report)
+    hits, subject_hits = await asyncio.gather(_pools(search, since), subjects)
+    kept = [h for h in hits if h.score >= settings.min_dense_score]
+    return _Dense(hits=kept, subjects=subject_hits)
+
+
+async def _subjects(
+    store: RetrievalStore,
+    user_id: str,
+    vector: npt.NDArray[np.float32],
+    settings: RetrievalSettings,
+    report: _Report,
+) -> list[ScoredRecord]:
+    """The query's top-N subjects, or nothing when subject fusion is off or the search fails."""
+    if settings.subject_weight <= 0:
+        return []
+    search = store.vector_search(user_id, vector, settings.subject_top_n, kinds=[Kind.SUBJECT])
+    found = await _guarded("subjects", search, settings.arm_timeout_ms / 1000, report)
+    return list(found or [])
+
+
+async def _keyword_arm(
+    store: RetrievalStore, user_id: str, text: str, settings: RetrievalSettings, since: datetime | None
+) -> list[ScoredRecord]:
+    """BM25 hits over both pools."""
+
+    def search(**filters: Any) -> Awaitable[Sequence[ScoredRecord]]:
+        return store.keyword_search(user_id, text, settings.bm25_k, **filters)
+
+    return await _pools(search, since)
+
+
+def _in_scope(record: MemoryRecord, since: datetime | None) -> bool:
+    """Whether a memory belongs in the candidates: valid facts, and valid turns/summaries in the window."""
+    if not record.valid:
+        return False
+    if record.kind is Kind.FACT:
+        return True
+    return record.kind in PAST_KINDS and (since is None or record.created_at >= since)
+
+
+async def _entity_arm(
+    store: RetrievalStore,
+    user_id: str,
+    query: Query,
+    index: NameIndex,
+    settings: RetrievalSettings,
+    since: datetime | None,
+) -> list[ScoredRecord]:
+    """Memories carrying names the query mentions, scored by damped name weight."""
+    scores = entity_scores(names_in_query(query.text, index), index)
+    ids = list(scores)[: settings.entity_k]
+    if not ids:
+        return []
+    records = await store.get_many(user_id, ids)
+    hits = [ArmHit(r, scores[r.id]) for r in records if r.id in scores and _in_scope(r, since)]
+    return sorted(hits, key=lambda h: -h.score)
+
+
+async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> NameIndex:
+    """Build a user's name index from their facts and subjects (pages through the store)."""
+    records: list[MemoryRecord] = []
+    cursor: str | None = None
+    while len(records) < max_records:
+        page = await store.list(user_id, [Kind.FACT, Kind.SUBJECT], limit=500, cursor=cursor)
+        records += [r for r in page.data if r.valid]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    return NameIndex.build(records)
+
+
+class NameIndexCache:
+    """Per-user name indexes kept for ``ttl_s`` seconds, at most ``max_users`` of them (LRU).
+
+    Loads run inside the caller's entity-arm timeout; a load that finishes is kept, so a slow first load
+    degrades one request and serves the next ones.
+    """
+
+    def __init__(self, *, ttl_s: float = 60.0, max_users: int = 1024) -> None:
+        self._ttl_s = ttl_s
+        self._max_users = max_users
+        self._entries: OrderedDict[str, tuple[float, NameIndex]] = OrderedDict()
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def invalidate(self, user_id: str) -> None:
+        """Forget a user's index (after their facts change, or they are forgotten)."""
+        self._entries.pop(user_id, None)
+
+    async def get(self, store: RetrievalStore, user_id: str) -> NameIndex:
+        """The user's index, loaded once per ``ttl_s`` (concurrent requests share one load)."""
+        fresh = self._fresh(user_id)
+        if fresh is not None:
+            return fresh
+        lock = self._locks.setdefault(user_id, asyncio.Lock())
+        async with lock:
+            fresh = self._fresh(user_id)
+            if fresh is None:
+                fresh = await load_name_index(store, user_id)
+                self._put(user_id, fresh)
+        if not lock.locked():
+            self._locks.pop(user_id, None)
+        return fresh
+
+    def _fresh(self, user_id: str) -> NameIndex | None:
+        """The cached index if it is younger than the TTL."""
+        entry = self._entries.get(user_id)
+        if entry is None or time.monotonic() - entry[0] > self._ttl_s:
+            return None
+        self._entries.move_to_end(user_id)
+        return entry[1]
+
+    def _put(self, user_id: str, index: NameIndex) -> None:
+        """Keep ``index``, evicting the least recently used users beyond ``max_users``."""
+        self._entries[user_id] = (time.monotonic(), index)
+        self._entries.move_to_end(user_id)
+        while len(self._entries) > self._max_users:
+            self._entries.popitem(last=False)
+
+
+async def _name_index(store: RetrievalStore, user_id: str, names: NameIndex | NameIndexCache | None) -> NameIndex:
+    """The name index to match the query against: given, cached, or loaded now."""
+    if isinstance(names, NameIndex):
+        return names
+    if isinstance(names, NameIndexCache):
+        return await names.get(store, user_id)
+    return await load_name_index(store, user_id)
+
+
+async def _entity_step(
+    store: RetrievalStore,
+    user_id: str,
+    query: Query,
+    names: NameIndex | NameIndexCache | None,
+    settings: RetrievalSettings,
+    since: datetime | None,
+) -> list[ScoredRecord]:
+    """The entity arm with its name index."""
+    index = await _name_index(store, user_id, names)
+    return await _entity_arm(store, user_id, query, index, settings, since)
+
+
+async def _insights(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
+    """The user's current insights."""
+    page = await store.list(user_id, [Kind.INSIGHT], limit=limit)
+    return [r for r in page.data if r.valid]
+
+
+async def _recent(store: RetrievalStore, user_id: str, conversation_id: str | None, count: int) -> list[MemoryRecord]:
+    """The user's last ``count`` messages from conversations other than this one (newest first).
+
+    Reads one page of the newest turns; when the user's latest turns all belong to this conversation,
+    fewer (or none) come back, which is the right answer for a long single chat.
+    """
+    page = await store.list(user_id, [Kind.TURN], limit=max(20, count * 6))
+    mine = [
+        r
+        for r in page.data
+        if r.valid and r.role == "user" and (conversation_id is None or r.conversation_id != conversation_id)
+    ]
+    return mine[:count]
+
+
+# --- choosing what to inject ------------------------------------------------------------------------------
+
+
+def _cooling(record: MemoryRecord, now: datetime, settings: RetrievalSettings) -> bool:
+    """Whether a summary was injected so recently that it is skipped this time."""
+    minutes = settings.summary_cooldown_minutes
+    last = record.last_accessed_at
+    if record.kind is not Kind.SUMMARY or minutes <= 0 or last is None:
+        return False
+    return now - last < timedelta(minutes=minutes)
+
+
+def plan_items(
+    candidates: Sequence[Candidate],
+    insights: Sequence[MemoryRecord],
+    recent: Sequence[MemoryRecord],
+    now: datetime,
+    settings: RetrievalSettings,
+) -> list[MemoryItem]:
+    """The block items before the budget: top facts, top past turns/summaries, insights, recent messages.
+
+    Candidates score their final score over the sum of the scoring weights (so [0, 1]); insights
+    ``INSIGHT_PRIORITY`` x confidence; recent messages ``RECENT_PRIORITY`` x recency, or their candidate
+    score when higher (a recent message that is also relevant is listed once, under recent activity). The
+    injection budget drops the lowest of these first.
+    """
+    total = settings.relevance_weight + settings.recency_weight + settings.importance_weight
+    scale = 1.0 / total if total > 0 else 1.0
+    relevance = {c.id: c.final * scale for c in candidates}
+    recent_ids = {r.id for r in recent}
+    facts = [c for c in candidates if c.record.kind is Kind.FACT][: settings.max_facts]
+    past = [
+        c
+        for c in candidates
+        if c.record.kind in PAST_KINDS and c.id not in recent_ids and not _cooling(c.record, now, settings)
+    ][: settings.max_past]
+    items = [item_from_record(c.record, relevance[c.id]) for c in [*facts, *past]]
+    items += [item_from_record(r, INSIGHT_PRIORITY * (r.confidence or 1.0)) for r in insights]
+    for record in recent:
+        score = max(RECENT_PRIORITY * recency(record, now, settings.recency_decay), relevance.get(record.id, 0.0))
+        items.append(item_from_record(record, score, Section.RECENT))
+    return items
+
+
+# --- the read path ----------------------------------------------------------------------------------------
+
+
+async def _nothing() -> None:
+    """A step that is switched off."""
+
+
+def _step(
+    name: str, make: Callable[[], Awaitable[_T]], enabled: bool, timeout_s: float, report: _Report
+) -> Awaitable[_T | None]:
+    """A guarded step, or nothing when it is switched off (its coroutine is then never created)."""
+    return _guarded(name, make(), timeout_s, report) if enabled else _nothing()
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the concurrent steps returned (None: the step did not run or failed)."""
+
+    dense: _Dense | None
+    bm25: list[ScoredRecord] | None
+    entity: list[ScoredRecord] | None
+    insights: list[MemoryRecord] | None
+    recent: list[MemoryRecord] | None
+
+    def arms(self) -> dict[str, list[ScoredRecord]]:
+        """The hits of the arms that ran, by arm name."""
+        pairs = ((DENSE, self.dense.hits if self.dense else None), (BM25, self.bm25), (ENTITY, self.entity))
+        return {name: hits for name, hits in pairs if hits is not None}
+
+
+async def _run_steps(
+    store: RetrievalStore,
+    embedder: Embedder,
+    user_id: str,
+    query: Query,
+    settings: RetrievalSettings,
+    now: datetime,
+    conversation_id: str | None,
+    names: NameIndex | NameIndexCache | None,
+    report: _Report,
+) -> _Found:
+    """Run every arm and lookup concurrently, each within its timeout."""
+    since, timeout_s = _since(now, settings), settings.arm_timeout_ms / 1000
+    keyword_text = " ".join(query.terms) if settings.bm25_drop_stopwords else query.text
+    found = await asyncio.gather(
+        _step(
+            DENSE,
+            lambda: _dense_arm(store, embedder, user_id, query, settings, since, report),
+            True,
+            2 * timeout_s,
+            report,
+        ),
+        _step(
+            BM25,
+            lambda: _keyword_arm(store, user_id, keyword_text, settings, since),
+            bool(keyword_text.strip()),
+            timeout_s,
+            report,
+        ),
+        _step(
+            ENTITY,
+            lambda: _entity_step(store, user_id, query, names, settings, since),
+            settings.entity_k > 0,
+            timeout_s,
+            report,
+        ),
+        _step(
+            "insights",
+            lambda: _insights(store, user_id, settings.max_insights),
+            settings.max_insights > 0,
+            timeout_s,
+            report,
+        ),
+        _step(
+            "recent",
+            lambda: _recent(store, user_id, conversation_id, settings.recent_messages),
+            settings.recent_messages > 0,
+            timeout_s,
+            report,
+        ),
+    )
+    return _Found(*found)
+
+
+async def retrieve(
+    store: RetrievalStore,
+    embedder: Embedder,
+    messages: Sequence[Mapping[str, Any]],
+    user_id: str,
+    settings: RetrievalSettings,
+    now: datetime,
+    *,
+    conversation_id: str | None = None,
+    names: NameIndex | NameIndexCache | None = None,
+) -> RetrievalResult:
+    """Find, rank and choose the memories of ``user_id`` for a chat request (see the module docstring).
+
+    ``names`` is the entity arm's name index: a prebuilt one, a cache, or None to load it from the store.
+    ``conversation_id`` keeps this conversation out of "recent activity".
+    """
+    started = time.perf_counter()
+    query = build_query(messages, short_words=settings.short_query_words, expand=settings.expand_anaphoric)
+    if query is None:
+        return RetrievalResult(query=None)
+    report = _Report()
+    found = await _run_steps(store, embedder, user_id, query, settings, now, conversation_id, names, report)
+    fusing = time.perf_counter()
+    arms = found.arms()
+    fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else ())
+    scored = score_candidates(fused.candidates, now, settings)
+    items = plan_items(scored, found.insights or [], found.recent or [], now, settings)
+    report.timings_ms["fusion"] = round((time.perf_counter() - fusing) * 1000, 3)
+    report.timings_ms["total"] = round((time.perf_counter() - started) * 1000, 3)
+    return RetrievalResult(
+        query=query,
+        candidates=scored,
+        items=items,
+        arms_ran=list(arms),
+        gated=fused.gated,
+        degraded=report.degraded,
+        timings_ms=report.timings_ms,
+    )
