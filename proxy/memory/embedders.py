@@ -309,6 +309,7 @@ class LocalEmbedder(BaseEmbedder):
             self._model = fastembed.TextEmbedding(
                 model_name=self._settings.model,
                 specific_model_path=str(self.model_dir),
+                cache_dir=str(self.model_dir),  # else fastembed creates /tmp/fastembed_cache, unused here
                 threads=self._settings.threads,
             )
         except Exception as exc:  # onnxruntime's errors derive from Exception only
