@@ -7,9 +7,11 @@ latency is the time to the full body, a stream's TTFT is the time to the first S
 from __future__ import annotations
 
 import asyncio
+import os
 import dataclasses
 import statistics
 import time
+from pathlib import Path
 from collections.abc import Mapping
 from typing import Any
 
@@ -92,6 +94,21 @@ async def run(url: str, *, concurrency: int, requests: int, stream: bool = False
     if stream:
         return Sample([], results, errors, wall)
     return Sample(results, [], errors, wall)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process in MiB (Linux ``/proc``)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def merge(samples: list[Sample]) -> Sample:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.logs import configure_logging
@@ -50,7 +51,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.command == "serve":
         settings = load_or_exit(args)
         configure_logging(settings.logging.level)
-        asyncio.run(serve(settings))
+        uvloop.run(serve(settings))
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any], default_mode: 
     user_id = _user_from(headers, body)
     if user_id is None:
         return Identity(None, None, Mode.OFF)
+    if mode is Mode.OFF:
+        return Identity(user_id, None, mode)
     if CONVERSATION_HEADER in headers:
         conversation = _checked(headers[CONVERSATION_HEADER], CONVERSATION_HEADER)
     else:

@@ -41,6 +41,7 @@ class Metrics:
                                        registry=self.registry)
         self.memory_degraded = Counter("memproxy_memory_degraded", "Requests served with degraded memory",
                                        ["component"], registry=self.registry)
+        self._stages: dict[str, Histogram] = {}
         self.injected = Histogram("memproxy_memories_injected", "Memories injected per request",
                                   buckets=(0, 1, 2, 5, 10, 20, 50), registry=self.registry)
 
@@ -50,7 +51,10 @@ class Metrics:
 
     def observe(self, stage: str, seconds: float) -> None:
         """Record the duration of one request stage."""
-        self.stage_seconds.labels(stage).observe(seconds)
+        child = self._stages.get(stage)
+        if child is None:
+            child = self._stages[stage] = self.stage_seconds.labels(stage)
+        child.observe(seconds)
 
     def render(self) -> bytes:
         """The Prometheus text exposition."""
