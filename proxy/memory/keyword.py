@@ -1,0 +1,376 @@
+"""The keyword arm: a Tantivy BM25 index of every memory's text, scoped by user.
+
+Fields: ``id`` (raw, stored), ``user_id`` (raw, indexed only), ``kind`` (raw), ``text`` (words: Tantivy's
+default pipeline of simple tokenizer, long-token removal and lowercasing), ``text_cjk`` (character bigrams of
+the CJK runs of the text, so Korean, Japanese and Chinese queries match inside words), ``created_us``
+(microseconds, exact range filters), ``valid`` and ``sig`` (a digest of the indexed fields, stored, which
+lets the store's startup repair find documents that disagree with LanceDB).
+
+Queries are built from terms through Tantivy's query API: the query text goes through the same analyzers
+as the documents and each resulting token becomes a term query, so no user text or id is ever parsed as
+query syntax. The index has one writer, used under one lock; all Tantivy calls run on this module's own
+small thread pool. Each physical index lives in a generation directory named by ``CURRENT``, so a rebuild
+(to purge a forgotten user's bytes from disk) swaps atomically.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+import tantivy
+from tantivy import (
+    Document,
+    FieldType,
+    Filter,
+    Index,
+    Occur,
+    Query,
+    SchemaBuilder,
+    TextAnalyzerBuilder,
+    Tokenizer,
+)
+
+from proxy.memory.errors import StoreError
+from proxy.memory.records import Kind, MemoryRecord
+
+WORDS = "memproxy_words"
+CJK = "memproxy_cjk"
+MAX_QUERY_TERMS = 64
+MAX_TOKEN_CHARS = 40
+_CJK_RUN = re.compile(
+    "[\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f"
+    "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002fa1f]+"
+)
+_T = TypeVar("_T")
+
+
+def word_analyzer() -> tantivy.TextAnalyzer:
+    """The words pipeline, identical to Tantivy's ``default`` tokenizer."""
+    builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
+    return builder.filter(Filter.lowercase()).build()
+
+
+def cjk_analyzer() -> tantivy.TextAnalyzer:
+    """Character bigrams, applied to each CJK run separately."""
+    return TextAnalyzerBuilder(Tokenizer.ngram(2, 2)).build()
+
+
+def cjk_runs(text: str) -> list[str]:
+    """Maximal runs of Hangul, kana and CJK ideographs of two characters or more."""
+    return [run for run in _CJK_RUN.findall(text) if len(run) >= 2]
+
+
+def cjk_bigrams(text: str) -> list[str]:
+    """The bigrams the ``text_cjk`` field holds for ``text`` (what ``Tokenizer.ngram(2, 2)`` yields)."""
+    return [run[i : i + 2] for run in cjk_runs(text) for i in range(len(run) - 1)]
+
+
+def _unique(tokens: Iterable[str], limit: int) -> list[str]:
+    return list(dict.fromkeys(tokens))[:limit]
+
+
+@dataclass(frozen=True, slots=True)
+class KeywordDoc:
+    """What the keyword index holds of one record."""
+
+    id: str
+    user_id: str
+    kind: str
+    text: str
+    created_us: int
+    valid: bool
+
+    @classmethod
+    def of(cls, record: MemoryRecord) -> KeywordDoc:
+        """The document for a record."""
+        created_us = int(record.created_at.timestamp() * 1_000_000)
+        return cls(record.id, record.user_id, str(record.kind), record.text, created_us, record.valid)
+
+    @property
+    def sig(self) -> str:
+        """A digest of every indexed field; equal signatures mean the document is up to date."""
+        parts = (self.user_id, self.kind, str(self.created_us), "1" if self.valid else "0", self.text)
+        return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=12).hexdigest()
+
+
+def _schema() -> tantivy.Schema:
+    builder = SchemaBuilder()
+    builder.add_text_field("id", stored=True, tokenizer_name="raw", index_option="basic")
+    builder.add_text_field("user_id", tokenizer_name="raw", index_option="basic")
+    builder.add_text_field("kind", tokenizer_name="raw", index_option="basic")
+    builder.add_text_field("text", tokenizer_name=WORDS, index_option="freq")
+    builder.add_text_field("text_cjk", tokenizer_name=CJK, index_option="freq")
+    builder.add_integer_field("created_us", indexed=True, fast=True)
+    builder.add_boolean_field("valid", indexed=True)
+    builder.add_text_field("sig", stored=True, tokenizer_name="raw", index_option="basic")
+    return builder.build()
+
+
+def _document(doc: KeywordDoc) -> Document:
+    out = Document(id=doc.id, user_id=doc.user_id, kind=doc.kind, text=doc.text, sig=doc.sig)
+    out.add_integer("created_us", doc.created_us)
+    out.add_boolean("valid", doc.valid)
+    for run in cjk_runs(doc.text):
+        out.add_text("text_cjk", run)
+    return out
+
+
+class _Generation:
+    """One physical Tantivy index directory with its writer."""
+
+    def __init__(self, path: Path, heap_bytes: int) -> None:
+        self.path = path
+        self.schema = _schema()
+        path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.index = Index(self.schema, path=str(path), reuse=True)
+        except (ValueError, OSError) as exc:
+            raise _Unusable(str(exc)) from exc
+        self.index.register_tokenizer(WORDS, word_analyzer())
+        self.index.register_tokenizer(CJK, cjk_analyzer())
+        try:
+            self.writer: Any = self.index.writer(heap_size=heap_bytes, num_threads=1)
+        except ValueError as exc:
+            raise StoreError(f"cannot open the keyword index writer at {path}: {exc}") from exc
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.wait_merging_threads()
+            self.writer = None
+
+
+class _Unusable(Exception):
+    """An index directory that cannot be opened (corrupt, or from another schema)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KeywordFilter:
+    """Which documents of one user a keyword query may match."""
+
+    kinds: tuple[str, ...] = ()
+    since_us: int | None = None
+    until_us: int | None = None
+    include_invalid: bool = False
+
+
+class KeywordIndex:
+    """The Tantivy index under ``path``; open with ``async with``."""
+
+    def __init__(self, path: Path, *, heap_bytes: int = 64_000_000, threads: int = 2) -> None:
+        self.path = path
+        self._heap_bytes = heap_bytes
+        self._threads = threads
+        self._words = word_analyzer()
+        self._lock = asyncio.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._gen: _Generation | None = None
+        self.fresh = False  # True when opening found no usable index (the store re-indexes everything)
+
+    async def __aenter__(self) -> KeywordIndex:
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="tantivy")
+        self._gen = await self._run(self._open_current)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._gen is not None:
+            await self._run(self._gen.close)
+            self._gen = None
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn, *args)
+
+    @property
+    def _g(self) -> _Generation:
+        if self._gen is None:
+            raise RuntimeError("keyword index is not open")
+        return self._gen
+
+    def _open_current(self) -> _Generation:
+        self.path.mkdir(parents=True, exist_ok=True)
+        pointer = self.path / "CURRENT"
+        name = pointer.read_text().strip() if pointer.exists() else ""
+        self._remove_other_generations(keep=name)
+        if name:
+            try:
+                return _Generation(self.path / name, self._heap_bytes)
+            except _Unusable:
+                shutil.rmtree(self.path / name, ignore_errors=True)
+        self.fresh = True
+        return self._new_generation(int(name[1:] or 0) + 1 if name.startswith("g") else 1)
+
+    def _new_generation(self, number: int) -> _Generation:
+        name = f"g{number:06d}"
+        shutil.rmtree(self.path / name, ignore_errors=True)
+        gen = _Generation(self.path / name, self._heap_bytes)
+        self._point_to(name)
+        return gen
+
+    def _point_to(self, name: str) -> None:
+        tmp = self.path / "CURRENT.tmp"
+        tmp.write_text(name)
+        os.replace(tmp, self.path / "CURRENT")
+
+    def _remove_other_generations(self, keep: str) -> None:
+        for child in self.path.iterdir():
+            if child.is_dir() and child.name != keep:
+                shutil.rmtree(child, ignore_errors=True)
+
+    # writes ---------------------------------------------------------------------------------------------
+
+    async def upsert(self, docs: Sequence[KeywordDoc]) -> None:
+        """Add documents, replacing any with the same id (visible after ``commit``)."""
+        async with self._lock:
+            await self._run(self._upsert, self._g, docs)
+
+    @staticmethod
+    def _upsert(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
+        for doc in docs:
+            gen.writer.delete_documents_by_term("id", doc.id)
+            gen.writer.add_document(_document(doc))
+
+    async def remove(self, user_id: str, ids: Sequence[str]) -> None:
+        """Delete the user's documents with these ids (visible after ``commit``)."""
+        async with self._lock:
+            await self._run(self._remove, self._g, user_id, ids)
+
+    @staticmethod
+    def _remove(gen: _Generation, user_id: str, ids: Sequence[str]) -> None:
+        user = Query.term_query(gen.schema, "user_id", user_id)
+        for record_id in ids:
+            one = Query.term_query(gen.schema, "id", record_id)
+            gen.writer.delete_documents_by_query(Query.boolean_query([(Occur.Must, user), (Occur.Must, one)]))
+
+    async def remove_ids(self, ids: Sequence[str]) -> None:
+        """Delete documents by id whoever they belong to (repair of documents LanceDB does not have)."""
+        async with self._lock:
+            await self._run(self._remove_ids, self._g, ids)
+
+    @staticmethod
+    def _remove_ids(gen: _Generation, ids: Sequence[str]) -> None:
+        for record_id in ids:
+            gen.writer.delete_documents_by_term("id", record_id)
+
+    async def remove_user(self, user_id: str) -> None:
+        """Delete every document of the user (visible after ``commit``)."""
+        async with self._lock:
+            await self._run(self._g.writer.delete_documents_by_term, "user_id", user_id)
+
+    async def commit(self) -> None:
+        """Make all writes durable and visible to searches."""
+        async with self._lock:
+            await self._run(self._commit, self._g)
+
+    @staticmethod
+    def _commit(gen: _Generation) -> None:
+        gen.writer.commit()
+        gen.index.reload()
+
+    async def rebuild(self, batches: AsyncIterator[Sequence[KeywordDoc]]) -> int:
+        """Write a fresh index from ``batches`` and swap it in (purges deleted documents' bytes from disk)."""
+        async with self._lock:
+            old = self._g
+            number = int(old.path.name[1:]) + 1
+            gen = await self._run(_Generation, self.path / f"g{number:06d}", self._heap_bytes)
+            count = 0
+            async for batch in batches:
+                await self._run(self._add_all, gen, batch)
+                count += len(batch)
+            await self._run(self._commit, gen)
+            await self._run(self._point_to, gen.path.name)
+            self._gen = gen
+            await self._run(old.close)
+            await self._run(shutil.rmtree, old.path, True)
+            return count
+
+    @staticmethod
+    def _add_all(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
+        for doc in docs:
+            gen.writer.add_document(_document(doc))
+
+    # reads ----------------------------------------------------------------------------------------------
+
+    async def search(self, user_id: str, text: str, k: int, where: KeywordFilter) -> list[tuple[str, float]]:
+        """Top ``k`` (id, BM25 score) of the user's documents matching any term of ``text``."""
+        gen = self._g
+        query = self.build_query(gen.schema, user_id, text, where)
+        if query is None or k <= 0:
+            return []
+        return await self._run(self._search, gen, query, k)
+
+    @staticmethod
+    def _search(gen: _Generation, query: Query, k: int) -> list[tuple[str, float]]:
+        searcher = gen.index.searcher()
+        result = searcher.search(query, k, count=False)
+        return [(searcher.doc(address)["id"][0], float(score)) for score, address in result.hits]
+
+    def build_query(self, schema: tantivy.Schema, user_id: str, text: str, where: KeywordFilter) -> Query | None:
+        """The query for ``text`` within one user's documents, or None when the text has no terms."""
+        words = _unique(self._words.analyze(text), MAX_QUERY_TERMS)
+        bigrams = _unique(cjk_bigrams(text), MAX_QUERY_TERMS)
+        should = [(Occur.Should, Query.term_query(schema, "text", word)) for word in words]
+        should += [(Occur.Should, Query.term_query(schema, "text_cjk", pair)) for pair in bigrams]
+        if not should:
+            return None
+        must = [
+            (Occur.Must, Query.term_query(schema, "user_id", user_id)),
+            (Occur.Must, Query.boolean_query(should)),
+        ]
+        return Query.boolean_query(must + _filter_clauses(schema, where))
+
+    async def signatures(self) -> dict[str, str]:
+        """Every document's id and signature (for the startup repair)."""
+        return await self._run(self._signatures, self._g)
+
+    @staticmethod
+    def _signatures(gen: _Generation) -> dict[str, str]:
+        searcher = gen.index.searcher()
+        if searcher.num_docs == 0:
+            return {}
+        result = searcher.search(Query.all_query(), searcher.num_docs, count=False)
+        out: dict[str, str] = {}
+        for _, address in result.hits:
+            doc = searcher.doc(address)
+            out[doc["id"][0]] = doc["sig"][0]
+        return out
+
+    async def count(self) -> int:
+        """Documents visible to searches."""
+        return await self._run(lambda: int(self._g.index.searcher().num_docs))
+
+
+def _filter_clauses(schema: tantivy.Schema, where: KeywordFilter) -> list[tuple[Occur, Query]]:
+    clauses: list[tuple[Occur, Query]] = []
+    if not where.include_invalid:
+        clauses.append((Occur.Must, Query.term_query(schema, "valid", True)))
+    if where.kinds:
+        clauses.append((Occur.Must, Query.term_set_query(schema, "kind", list(where.kinds))))
+    if where.since_us is not None or where.until_us is not None:
+        window = Query.range_query(schema, "created_us", FieldType.Integer, where.since_us, where.until_us)
+        clauses.append((Occur.Must, window))
+    return clauses
+
+
+def keyword_filter(
+    kinds: Sequence[Kind] | None, since: datetime | None, until: datetime | None, include_invalid: bool
+) -> KeywordFilter:
+    """The filter for a search's arguments."""
+    return KeywordFilter(
+        kinds=tuple(str(kind) for kind in kinds or ()),
+        since_us=int(since.timestamp() * 1_000_000) if since is not None else None,
+        until_us=int(until.timestamp() * 1_000_000) if until is not None else None,
+        include_invalid=include_invalid,
+    )

@@ -1,0 +1,375 @@
+"""The memory store on real LanceDB and Tantivy: writes, reads, both arms, history, model guard, repair."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId
+from proxy.memory.keyword import KeywordDoc, KeywordIndex
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store import MemoryStore, StoreSettings
+from tests.support.embedder import HashingEmbedder
+
+T0 = datetime(2025, 3, 1, tzinfo=UTC)
+
+
+def fact(user: str, text: str, hours: int = 0, kind: Kind = Kind.FACT, **extra: object) -> MemoryRecord:
+    return MemoryRecord(user_id=user, kind=kind, text=text, created_at=T0 + timedelta(hours=hours), **extra)
+
+
+def settings_for(path: Path, **overrides: object) -> StoreSettings:
+    return StoreSettings(path=path, **overrides)
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[MemoryStore]:
+    """An open store with the deterministic test embedder."""
+    async with MemoryStore(settings_for(tmp_path / "data"), HashingEmbedder()) as opened:
+        yield opened
+
+
+async def query_vector(store: MemoryStore, text: str) -> np.ndarray:
+    return await store.embedder.embed_query(text)
+
+
+async def vector_ids(store: MemoryStore, user: str, text: str, k: int = 10, **filters: object) -> list[str]:
+    hits = await store.vector_search(user, await query_vector(store, text), k, **filters)
+    return [hit.record.id for hit in hits]
+
+
+async def keyword_ids(store: MemoryStore, user: str, text: str, k: int = 10, **filters: object) -> list[str]:
+    return [hit.record.id for hit in await store.keyword_search(user, text, k, **filters)]
+
+
+async def test_added_memories_are_searchable_in_both_arms_on_return(store: MemoryStore) -> None:
+    """Once add returns, the vector arm and the keyword arm both find the memory."""
+    [added] = await store.add([fact("alice", "Alice adopted a golden retriever named Max")])
+    assert added.model_id == store.embedder.model_id
+    assert (await vector_ids(store, "alice", "golden retriever Max"))[0] == added.id
+    assert await keyword_ids(store, "alice", "retriever") == [added.id]
+    hit = (await store.vector_search("alice", await query_vector(store, "golden retriever"), 1))[0]
+    assert hit.record.embedding is None
+    assert 0.0 < hit.score <= 1.0 + 1e-6
+
+
+async def test_add_is_idempotent_by_id(store: MemoryStore) -> None:
+    """Adding the same record twice stores it once."""
+    record = fact("alice", "Alice likes tea")
+    await store.add([record])
+    again = await store.add([record, record])
+    assert [r.id for r in again] == [record.id, record.id]
+    assert await store.count("alice") == 1
+    assert await keyword_ids(store, "alice", "tea") == [record.id]
+
+
+async def test_concurrent_adds_coalesce_into_few_lance_writes(store: MemoryStore) -> None:
+    """Fifty concurrent single-record adds become one or two LanceDB commits, not fifty."""
+    before = await store._lance.version()
+    await asyncio.gather(*(store.add([fact("alice", f"note number {i}")]) for i in range(50)))
+    assert await store.count("alice") == 50
+    assert await store._lance.version() - before <= 3
+
+
+async def test_get_and_get_many_are_scoped_to_the_user(store: MemoryStore) -> None:
+    """A record is returned to its owner only, and get_many keeps the order asked."""
+    a1, a2 = await store.add([fact("alice", "one"), fact("alice", "two")])
+    assert (await store.get("alice", a1.id)).text == "one"
+    assert await store.get("bob", a1.id) is None
+    assert [r.id for r in await store.get_many("alice", [a2.id, "missing", a1.id])] == [a2.id, a1.id]
+    assert len((await store.get("alice", a1.id)).embedding) == store.embedder.dim
+
+
+async def test_list_pages_newest_first_with_an_opaque_cursor(store: MemoryStore) -> None:
+    """Paging walks every valid record once, newest first, and ends with no cursor."""
+    await store.add([fact("alice", f"memory {i}", hours=i) for i in range(25)])
+    await store.add([fact("alice", "same time b", hours=30), fact("alice", "same time a", hours=30)])
+    seen: list[MemoryRecord] = []
+    cursor = None
+    while True:
+        page = await store.list("alice", limit=10, cursor=cursor)
+        seen.extend(page.data)
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    assert len(seen) == 27
+    assert len({r.id for r in seen}) == 27
+    keys = [(r.created_at, r.id) for r in seen]
+    assert keys == sorted(keys, reverse=True)
+    with pytest.raises(InvalidCursor):
+        await store.list("alice", cursor="not-a-cursor")
+
+
+async def test_list_filters_kinds_and_hides_history_by_default(store: MemoryStore) -> None:
+    """Kinds narrow a listing, and invalid (superseded) records appear only when asked for."""
+    old = fact("alice", "Alice lives in Paris")
+    await store.add([old, fact("alice", "hello there", kind=Kind.TURN)])
+    await store.supersede("alice", old.id, fact("alice", "Alice lives in Berlin"))
+    facts = await store.list("alice", [Kind.FACT])
+    assert [r.text for r in facts.data] == ["Alice lives in Berlin"]
+    history = await store.list("alice", [Kind.FACT], include_invalid=True)
+    assert {r.text for r in history.data} == {"Alice lives in Paris", "Alice lives in Berlin"}
+
+
+async def test_supersede_retires_the_old_fact_from_search(store: MemoryStore) -> None:
+    """A superseded fact is kept as history but neither arm returns it unless asked."""
+    old = fact("alice", "Alice works at Acme Corporation")
+    await store.add([old])
+    await vector_ids(store, "alice", "works")  # loads the user's vectors into the cache
+    new = await store.supersede("alice", old.id, fact("alice", "Alice works at Globex now"))
+    retired = await store.get("alice", old.id)
+    assert retired.valid is False
+    assert retired.superseded_by == new.id
+    assert await keyword_ids(store, "alice", "Acme") == []
+    assert old.id not in await vector_ids(store, "alice", "Alice works at Acme Corporation")
+    assert await keyword_ids(store, "alice", "Acme", include_invalid=True) == [old.id]
+
+
+async def test_editing_text_re_embeds_and_re_indexes(store: MemoryStore) -> None:
+    """After an edit, the new words and meaning find the record; the old words do not."""
+    record = fact("alice", "Alice plays the violin")
+    await store.add([record, fact("alice", "Alice enjoys hiking in the alps")])
+    await vector_ids(store, "alice", "violin")
+    edited = await store.update("alice", record.id, text="Alice plays the cello in an orchestra")
+    assert edited.updated_at is not None
+    assert await keyword_ids(store, "alice", "violin") == []
+    assert await keyword_ids(store, "alice", "cello") == [record.id]
+    assert (await vector_ids(store, "alice", "cello orchestra"))[0] == record.id
+    assert await store.update("bob", record.id, text="hijacked") is None
+    assert (await store.get("alice", record.id)).text == "Alice plays the cello in an orchestra"
+    with pytest.raises(ValueError, match="model_id"):
+        await store.update("alice", record.id, model_id="another/model")
+
+
+async def test_update_fields_without_text_keeps_the_vector(store: MemoryStore) -> None:
+    """Changing importance leaves the embedding as it was."""
+    record = fact("alice", "Alice is allergic to peanuts")
+    await store.add([record])
+    before = (await store.get("alice", record.id)).embedding
+    after = await store.update("alice", record.id, importance=9, sensitive=True)
+    assert after.importance == 9
+    assert np.allclose((await store.get("alice", record.id)).embedding, before)
+
+
+async def test_touch_sets_last_accessed_and_survives_a_restart(tmp_path: Path) -> None:
+    """A touched record shows its access time at once and after the store is reopened."""
+    at = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        [record] = await store.add([fact("alice", "Alice drinks oat milk")])
+        await store.touch("alice", [record.id], at=at)
+        assert (await store.get("alice", record.id)).last_accessed_at == at
+        hits = await store.keyword_search("alice", "oat milk", 1)
+        assert hits[0].record.last_accessed_at == at
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        assert (await store.get("alice", record.id)).last_accessed_at == at
+
+
+async def test_delete_removes_from_both_arms_and_is_scoped(store: MemoryStore) -> None:
+    """A deleted record is gone everywhere; deleting it as another user does nothing."""
+    keep, gone = await store.add([fact("alice", "Alice likes jazz"), fact("alice", "Alice likes jazz piano")])
+    await vector_ids(store, "alice", "jazz")
+    assert await store.delete("bob", gone.id) is False
+    assert await store.delete("alice", gone.id) is True
+    assert await store.delete("alice", gone.id) is False
+    assert await store.get("alice", gone.id) is None
+    assert await keyword_ids(store, "alice", "jazz") == [keep.id]
+    assert await vector_ids(store, "alice", "jazz piano") == [keep.id]
+
+
+@pytest.mark.parametrize("cache_bytes", [256 * 2**20, 0], ids=["cache", "lancedb"])
+async def test_filters_apply_in_both_vector_paths_and_the_keyword_arm(tmp_path: Path, cache_bytes: int) -> None:
+    """Kinds and the time window filter the cached path, the LanceDB path and the keyword arm alike."""
+    async with MemoryStore(settings_for(tmp_path, vector_cache_bytes=cache_bytes), HashingEmbedder()) as store:
+        records = [
+            fact("alice", f"coffee note {i}", hours=i, kind=Kind.TURN if i % 2 else Kind.FACT) for i in range(10)
+        ]
+        await store.add(records)
+        window = {"since": T0 + timedelta(hours=2), "until": T0 + timedelta(hours=5)}
+        expected = {r.id for r in records[2:6]}
+        assert set(await vector_ids(store, "alice", "coffee", **window)) == expected
+        assert set(await keyword_ids(store, "alice", "coffee", **window)) == expected
+        turns = {r.id for r in records if r.kind == Kind.TURN}
+        assert set(await vector_ids(store, "alice", "coffee", kinds=[Kind.TURN])) == turns
+        assert set(await keyword_ids(store, "alice", "coffee", kinds=[Kind.TURN])) == turns
+        assert ("alice" in store.cache) == (cache_bytes > 0)
+
+
+async def test_cached_and_lancedb_vector_paths_agree(tmp_path: Path) -> None:
+    """The in-RAM exact search ranks like LanceDB's filtered search."""
+    texts = [f"topic {i % 7} detail {i} words {i % 3}" for i in range(60)]
+    results = []
+    for cache_bytes in (256 * 2**20, 0):
+        path = tmp_path / str(cache_bytes)
+        async with MemoryStore(settings_for(path, vector_cache_bytes=cache_bytes), HashingEmbedder()) as store:
+            await store.add([fact("alice", text, id=f"r{i}") for i, text in enumerate(texts)])
+            await store.add([fact("bob", text) for text in texts])
+            hits = await store.vector_search("alice", await query_vector(store, "topic 3 words 1"), 8)
+            results.append([(h.record.id, round(h.score, 4)) for h in hits])
+    cached, lance = results
+    assert [score for _, score in cached] == [score for _, score in lance]
+    cut = cached[-1][1]  # ties at the cut may be broken differently; above it the sets must agree
+    assert {i for i, score in cached if score > cut} == {i for i, score in lance if score > cut}
+
+
+async def test_cache_stays_coherent_with_writes(store: MemoryStore) -> None:
+    """After the cache is loaded, new, edited and deleted records show up correctly in vector search."""
+    first = fact("alice", "Alice swims every morning")
+    await store.add([first])
+    assert await vector_ids(store, "alice", "swims") == [first.id]
+    assert "alice" in store.cache
+    second = fact("alice", "Alice paints watercolours")
+    await store.add([second])
+    assert (await vector_ids(store, "alice", "paints watercolours"))[0] == second.id
+    await store.update("alice", second.id, text="Alice sculpts marble")
+    assert (await vector_ids(store, "alice", "sculpts marble"))[0] == second.id
+    await store.delete("alice", first.id)
+    assert await vector_ids(store, "alice", "swims every morning") == [second.id]
+
+
+async def test_export_is_jsonl_of_the_user_with_history_and_no_vectors(store: MemoryStore) -> None:
+    """Export yields one JSON object per line for every record of the user, invalid ones included."""
+    old = fact("alice", "Alice is 30", hours=1)
+    await store.add([old, fact("bob", "Bob is 40")])
+    await store.supersede("alice", old.id, fact("alice", "Alice is 31", hours=2))
+    lines = [line async for line in store.export("alice")]
+    assert all(line.endswith("\n") for line in lines)
+    rows = [json.loads(line) for line in lines]
+    assert [row["text"] for row in rows] == ["Alice is 30", "Alice is 31"]
+    assert {row["user_id"] for row in rows} == {"alice"}
+    assert all("embedding" not in row for row in rows)
+    assert [line async for line in store.export("nobody")] == []
+
+
+async def test_counts_and_user_ids(store: MemoryStore) -> None:
+    """count and user_ids reflect what is stored."""
+    await store.add([fact("alice", "a"), fact("alice", "b"), fact("bob", "c")])
+    assert await store.count() == 3
+    assert await store.count("alice") == 2
+    assert await store.user_ids() == ["alice", "bob"]
+
+
+@pytest.mark.parametrize("bad", ["", "a\x00b", "line\nbreak", "x" * 513, "é" * 257])
+async def test_invalid_user_ids_are_refused(store: MemoryStore, bad: str) -> None:
+    """Empty, control-character and over-long user ids are rejected before any query runs."""
+    with pytest.raises(InvalidUserId):
+        await store.add([fact(bad, "text")])
+    with pytest.raises(ValueError, match="user id"):
+        await store.list(bad)
+
+
+async def test_a_512_byte_user_id_is_accepted(store: MemoryStore) -> None:
+    """The longest allowed id works end to end."""
+    user = "u" * 512
+    [record] = await store.add([fact(user, "long id memory")])
+    assert await keyword_ids(store, user, "memory") == [record.id]
+
+
+async def test_forget_user_erases_everything_including_files(tmp_path: Path) -> None:
+    """After forget, no API returns the user's data and no file on disk contains their id or text."""
+    user, secret = "zq-forgotten-user-7731", "xylophonequartz"
+    path = tmp_path / "data"
+    async with MemoryStore(settings_for(path), HashingEmbedder()) as store:
+        ours = [fact(user, f"{secret} memory {i}", kind=kind) for i, kind in enumerate([Kind.FACT, Kind.TURN] * 20)]
+        theirs = [fact("bob", f"bob keeps his marmalade recipe {i}") for i in range(40)]
+        await store.add(ours[:20] + theirs[:20])
+        await store.optimize()
+        await store.add(ours[20:] + theirs[20:])
+        await store.touch(user, [ours[0].id])
+        await vector_ids(store, user, secret)
+        counts = await store.forget_user(user)
+        assert user not in store.cache
+        assert counts == {"turn": 20, "fact": 20, "summary": 0, "insight": 0, "subject": 0}
+        assert await store.count(user) == 0
+        assert await keyword_ids(store, user, secret) == []
+        assert await vector_ids(store, user, secret) == []
+        assert [line async for line in store.export(user)] == []
+        assert len(await keyword_ids(store, "bob", "marmalade", k=100)) == 40
+        assert len(await vector_ids(store, "bob", "marmalade recipe", k=100)) == 40
+    for file in (p for p in path.rglob("*") if p.is_file()):
+        data = file.read_bytes()
+        assert user.encode() not in data, file
+        assert secret.encode() not in data, file
+    async with MemoryStore(settings_for(path), HashingEmbedder()) as store:
+        assert await store.count("bob") == 40
+        assert await store.forget_user(user) == {"turn": 0, "fact": 0, "summary": 0, "insight": 0, "subject": 0}
+
+
+async def test_opening_with_another_model_is_refused(tmp_path: Path) -> None:
+    """A store built with one embedding model will not start with another, and says what to do."""
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        await store.add([fact("alice", "something")])
+    other = HashingEmbedder(dim=32, model_id="test/other-32")
+    with pytest.raises(EmbedderMismatch) as error:
+        async with MemoryStore(settings_for(tmp_path), other):
+            pass
+    message = str(error.value)
+    assert "test/hashing-64" in message
+    assert "test/other-32" in message
+    assert "memproxy reindex" in message
+
+
+async def test_reindex_re_embeds_everything_with_the_new_model(tmp_path: Path) -> None:
+    """reindex moves every record into the new vector space, reporting progress, and the store opens again."""
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        await store.add([fact("alice", f"alice fact {i}") for i in range(300)] + [fact("bob", "bob fact")])
+    other = HashingEmbedder(dim=32, model_id="test/other-32")
+    progress: list[tuple[int, int]] = []
+    async with MemoryStore(settings_for(tmp_path), other, allow_mismatch=True) as store:
+        with pytest.raises(EmbedderMismatch):
+            await store.add([fact("alice", "refused until reindexed")])
+        assert await store.reindex(lambda done, total: progress.append((done, total))) == 301
+    assert progress[-1] == (301, 301)
+    assert len(progress) >= 2
+    async with MemoryStore(settings_for(tmp_path), other) as store:
+        record = (await store.list("alice", limit=1)).data[0]
+        assert record.model_id == "test/other-32"
+        assert len(record.embedding) == 32
+        assert (await vector_ids(store, "bob", "bob fact"))[0] == (await store.list("bob")).data[0].id
+        assert len(await keyword_ids(store, "alice", "fact", k=500)) == 300
+
+
+async def test_repair_reindexes_a_lost_keyword_index(tmp_path: Path) -> None:
+    """If the Tantivy directory is lost, opening the store rebuilds it from LanceDB."""
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        records = await store.add([fact("alice", f"recoverable note {i}") for i in range(30)])
+    shutil.rmtree(tmp_path / "tantivy")
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        assert set(await keyword_ids(store, "alice", "recoverable", k=50)) == {r.id for r in records}
+
+
+async def test_repair_drops_orphans_and_fixes_stale_documents(tmp_path: Path) -> None:
+    """Tantivy documents LanceDB lacks are dropped, stale ones re-indexed, when the sync note lags."""
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        [record] = await store.add([fact("alice", "the real text")])
+    async with KeywordIndex(tmp_path / "tantivy") as kw:
+        await kw.upsert([KeywordDoc("ghost", "alice", "fact", "ghostly words", 0, True)])
+        await kw.upsert([KeywordDoc(record.id, "alice", "fact", "stale words", 0, True)])
+        await kw.commit()
+    (tmp_path / "sync.json").unlink()  # as after a crash between the two arms
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        assert await keyword_ids(store, "alice", "ghostly") == []
+        assert await keyword_ids(store, "alice", "stale") == []
+        assert await keyword_ids(store, "alice", "real") == [record.id]
+        assert await store.repair() == {"reindexed": 0, "dropped": 0}
+
+
+async def test_ann_index_keeps_searches_scoped(tmp_path: Path) -> None:
+    """Past the ANN threshold an HNSW index is built, and LanceDB-path searches stay within the user."""
+    settings = settings_for(tmp_path, ann_index_min_rows=300, vector_cache_bytes=0)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        await store.add([fact("alice", f"walk in the park {i}") for i in range(200)])
+        await store.add([fact("bob", f"walk in the park {i}") for i in range(200)])
+        await store.optimize()
+        indexed = {tuple(index.columns) for index in await store._lance.table.list_indices()}
+        assert ("embedding",) in indexed
+        assert ("user_id",) in indexed
+        hits = await store.vector_search("alice", await query_vector(store, "walk in the park"), 50)
+        assert len(hits) == 50
+        assert {hit.record.user_id for hit in hits} == {"alice"}

@@ -1,0 +1,164 @@
+"""The per-user vector cache: exact search, filters, coherence with writes, LRU eviction by bytes."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import UTC, datetime, timedelta
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes
+
+DIM = 16
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+
+
+def unit_rows(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((n, DIM)).astype(np.float32)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def records(user: str, n: int, kind: Kind = Kind.FACT, start: int = 0) -> list[MemoryRecord]:
+    return [
+        MemoryRecord(user_id=user, kind=kind, text=f"memory {i}", id=f"{user}-{i}", created_at=T0 + timedelta(hours=i))
+        for i in range(start, start + n)
+    ]
+
+
+def entry_with(user: str, recs: list[MemoryRecord], vectors: np.ndarray) -> UserVectors:
+    entry = UserVectors(user, DIM)
+    for record, vector in zip(recs, vectors, strict=True):
+        entry.upsert(record, vector)
+    return entry
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 300), k=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_search_returns_the_exact_top_k(n: int, k: int, seed: int) -> None:
+    """Cached search ranks exactly like a brute-force cosine over the user's vectors."""
+    vectors = unit_rows(n, seed)
+    entry = entry_with("u", records("u", n), vectors)
+    query = unit_rows(1, seed + 1)[0]
+    got = entry.search(query, k, None, None, None, include_invalid=False)
+    expected = np.sort(vectors @ query)[::-1][: min(k, n)]
+    assert np.allclose([score for _, score in got], expected, atol=1e-5)
+
+
+def test_filters_by_kind_time_and_validity() -> None:
+    """Kinds, the time window (inclusive) and invalid history are all honoured."""
+    recs = records("u", 10) + records("u", 5, Kind.TURN, start=10)
+    recs[3] = recs[3].replace(valid=False)
+    entry = entry_with("u", recs, unit_rows(15))
+    query = unit_rows(1, 9)[0]
+    facts = {i for i, _ in entry.search(query, 50, [Kind.FACT], None, None, False)}
+    assert facts == {f"u-{i}" for i in range(10)} - {"u-3"}
+    window = {i for i, _ in entry.search(query, 50, None, T0 + timedelta(hours=2), T0 + timedelta(hours=4), True)}
+    assert window == {"u-2", "u-3", "u-4"}
+
+
+def test_edits_and_deletes_are_seen_by_the_next_search() -> None:
+    """An edited vector ranks by its new value and a deleted record never comes back."""
+    vectors = unit_rows(50)
+    recs = records("u", 50)
+    entry = entry_with("u", recs, vectors)
+    target = unit_rows(1, 77)[0]
+    entry.upsert(recs[7].replace(text="edited"), target)
+    top = entry.search(target, 1, None, None, None, False)
+    assert top[0][0] == "u-7"
+    assert entry.records(["u-7"])[0].text == "edited"
+    entry.remove(["u-7"])
+    assert "u-7" not in {i for i, _ in entry.search(target, 50, None, None, None, True)}
+    assert entry.records(["u-7"]) == [None]
+
+
+def test_compaction_after_many_deletes_keeps_results_right() -> None:
+    """Deleting most records compacts the arrays without changing what search returns."""
+    vectors = unit_rows(400)
+    entry = entry_with("u", records("u", 400), vectors)
+    entry.remove([f"u-{i}" for i in range(300)])
+    assert entry.generation == 1
+    query = unit_rows(1, 5)[0]
+    got = entry.search(query, 5, None, None, None, False)
+    expected = sorted(((f"u-{i}", float(vectors[i] @ query)) for i in range(300, 400)), key=lambda p: -p[1])[:5]
+    assert [i for i, _ in got] == [i for i, _ in expected]
+
+
+async def test_lru_eviction_by_bytes() -> None:
+    """Past the byte budget the least recently used user is evicted, the recent one kept."""
+    one = UserVectors("a", DIM)
+    for record, vector in zip(records("a", 100), unit_rows(100), strict=True):
+        one.upsert(record, vector)
+    cache = VectorCache(max_bytes=int(one.nbytes * 2.5))
+
+    async def load(user: str) -> UserVectors:
+        return entry_with(user, records(user, 100), unit_rows(100))
+
+    for user in ("a", "b"):
+        await cache.get_or_load(user, lambda user=user: load(user))
+    await cache.get_or_load("a", lambda: load("a"))  # a is now the most recent
+    await cache.get_or_load("c", lambda: load("c"))
+    assert "a" in cache
+    assert "c" in cache
+    assert "b" not in cache
+    assert cache.nbytes <= cache.max_bytes
+
+
+async def test_user_too_big_for_the_budget_is_not_cached() -> None:
+    """A user whose vectors exceed the budget is searched elsewhere (the loader says None)."""
+    cache = VectorCache(max_bytes=estimated_bytes(10, DIM))
+    calls = 0
+
+    async def load() -> None:
+        nonlocal calls
+        calls += 1
+
+    assert await cache.get_or_load("big", load) is None
+    assert await cache.get_or_load("big", load) is None
+    assert calls == 1
+    assert "big" not in cache
+
+
+async def test_a_load_overlapping_a_write_is_not_kept() -> None:
+    """If the user is written to while their vectors load, the (possibly stale) load is not cached."""
+    cache = VectorCache(max_bytes=2**20)
+    release = asyncio.Event()
+
+    async def slow_load() -> UserVectors:
+        await release.wait()
+        return entry_with("u", records("u", 3), unit_rows(3))
+
+    loading = asyncio.create_task(cache.get_or_load("u", slow_load))
+    await asyncio.sleep(0)
+    cache.upsert(records("u", 1, start=99), unit_rows(1))
+    release.set()
+    assert await loading is not None
+    assert "u" not in cache
+
+
+async def test_concurrent_misses_load_once() -> None:
+    """Ten searches missing at once cause a single load."""
+    cache = VectorCache(max_bytes=2**20)
+    calls = 0
+
+    async def load() -> UserVectors:
+        nonlocal calls
+        calls += 1
+        await asyncio.sleep(0.01)
+        return entry_with("u", records("u", 3), unit_rows(3))
+
+    results = await asyncio.gather(*(cache.get_or_load("u", load) for _ in range(10)))
+    assert calls == 1
+    assert all(result is results[0] for result in results)
+
+
+def test_writes_apply_only_to_cached_users() -> None:
+    """Upserts for users not in the cache do not create partial entries."""
+    cache = VectorCache(max_bytes=2**20)
+    cache.upsert(records("ghost", 2), unit_rows(2))
+    cache.remove("ghost", ["ghost-0"])
+    assert "ghost" not in cache
+    assert cache.nbytes == 0
