@@ -11,9 +11,20 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
+from pydantic import SecretStr
 
 from proxy.config import Settings
 from proxy.errors import error_middleware
+from proxy.memory.engine import EngineSettings, MemoryEngine
+from proxy.memory.llm import (
+    LiteLLMClient,
+    LiteLLMSettings,
+    LLMClient,
+    OpenAICompatibleLLM,
+    OpenAICompatibleSettings,
+    PrefixRouter,
+    Route,
+)
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
 from proxy.routes import add_routes
@@ -29,9 +40,50 @@ async def null_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
     yield NullMemory()
 
 
+def memory_llm(settings: Settings) -> tuple[PrefixRouter, list[LLMClient]]:
+    """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
+    the clients behind it (to open and close)."""
+    key = settings.memory_llm.api_key or settings.upstream.api_key
+    default = OpenAICompatibleLLM(OpenAICompatibleSettings(
+        base_url=settings.memory_llm.base_url or settings.upstream.base_url, api_key=key,
+        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+    routes = []
+    for route in settings.routes:
+        client: LLMClient
+        if route.provider == "openai":
+            client = OpenAICompatibleLLM(OpenAICompatibleSettings(
+                base_url=route.base_url or settings.upstream.base_url, api_key=route.api_key or SecretStr(""),
+                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+        else:
+            client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
+                                                   timeout_s=settings.memory_llm.timeout_s))
+        routes.append(Route(route.prefix, client, route.strip_prefix))
+    return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
+
+
+def engine_settings(settings: Settings) -> EngineSettings:
+    """Each memory component's own settings."""
+    return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
+                          jobs=settings.jobs_settings(), retrieval=settings.retrieval,
+                          injection=settings.injection, writer=settings.writer, extraction=settings.extraction)
+
+
+@contextlib.asynccontextmanager
+async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
+    """The real memory engine, its LLM clients opened first and closed last."""
+    router, clients = memory_llm(settings)
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            if isinstance(client, contextlib.AbstractAsyncContextManager):
+                await stack.enter_async_context(client)
+        engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), router))
+        metrics.add_gauges("memproxy_jobs", engine.gauges, refresh=engine.refresh_metrics)
+        yield engine
+
+
 def default_memory_factory(settings: Settings) -> MemoryFactory:
     """The memory service the configuration asks for."""
-    return null_memory
+    return open_memory if settings.memory.enabled else null_memory
 
 
 def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> web.Application:

@@ -14,7 +14,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
+
+from proxy.memory.embedders import EmbedderSettings
+from proxy.memory.extraction import ExtractionSettings
+from proxy.memory.jobs import JobQueueSettings
+from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.store import StoreSettings
+from proxy.memory.writer import WriterSettings
 
 ENV_PREFIX = "MEMPROXY_"
 
@@ -86,6 +93,25 @@ class MemorySettings(_Frozen):
     retrieval_timeout_ms: float = Field(default=250.0, gt=0)
 
 
+class MemoryLLMSettings(_Frozen):
+    """Where memory-side model calls (facts, summaries, insights) go; empty values reuse [upstream]."""
+
+    base_url: str | None = None
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(default=60.0, gt=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+
+
+def _without_path(model: type[BaseModel]) -> Any:
+    """``model``'s fields minus ``path`` (the data directory comes from ``storage.path``)."""
+    fields = {name: (info.annotation, info) for name, info in model.model_fields.items() if name != "path"}
+    return create_model(f"{model.__name__.removesuffix('Settings')}Tuning", __base__=_Frozen, **fields)
+
+
+StoreTuning = _without_path(StoreSettings)
+JobsTuning = _without_path(JobQueueSettings)
+
+
 class Settings(_Frozen):
     """Everything memproxy can be told."""
 
@@ -96,6 +122,22 @@ class Settings(_Frozen):
     admin: AdminSettings = AdminSettings()
     logging: LoggingSettings = LoggingSettings()
     memory: MemorySettings = MemorySettings()
+    embedder: EmbedderSettings = EmbedderSettings()
+    store: StoreTuning = StoreTuning()
+    retrieval: RetrievalSettings = RetrievalSettings()
+    injection: InjectionSettings = InjectionSettings()
+    jobs: JobsTuning = JobsTuning()
+    writer: WriterSettings = WriterSettings()
+    extraction: ExtractionSettings = ExtractionSettings()
+    memory_llm: MemoryLLMSettings = MemoryLLMSettings()
+
+    def store_settings(self) -> StoreSettings:
+        """The store's settings, rooted in the data directory."""
+        return StoreSettings(path=self.storage.path, **self.store.model_dump())
+
+    def jobs_settings(self) -> JobQueueSettings:
+        """The job queue's settings, its database in the data directory."""
+        return JobQueueSettings(path=self.storage.path / "jobs.sqlite3", **self.jobs.model_dump())
 
 
 class ConfigError(Exception):

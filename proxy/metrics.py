@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -12,6 +12,7 @@ from prometheus_client.registry import Collector
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 GaugeSource = Callable[[], Mapping[str, float]]
+Refresh = Callable[[], Awaitable[None]]
 
 
 class _GaugeCollector(Collector):
@@ -42,12 +43,23 @@ class Metrics:
         self.memory_degraded = Counter("memproxy_memory_degraded", "Requests served with degraded memory",
                                        ["component"], registry=self.registry)
         self._stages: dict[str, Histogram] = {}
+        self._refreshers: list[Refresh] = []
         self.injected = Histogram("memproxy_memories_injected", "Memories injected per request",
                                   buckets=(0, 1, 2, 5, 10, 20, 50), registry=self.registry)
 
-    def add_gauges(self, prefix: str, source: GaugeSource) -> None:
-        """Expose the numbers ``source`` returns at every scrape as ``<prefix>_<name>`` gauges."""
+    def add_gauges(self, prefix: str, source: GaugeSource, refresh: Refresh | None = None) -> None:
+        """Expose the numbers ``source`` returns at every scrape as ``<prefix>_<name>`` gauges.
+
+        ``refresh`` (async) runs before each scrape, for sources whose numbers need I/O to collect.
+        """
         self.registry.register(_GaugeCollector(prefix, source))
+        if refresh is not None:
+            self._refreshers.append(refresh)
+
+    async def refresh(self) -> None:
+        """Update the gauges that need I/O (before rendering)."""
+        for refresh in self._refreshers:
+            await refresh()
 
     def observe(self, stage: str, seconds: float) -> None:
         """Record the duration of one request stage."""

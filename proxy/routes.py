@@ -246,6 +246,7 @@ async def readyz(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text."""
     state = request.app[STATE]
+    await state.metrics.refresh()
     return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
 
 

@@ -7,6 +7,7 @@ Models (anything else answers like ``fake-echo``):
 - ``fake-error-<status>``: answers that status with an OpenAI error body.
 - ``fake-midstream-fail``: sends two chunks, then drops the connection.
 - ``fake-tools``: answers with a tool call to the first declared tool.
+A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema.
 It records every request (headers and JSON) in ``requests`` and counts streams cut by the client in
 ``disconnects``. Run as a script (``python -m tests.fake_upstream --port N --latency-ms L``) for benchmarks.
 """
@@ -31,6 +32,21 @@ def _last_user_text(body: dict[str, Any]) -> str:
                 return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
             return str(content)
     return ""
+
+
+def minimal_instance(schema: dict[str, Any]) -> Any:
+    """The smallest value a JSON schema accepts: empty arrays, first enum values, zero-ish scalars."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {name: minimal_instance(props[name]) for name in schema.get("required", props)}
+    defaults: dict[Any, Any] = {"array": [], "string": "", "integer": schema.get("minimum", 0),
+                                "number": schema.get("minimum", 0), "boolean": False, "null": None}
+    return defaults.get(kind)
 
 
 def completion(model: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
@@ -67,6 +83,7 @@ class FakeUpstream:
         self.disconnects = 0
         self.disconnected = asyncio.Event()
         self.reply_override: str | None = None
+        self.structured_calls: list[dict[str, Any]] = []
         self._runner: web.AppRunner | None = None
 
     @property
@@ -114,8 +131,12 @@ class FakeUpstream:
         if model == "fake-tools":
             return await self._tools(request, body)
         text = self.reply_override if self.reply_override is not None else f"echo: {_last_user_text(body)}"
-        if body.get("response_format", {}).get("type") == "json_object":
+        response_format = body.get("response_format") or {}
+        if response_format.get("type") == "json_object":
             text = orjson.dumps({"echo": _last_user_text(body)}).decode()
+        elif response_format.get("type") == "json_schema":
+            self.structured_calls.append(body)
+            text = orjson.dumps(minimal_instance(response_format["json_schema"]["schema"])).decode()
         if body.get("stream"):
             return await self._stream(request, model, text)
         return web.json_response(completion(model, text), dumps=lambda o: orjson.dumps(o).decode())

@@ -1,0 +1,213 @@
+"""The memory engine: the real ``MemoryService``, wiring the store, read path, write path and workers.
+
+``MemoryEngine`` is an async context manager. On enter it loads the embedder, opens the store (LanceDB +
+Tantivy, with startup repair), opens the durable job queue and starts the job runner (write path and
+insights); on exit it stops them in reverse, letting running jobs finish or hand them back to the queue.
+The HTTP shell reaches memory only through ``inject``/``record`` and the management methods below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import structlog
+
+from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.extraction import ExtractionSettings, Extractor
+from proxy.memory.fusion import Candidate
+from proxy.memory.injection import inject as inject_block
+from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
+from proxy.memory.llm import LLMClient
+from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
+from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.service import Exchange, Injection
+from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.writer import Writer, WriterSettings
+
+log = structlog.get_logger("memproxy.memory")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineSettings:
+    """Each component's own settings, as the app factory hands them over."""
+
+    embedder: EmbedderSettings
+    store: StoreSettings
+    jobs: JobQueueSettings
+    retrieval: RetrievalSettings
+    injection: InjectionSettings
+    writer: WriterSettings
+    extraction: ExtractionSettings
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SearchPreview:
+    """What the proxy would inject for a query, with the evidence behind each result."""
+
+    results: list[dict[str, Any]]
+    arms: list[str]
+    injected_block: str
+
+
+def _result_row(candidate: Candidate) -> dict[str, Any]:
+    record = candidate.record
+    row = {k: v for k, v in record.public_dict().items() if k in _PUBLIC_FIELDS}
+    row["score"] = round(candidate.final, 6)
+    row["relevance"] = round(candidate.fused, 6)
+    row["arms"] = {name: round(score, 6) for name, score in candidate.arm_scores.items()}
+    row["boosts"] = {name: round(score, 6) for name, score in candidate.boosts.items()}
+    return row
+
+
+_PUBLIC_FIELDS = ("id", "kind", "text", "created_at", "category", "importance", "conversation_id", "role",
+                  "entities", "last_accessed_at")
+
+
+class MemoryEngine:
+    """Read path, write path and memory management over one store, one queue and one embedder."""
+
+    def __init__(self, settings: EngineSettings, llm: LLMClient) -> None:
+        self.settings = settings
+        self._llm = llm
+        self.embedder = build_embedder(settings.embedder)
+        self.store = MemoryStore(settings.store, self.embedder)
+        self.jobs = JobQueue(settings.jobs)
+        self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
+        self.names = NameIndexCache()
+        self._stack = contextlib.AsyncExitStack()
+        self._ready = False
+        self._queue_snapshot: QueueMetrics | None = None
+
+    @property
+    def ready(self) -> bool:
+        """Whether the embedder, store, queue and workers are all up."""
+        return self._ready
+
+    async def __aenter__(self) -> MemoryEngine:
+        started = time.perf_counter()
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(self.embedder)
+            await stack.enter_async_context(self.store)
+            await stack.enter_async_context(self.jobs)
+            await stack.enter_async_context(JobRunner(self.jobs, self.writer.handlers()))
+            self._stack = stack.pop_all()
+        self._ready = True
+        log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._ready = False
+        await self._stack.aclose()
+
+    # ------------------------------------------------------------------------------------------ read path
+
+    async def _retrieve(self, user_id: str, conversation_id: str | None,
+                        messages: list[dict[str, Any]]) -> RetrievalResult:
+        return await retrieve(self.store, self.embedder, messages, user_id, self.settings.retrieval, utcnow(),
+                              conversation_id=conversation_id, names=self.names)
+
+    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+        """Retrieve the user's memories and merge the memory block into the request's messages."""
+        started = time.perf_counter()
+        messages = body["messages"]
+        result = await self._retrieve(user_id, conversation_id, messages)
+        arms = tuple([*result.arms_ran, *(["gated"] if result.gated else [])])
+        if not result.items or result.query is None:
+            return Injection(arms=arms, degraded=result.degraded,
+                             retrieval_ms=(time.perf_counter() - started) * 1000)
+        merged = inject_block(messages, result.items, result.query.terms, self.settings.injection)
+        ids = tuple(merged.ids)
+        if ids:
+            await self.store.touch(user_id, ids)
+        return Injection(messages=merged.messages if ids else None, injected_ids=ids, arms=arms,
+                         degraded=result.degraded, retrieval_ms=(time.perf_counter() - started) * 1000)
+
+    async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:
+        """Exactly what the proxy would inject for a conversation whose last user message is ``query``."""
+        messages = [{"role": "user", "content": query}]
+        result = await self._retrieve(user_id, None, messages)
+        block = ""
+        if result.items and result.query is not None:
+            block = inject_block(messages, result.items, result.query.terms, self.settings.injection).block
+        return SearchPreview(results=[_result_row(c) for c in result.candidates[:k]],
+                             arms=[p for p in result.arms_header.split(",") if p], injected_block=block)
+
+    # ----------------------------------------------------------------------------------------- write path
+
+    async def record(self, exchange: Exchange) -> None:
+        """Commit the finished exchange to the durable queue (the write path runs after)."""
+        await self.writer.record(exchange)
+
+    # ------------------------------------------------------------------------------------------ management
+
+    async def add_fact(self, user_id: str, text: str, importance: int | None = None,
+                       category: str | None = None) -> MemoryRecord:
+        """A fact the user (or an operator) states directly: embedded, indexed and searchable at once."""
+        record = MemoryRecord(user_id=user_id, kind=Kind.FACT, text=text, importance=importance or 5,
+                              category=category, meta='{"source": "manual"}')
+        [stored] = await self.store.add([record])
+        self.names.invalidate(user_id)
+        return stored
+
+    async def edit(self, user_id: str, id: str, text: str | None = None,
+                   importance: int | None = None) -> MemoryRecord | None:
+        """Edit a memory; a text edit keeps the old version as history (superseded by the new one)."""
+        current = await self.store.get(user_id, id)
+        if current is None or not current.valid:
+            return None
+        if text is None or text == current.text:
+            if importance is None:
+                return current
+            return await self.store.update(user_id, id, importance=importance, updated_at=utcnow())
+        new = current.replace(id=new_id(), text=text,
+                              embedding=None, importance=importance or current.importance,
+                              created_at=utcnow(), updated_at=utcnow(), superseded_by=None)
+        stored = await self.store.supersede(user_id, id, new)
+        self.names.invalidate(user_id)
+        return stored
+
+    async def delete(self, user_id: str, id: str) -> bool:
+        """Delete one memory for good."""
+        deleted = await self.store.delete(user_id, id)
+        self.names.invalidate(user_id)
+        return deleted
+
+    async def forget_user(self, user_id: str) -> dict[str, int]:
+        """Every trace of the user: queued jobs first (so none writes after), then the store and caches."""
+        jobs = await self.jobs.forget_user(user_id)
+        counts = await self.store.forget_user(user_id)
+        self.names.invalidate(user_id)
+        return {**counts, "jobs": jobs}
+
+    async def regenerate_insights(self, user_id: str) -> str:
+        """Queue an insight regeneration for the user now (collapses with pending triggers)."""
+        return await self.jobs.enqueue("insights", user_id, {"reason": "manual"}, dedupe_key="insights",
+                                       run_after=time.time())
+
+    # --------------------------------------------------------------------------------------------- metrics
+
+    async def refresh_metrics(self) -> None:
+        """Take a fresh snapshot of the queue's numbers (called before each /metrics scrape)."""
+        with contextlib.suppress(Exception):  # a scrape never fails because the queue is busy
+            self._queue_snapshot = await asyncio.wait_for(self.jobs.metrics(), timeout=2.0)
+
+    def gauges(self) -> dict[str, float]:
+        """Queue depth, oldest job age, failures and per-step latency, as plain numbers."""
+        snap = self._queue_snapshot
+        if snap is None:
+            return {}
+        out = {"depth": float(snap.depth), "ready": float(snap.ready), "running": float(snap.running),
+               "dead": float(snap.dead), "oldest_age_seconds": snap.oldest_age_s,
+               "completed_total": float(snap.completed_total), "failed_total": float(snap.failed_total)}
+        for step, latency in snap.step_latency.items():
+            if latency.count:
+                out[f"step_{step}_seconds_avg"] = latency.sum_s / latency.count
+                out[f"step_{step}_seconds_max"] = latency.max_s
+                out[f"step_{step}_count"] = float(latency.count)
+        return out
