@@ -19,10 +19,10 @@ def _chat(text: str, **extra: Any) -> dict[str, Any]:
                                               {"role": "user", "content": text}], **extra}
 
 
-async def _settled(proxy: TestClient[Any, Any], timeout: float = 20.0) -> None:
+async def _settled(proxy: TestClient[Any, Any], wait_s: float = 20.0) -> None:
     """Wait until the write path has no job due now (scheduled summaries/insights may stay pending)."""
     engine = proxy.app[STATE].memory
-    deadline = asyncio.get_running_loop().time() + timeout
+    deadline = asyncio.get_running_loop().time() + wait_s
     while asyncio.get_running_loop().time() < deadline:
         metrics = await engine.jobs.metrics()  # type: ignore[attr-defined]
         if metrics.ready == 0 and metrics.running == 0:

@@ -372,16 +372,22 @@ class MemoryStore:
             await self._lance.delete(user_id)
             self._cache.drop(user_id)
             self._touches.pop(user_id, None)
-            await self._keyword.remove_user(user_id)
-            await self._keyword.commit()
             await self._purge(fragments)
         log.info("memory.user_forgotten", records=sum(counts.values()))
         return {str(kind): counts.get(str(kind), 0) for kind in Kind}
 
     async def _purge(self, fragments: Sequence[int] | None) -> None:
-        """Remove deleted rows' bytes: rebuild Tantivy from LanceDB, rewrite LanceDB's fragments."""
-        await self._keyword.rebuild(self._all_keyword_docs())
-        await self._lance.purge(fragments)
+        """Remove deleted rows' bytes: rebuild Tantivy from LanceDB while LanceDB rewrites its fragments.
+
+        Until the rebuilt index is swapped in, the old one may still match the deleted records, but keyword
+        hits are resolved against LanceDB (and the cache), so they are never returned.
+        """
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._keyword.rebuild(self._all_keyword_docs()))
+                group.create_task(self._lance.purge(fragments))
+        except ExceptionGroup as failed:
+            raise failed.exceptions[0] from failed
         await self._mark_synced()
         self._purge_path.unlink(missing_ok=True)
 
