@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 from datetime import UTC, datetime
 
 from hypothesis import given, settings
@@ -59,9 +60,7 @@ def test_block_has_sections_in_order_with_dated_items() -> None:
         start_at=datetime(2026, 1, 5, tzinfo=UTC),
         end_at=T0,
     )
-    turn = MemoryRecord(
-        user_id="u", kind=Kind.TURN, role="user", text="I tried a lentil curry", created_at=T0
-    )
+    turn = MemoryRecord(user_id="u", kind=Kind.TURN, role="user", text="I tried a lentil curry", created_at=T0)
     recent = MemoryRecord(user_id="u", kind=Kind.TURN, role="user", text="Printer ink prices?", created_at=T0)
     items = [
         item_from_record(recent, 0.2, Section.RECENT),
@@ -240,3 +239,28 @@ def test_token_estimate_is_word_piece_like() -> None:
     assert estimate_tokens("東京タワー") == 5
     assert estimate_tokens("1234567") == 3
     assert estimate_tokens("   ") == 0
+
+
+_CJK_RANGE = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_PIECES = re.compile(
+    rf"(?P<latin>[A-Za-z]+)|(?P<digits>\d+)|(?P<cjk>[{_CJK_RANGE}])|(?P<letters>[^\W\d_A-Za-z{_CJK_RANGE}]+)|(?P<other>\S)"
+)
+
+
+def _reference_estimate(text: str) -> int:
+    """The estimate spelled out piece by piece, as the module docstring states it."""
+    cost = {"latin": 6, "digits": 3, "letters": 3}
+    total = 0
+    for piece in _PIECES.finditer(text):
+        kind, size = piece.lastgroup or "other", len(piece.group())
+        if kind in cost:
+            total += -(-size // cost[kind])
+        else:
+            total += 2 if ord(piece.group()) > 0xFFFF else 1
+    return total
+
+
+@given(st.text(max_size=300))
+def test_token_estimate_matches_its_definition(text: str) -> None:
+    """The fast estimate equals the piece-by-piece definition for any text, so budgets mean what they say."""
+    assert estimate_tokens(text) == _reference_estimate(text)

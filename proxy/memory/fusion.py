@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from proxy.memory.query import Query, has_cjk, query_dates, stem, stems, words
@@ -63,7 +63,12 @@ class Candidate:
         """This candidate with ``amount`` added to its fused score under ``name``."""
         if amount <= 0.0:
             return self
-        return replace(self, fused=self.fused + amount, boosts={**self.boosts, name: amount})
+        boosts = {**self.boosts, name: amount}
+        return Candidate(self.record, self.arm_scores, self.fused + amount, self.final, boosts)
+
+    def scored(self, final: float) -> Candidate:
+        """This candidate with its final score set."""
+        return Candidate(self.record, self.arm_scores, self.fused, final, self.boosts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,15 +99,17 @@ def best_per_record(hits: Iterable[ScoredRecord]) -> dict[str, ScoredRecord]:
     return best
 
 
-def _candidates(arms: Mapping[str, Sequence[ScoredRecord]]) -> dict[str, Candidate]:
-    """The union of the arms as candidates holding each arm's raw score."""
+def _arm_scores(
+    arms: Mapping[str, Sequence[ScoredRecord]],
+) -> tuple[dict[str, MemoryRecord], dict[str, dict[str, float]]]:
+    """The union of the arms: each record, and its raw score in every arm that found it."""
     records: dict[str, MemoryRecord] = {}
     scores: dict[str, dict[str, float]] = {}
     for arm, hits in arms.items():
         for rid, hit in best_per_record(hits).items():
             records.setdefault(rid, hit.record)
             scores.setdefault(rid, {})[arm] = float(hit.score)
-    return {rid: Candidate(record=records[rid], arm_scores=scores[rid]) for rid in records}
+    return records, scores
 
 
 def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -110,19 +117,25 @@ def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
     return sorted(candidates, key=lambda c: (-c.fused, -c.record.created_at.timestamp(), c.id))
 
 
-def weighted_fusion(
-    arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]
+def _built(
+    records: Mapping[str, MemoryRecord], scores: Mapping[str, dict[str, float]], fused: Mapping[str, float]
 ) -> list[Candidate]:
+    """Candidates from the union and their fused scores, best first."""
+    return _ranked(Candidate(record=records[rid], arm_scores=scores[rid], fused=fused[rid]) for rid in records)
+
+
+def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]) -> list[Candidate]:
     """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
-    candidates = _candidates(arms)
-    fused = dict.fromkeys(candidates, 0.0)
-    for arm, hits in arms.items():
-        best = best_per_record(hits)
-        raw = [h.score for h in best.values()]
-        normalised = raw if arm in RAW_SCORE_ARMS else min_max(raw)
-        for rid, value in zip(best, normalised, strict=True):
-            fused[rid] += weights.get(arm, 0.0) * value
-    return _ranked(replace(c, fused=fused[rid]) for rid, c in candidates.items())
+    records, scores = _arm_scores(arms)
+    fused = dict.fromkeys(records, 0.0)
+    for arm in arms:
+        found = [(rid, arm_scores[arm]) for rid, arm_scores in scores.items() if arm in arm_scores]
+        values = [value for _, value in found]
+        normalised = values if arm in RAW_SCORE_ARMS else min_max(values)
+        weight = weights.get(arm, 0.0)
+        for (rid, _), value in zip(found, normalised, strict=True):
+            fused[rid] += weight * value
+    return _built(records, scores, fused)
 
 
 def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 60) -> list[Candidate]:
@@ -131,18 +144,17 @@ def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 
     Ranks start at 1 and tied scores share a rank. The entity arm's term is scaled by its damped score, since
     its ties say nothing about order and a common name should count for less.
     """
-    candidates = _candidates(arms)
-    fused = dict.fromkeys(candidates, 0.0)
-    for arm, hits in arms.items():
-        best = best_per_record(hits)
-        ordered = sorted(best.values(), key=lambda h: -h.score)
+    records, scores = _arm_scores(arms)
+    fused = dict.fromkeys(records, 0.0)
+    for arm in arms:
+        ordered = sorted(((s[arm], rid) for rid, s in scores.items() if arm in s), key=lambda p: -p[0])
         rank, previous = 0, math.inf
-        for position, hit in enumerate(ordered, start=1):
-            if hit.score < previous:
-                rank, previous = position, hit.score
-            scale = hit.score if arm in RAW_SCORE_ARMS else 1.0
-            fused[hit.record.id] += scale / (k + rank)
-    return _ranked(replace(c, fused=fused[rid]) for rid, c in candidates.items())
+        for position, (score, rid) in enumerate(ordered, start=1):
+            if score < previous:
+                rank, previous = position, score
+            scale = score if arm in RAW_SCORE_ARMS else 1.0
+            fused[rid] += scale / (k + rank)
+    return _built(records, scores, fused)
 
 
 def keyword_gate(

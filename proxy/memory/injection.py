@@ -24,9 +24,7 @@ for English; Chinese can run ~1.5x over it with cl100k (o200k: under).
 from __future__ import annotations
 
 import json
-import math
 import re
-import unicodedata
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -97,43 +95,38 @@ class Injection:
 # --- token estimate ---------------------------------------------------------------------------------------
 
 _CJK_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
-_PIECE = re.compile(
-    rf"(?P<latin>[A-Za-z]+)|(?P<digits>\d+)|(?P<cjk>[{_CJK_CLASS}])"
-    rf"|(?P<letters>[^\W\d_A-Za-z{_CJK_CLASS}]+)|(?P<other>\S)"
-)
-
-
-def _piece_tokens(piece: re.Match[str]) -> int:
-    """Estimated tokens of one piece found by ``_PIECE``."""
-    kind, size = piece.lastgroup, len(piece.group())
-    if kind == "latin":
-        return math.ceil(size / 6)
-    if kind in ("digits", "letters"):
-        return math.ceil(size / 3)
-    if kind == "cjk":
-        return 1
-    return 2 if ord(piece.group()) > 0xFFFF else 1
+_LATIN = re.compile(r"[A-Za-z]+")
+_DIGITS = re.compile(r"\d+")
+_CJK_CHAR = re.compile(rf"[{_CJK_CLASS}]")
+_LETTERS = re.compile(rf"[^\W\d_A-Za-z{_CJK_CLASS}]+")
+_OTHER = re.compile(r"[^\w\s]|_")
+_ASTRAL_OTHER = re.compile(r"[^\w\s\x00-\uffff]")
 
 
 def estimate_tokens(text: str) -> int:
-    """A cheap, tokenizer-free estimate of how many tokens ``text`` costs (see the module docstring)."""
-    return sum(_piece_tokens(p) for p in _PIECE.finditer(text))
+    """A cheap, tokenizer-free estimate of how many tokens ``text`` costs (see the module docstring).
+
+    Word characters split into ASCII letter runs, digit runs, CJK characters and other letter runs; every
+    other non-space character is one piece. The classes do not overlap, so each is counted on its own.
+    """
+    latin = sum((len(run) + 5) // 6 for run in _LATIN.findall(text))
+    digits = sum((len(run) + 2) // 3 for run in _DIGITS.findall(text))
+    letters = sum((len(run) + 2) // 3 for run in _LETTERS.findall(text))
+    cjk = len(_CJK_CHAR.findall(text))
+    other = len(_OTHER.findall(text)) + len(_ASTRAL_OTHER.findall(text))
+    return latin + digits + letters + cjk + other
 
 
 # --- quoting ----------------------------------------------------------------------------------------------
 
-_BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069\u200e\u200f")
-
-
-def _must_escape(char: str) -> bool:
-    """Characters that could break a line, a tag or the reading order of a quoted item."""
-    return char in "<>" or char in _BIDI or unicodedata.category(char) in ("Cc", "Zl", "Zp")
+# Beyond what JSON escapes: tag brackets, C1 controls and DEL, line/paragraph separators, bidi controls.
+_UNSAFE = re.compile("[<>\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 
 
 def quote(text: str) -> str:
     """``text`` as a one-line JSON string literal with tag, line and bidi characters escaped too."""
     literal = json.dumps(text, ensure_ascii=False)
-    return "".join(f"\\u{ord(c):04x}" if _must_escape(c) else c for c in literal)
+    return _UNSAFE.sub(lambda m: f"\\u{ord(m.group()):04x}", literal)
 
 
 # --- items ------------------------------------------------------------------------------------------------
@@ -274,21 +267,28 @@ def render_block(items: Sequence[MemoryItem]) -> str:
     return "\n".join(lines)
 
 
-def _block_cost(items: Sequence[MemoryItem]) -> int:
-    """Estimated tokens of the block ``items`` would make (additive, so it can be updated per item)."""
-    if not items:
-        return 0
-    sections = {i.section for i in items}
-    fixed = estimate_tokens(f"{OPEN_TAG}\n{PREAMBLE}\n{CLOSE_TAG}")
-    headers = sum(estimate_tokens(f"{s.value}:") for s in sections)
-    return fixed + headers + sum(estimate_tokens(render_item(i)) for i in items)
+_FIXED_COST = estimate_tokens(f"{OPEN_TAG}\n{PREAMBLE}\n{CLOSE_TAG}")
+_HEADER_COST = {section: estimate_tokens(f"{section.value}:") for section in Section}
 
 
 def fit_budget(items: Sequence[MemoryItem], budget: int) -> list[MemoryItem]:
-    """Drop the lowest-scored items until the block fits ``budget`` tokens."""
+    """Drop the lowest-scored items until the block fits ``budget`` tokens.
+
+    The estimate is additive over whitespace-separated parts, so the block's cost is the preamble's, plus
+    each used section header's, plus each item line's.
+    """
     kept = sorted(items, key=lambda i: -i.score)
-    while kept and _block_cost(kept) > budget:
-        kept.pop()
+    costs = [estimate_tokens(render_item(i)) for i in kept]
+    sections: dict[Section, int] = {}
+    for item in kept:
+        sections[item.section] = sections.get(item.section, 0) + 1
+    total = _FIXED_COST + sum(_HEADER_COST[s] for s in sections) + sum(costs)
+    while kept and total > budget:
+        item = kept.pop()
+        total -= costs.pop()
+        sections[item.section] -= 1
+        if sections[item.section] == 0:
+            total -= _HEADER_COST[item.section]
     return kept
 
 

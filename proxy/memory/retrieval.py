@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -40,54 +39,35 @@ from proxy.memory.fusion import (
 )
 from proxy.memory.injection import MemoryItem, Section, item_from_record
 from proxy.memory.query import Query, build_query
+from proxy.memory.read_cache import (
+    NameIndexCache,
+    ReadCache,
+    RetrievalStore,
+    load_insights,
+    load_name_index,
+    load_newest_turns,
+)
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
 from proxy.memory.scoring import recency, score_candidates
+
+__all__ = [
+    "INSIGHT_PRIORITY",
+    "RECENT_PRIORITY",
+    "NameIndexCache",
+    "ReadCache",
+    "RetrievalResult",
+    "RetrievalStore",
+    "load_name_index",
+    "plan_items",
+    "recent_messages",
+    "retrieve",
+]
 
 _T = TypeVar("_T")
 PAST_KINDS = (Kind.TURN, Kind.SUMMARY)
 INSIGHT_PRIORITY = 0.5  # an insight's item score is this x its confidence (candidates score in [0, 1])
 RECENT_PRIORITY = 0.3  # a recent message's item score is this x its recency
-
-
-class Page(Protocol):
-    """A page of records (``store.Page``)."""
-
-    @property
-    def data(self) -> list[MemoryRecord]: ...
-
-    @property
-    def next_cursor(self) -> str | None: ...
-
-
-class RetrievalStore(Protocol):
-    """The part of ``MemoryStore`` the read path uses; every call is scoped to one user."""
-
-    async def vector_search(
-        self,
-        user_id: str,
-        query: npt.NDArray[np.float32],
-        k: int,
-        *,
-        kinds: Sequence[Kind] | None = None,
-        since: datetime | None = None,
-    ) -> Sequence[ScoredRecord]: ...
-
-    async def keyword_search(
-        self,
-        user_id: str,
-        query: str,
-        k: int,
-        *,
-        kinds: Sequence[Kind] | None = None,
-        since: datetime | None = None,
-    ) -> Sequence[ScoredRecord]: ...
-
-    async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
-
-    async def list(
-        self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50, cursor: str | None = None
-    ) -> Page: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,73 +223,12 @@ async def _entity_arm(
     return sorted(hits, key=lambda h: -h.score)
 
 
-async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> NameIndex:
-    """Build a user's name index from their facts and subjects (pages through the store)."""
-    records: list[MemoryRecord] = []
-    cursor: str | None = None
-    while len(records) < max_records:
-        page = await store.list(user_id, [Kind.FACT, Kind.SUBJECT], limit=500, cursor=cursor)
-        records += [r for r in page.data if r.valid]
-        cursor = page.next_cursor
-        if cursor is None:
-            break
-    return NameIndex.build(records)
-
-
-class NameIndexCache:
-    """Per-user name indexes kept for ``ttl_s`` seconds, at most ``max_users`` of them (LRU).
-
-    Loads run inside the caller's entity-arm timeout; a load that finishes is kept, so a slow first load
-    degrades one request and serves the next ones.
-    """
-
-    def __init__(self, *, ttl_s: float = 60.0, max_users: int = 1024) -> None:
-        self._ttl_s = ttl_s
-        self._max_users = max_users
-        self._entries: OrderedDict[str, tuple[float, NameIndex]] = OrderedDict()
-        self._locks: dict[str, asyncio.Lock] = {}
-
-    def invalidate(self, user_id: str) -> None:
-        """Forget a user's index (after their facts change, or they are forgotten)."""
-        self._entries.pop(user_id, None)
-
-    async def get(self, store: RetrievalStore, user_id: str) -> NameIndex:
-        """The user's index, loaded once per ``ttl_s`` (concurrent requests share one load)."""
-        fresh = self._fresh(user_id)
-        if fresh is not None:
-            return fresh
-        lock = self._locks.setdefault(user_id, asyncio.Lock())
-        async with lock:
-            fresh = self._fresh(user_id)
-            if fresh is None:
-                fresh = await load_name_index(store, user_id)
-                self._put(user_id, fresh)
-        if not lock.locked():
-            self._locks.pop(user_id, None)
-        return fresh
-
-    def _fresh(self, user_id: str) -> NameIndex | None:
-        """The cached index if it is younger than the TTL."""
-        entry = self._entries.get(user_id)
-        if entry is None or time.monotonic() - entry[0] > self._ttl_s:
-            return None
-        self._entries.move_to_end(user_id)
-        return entry[1]
-
-    def _put(self, user_id: str, index: NameIndex) -> None:
-        """Keep ``index``, evicting the least recently used users beyond ``max_users``."""
-        self._entries[user_id] = (time.monotonic(), index)
-        self._entries.move_to_end(user_id)
-        while len(self._entries) > self._max_users:
-            self._entries.popitem(last=False)
-
-
-async def _name_index(store: RetrievalStore, user_id: str, names: NameIndex | NameIndexCache | None) -> NameIndex:
+async def _name_index(store: RetrievalStore, user_id: str, names: NameIndex | ReadCache | None) -> NameIndex:
     """The name index to match the query against: given, cached, or loaded now."""
     if isinstance(names, NameIndex):
         return names
-    if isinstance(names, NameIndexCache):
-        return await names.get(store, user_id)
+    if isinstance(names, ReadCache):
+        return await names.names(store, user_id)
     return await load_name_index(store, user_id)
 
 
@@ -317,7 +236,7 @@ async def _entity_step(
     store: RetrievalStore,
     user_id: str,
     query: Query,
-    names: NameIndex | NameIndexCache | None,
+    names: NameIndex | ReadCache | None,
     settings: RetrievalSettings,
     since: datetime | None,
 ) -> list[ScoredRecord]:
@@ -326,25 +245,37 @@ async def _entity_step(
     return await _entity_arm(store, user_id, query, index, settings, since)
 
 
-async def _insights(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
-    """The user's current insights."""
-    page = await store.list(user_id, [Kind.INSIGHT], limit=limit)
-    return [r for r in page.data if r.valid]
+async def _insights(
+    store: RetrievalStore, user_id: str, limit: int, cache: NameIndex | ReadCache | None
+) -> list[MemoryRecord]:
+    """The user's current insights (cached when a ``ReadCache`` is given)."""
+    if isinstance(cache, ReadCache):
+        return await cache.insights(store, user_id, limit)
+    return await load_insights(store, user_id, limit)
 
 
-async def _recent(store: RetrievalStore, user_id: str, conversation_id: str | None, count: int) -> list[MemoryRecord]:
-    """The user's last ``count`` messages from conversations other than this one (newest first).
-
-    Reads one page of the newest turns; when the user's latest turns all belong to this conversation,
-    fewer (or none) come back, which is the right answer for a long single chat.
-    """
-    page = await store.list(user_id, [Kind.TURN], limit=max(20, count * 6))
-    mine = [
-        r
-        for r in page.data
-        if r.valid and r.role == "user" and (conversation_id is None or r.conversation_id != conversation_id)
+def recent_messages(turns: Sequence[MemoryRecord], conversation_id: str | None, count: int) -> list[MemoryRecord]:
+    """The newest ``count`` user messages among ``turns`` that belong to other conversations than this one."""
+    others = [
+        t for t in turns if t.role == "user" and (conversation_id is None or t.conversation_id != conversation_id)
     ]
-    return mine[:count]
+    return others[:count]
+
+
+async def _recent(
+    store: RetrievalStore, user_id: str, conversation_id: str | None, count: int, cache: NameIndex | ReadCache | None
+) -> list[MemoryRecord]:
+    """The user's last ``count`` messages from other conversations (newest first).
+
+    Looks at the user's newest ``max(20, 6 x count)`` turns; when those all belong to this conversation, fewer
+    (or none) come back, which is the right answer for one long chat.
+    """
+    limit = max(20, count * 6)
+    if isinstance(cache, ReadCache):
+        turns = await cache.newest_turns(store, user_id, limit)
+    else:
+        turns = await load_newest_turns(store, user_id, limit)
+    return recent_messages(turns, conversation_id, count)
 
 
 # --- choosing what to inject ------------------------------------------------------------------------------
@@ -429,7 +360,7 @@ async def _run_steps(
     settings: RetrievalSettings,
     now: datetime,
     conversation_id: str | None,
-    names: NameIndex | NameIndexCache | None,
+    names: NameIndex | ReadCache | None,
     report: _Report,
 ) -> _Found:
     """Run every arm and lookup concurrently, each within its timeout."""
@@ -459,14 +390,14 @@ async def _run_steps(
         ),
         _step(
             "insights",
-            lambda: _insights(store, user_id, settings.max_insights),
+            lambda: _insights(store, user_id, settings.max_insights, names),
             settings.max_insights > 0,
             timeout_s,
             report,
         ),
         _step(
             "recent",
-            lambda: _recent(store, user_id, conversation_id, settings.recent_messages),
+            lambda: _recent(store, user_id, conversation_id, settings.recent_messages, names),
             settings.recent_messages > 0,
             timeout_s,
             report,
@@ -484,7 +415,7 @@ async def retrieve(
     now: datetime,
     *,
     conversation_id: str | None = None,
-    names: NameIndex | NameIndexCache | None = None,
+    names: NameIndex | ReadCache | None = None,
 ) -> RetrievalResult:
     """Find, rank and choose the memories of ``user_id`` for a chat request (see the module docstring).
 

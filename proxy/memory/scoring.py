@@ -9,7 +9,6 @@ rating given at write time. With all weights 1 the issue's worked "Maya" table c
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime
 
 from proxy.memory.fusion import Candidate, min_max
@@ -50,5 +49,5 @@ def score_candidates(
         [float(c.record.importance) for c in candidates],
         weights,
     )
-    scored = [replace(c, final=total) for c, total in zip(candidates, totals, strict=True)]
+    scored = [c.scored(total) for c, total in zip(candidates, totals, strict=True)]
     return sorted(scored, key=lambda c: -c.final)

@@ -1,0 +1,153 @@
+"""What the read path needs from the store, and a cache of the per-user lookups that change slowly.
+
+``RetrievalStore`` is the slice of ``MemoryStore`` the read path uses (every call scoped to one user). Three
+lookups do not depend on the query and cost a listing each: the user's name index (entities of facts, names
+of subjects), their current insights, and their newest turns. ``ReadCache`` keeps them per user for a few
+seconds (names and insights ``ttl_s``, newest turns ``recent_ttl_s``), at most ``max_users`` users (LRU);
+``invalidate`` drops a user at once, e.g. after their memories change or they are forgotten. Concurrent
+requests for one user share one load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
+from typing import Any, Protocol, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from proxy.memory.fusion import NameIndex, ScoredRecord
+from proxy.memory.records import Kind, MemoryRecord
+
+_T = TypeVar("_T")
+
+
+class Page(Protocol):
+    """A page of records (``store.Page``)."""
+
+    @property
+    def data(self) -> list[MemoryRecord]: ...
+
+    @property
+    def next_cursor(self) -> str | None: ...
+
+
+class RetrievalStore(Protocol):
+    """The part of ``MemoryStore`` the read path uses; every call is scoped to one user."""
+
+    async def vector_search(
+        self,
+        user_id: str,
+        query: npt.NDArray[np.float32],
+        k: int,
+        *,
+        kinds: Sequence[Kind] | None = None,
+        since: datetime | None = None,
+    ) -> Sequence[ScoredRecord]: ...
+
+    async def keyword_search(
+        self, user_id: str, query: str, k: int, *, kinds: Sequence[Kind] | None = None, since: datetime | None = None
+    ) -> Sequence[ScoredRecord]: ...
+
+    async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
+
+    async def list(
+        self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50, cursor: str | None = None
+    ) -> Page: ...
+
+
+async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> NameIndex:
+    """Build a user's name index from their valid facts and subjects (pages through the store)."""
+    records: list[MemoryRecord] = []
+    cursor: str | None = None
+    while len(records) < max_records:
+        page = await store.list(user_id, [Kind.FACT, Kind.SUBJECT], limit=500, cursor=cursor)
+        records += [r for r in page.data if r.valid]
+        cursor = page.next_cursor
+        if cursor is None:
+            break
+    return NameIndex.build(records)
+
+
+async def load_insights(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
+    """The user's current insights, newest first."""
+    page = await store.list(user_id, [Kind.INSIGHT], limit=limit)
+    return [r for r in page.data if r.valid]
+
+
+async def load_newest_turns(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
+    """The user's newest valid turns (both roles, all conversations), newest first."""
+    page = await store.list(user_id, [Kind.TURN], limit=limit)
+    return [r for r in page.data if r.valid]
+
+
+class ReadCache:
+    """Per-user name index, insights and newest turns, kept briefly (see the module docstring)."""
+
+    def __init__(self, *, ttl_s: float = 60.0, recent_ttl_s: float = 5.0, max_users: int = 1024) -> None:
+        self._ttl_s = ttl_s
+        self._recent_ttl_s = recent_ttl_s
+        self._max_users = max_users
+        self._users: OrderedDict[str, dict[tuple[Any, ...], tuple[float, Any]]] = OrderedDict()
+        self._locks: dict[tuple[Any, ...], asyncio.Lock] = {}
+
+    def invalidate(self, user_id: str) -> None:
+        """Forget everything cached for a user."""
+        self._users.pop(user_id, None)
+
+    async def get(self, store: RetrievalStore, user_id: str) -> NameIndex:
+        """The user's name index (the original ``NameIndexCache`` call)."""
+        return await self.names(store, user_id)
+
+    async def names(self, store: RetrievalStore, user_id: str) -> NameIndex:
+        """The user's name index."""
+        return await self._cached(user_id, ("names",), self._ttl_s, lambda: load_name_index(store, user_id))
+
+    async def insights(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
+        """The user's current insights."""
+        return await self._cached(
+            user_id, ("insights", limit), self._ttl_s, lambda: load_insights(store, user_id, limit)
+        )
+
+    async def newest_turns(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
+        """The user's newest turns."""
+        return await self._cached(
+            user_id, ("turns", limit), self._recent_ttl_s, lambda: load_newest_turns(store, user_id, limit)
+        )
+
+    async def _cached(self, user_id: str, key: tuple[Any, ...], ttl_s: float, load: Callable[[], Awaitable[_T]]) -> _T:
+        """The fresh cached value for ``(user_id, key)``, or one load shared by concurrent callers."""
+        fresh = self._fresh(user_id, key, ttl_s)
+        if fresh is not None:
+            return cast(_T, fresh[0])
+        lock = self._locks.setdefault((user_id, *key), asyncio.Lock())
+        async with lock:
+            fresh = self._fresh(user_id, key, ttl_s)
+            if fresh is None:
+                fresh = (await load(),)
+                self._put(user_id, key, fresh[0])
+        if not lock.locked():
+            self._locks.pop((user_id, *key), None)
+        return cast(_T, fresh[0])
+
+    def _fresh(self, user_id: str, key: tuple[Any, ...], ttl_s: float) -> tuple[Any] | None:
+        """The cached value (in a 1-tuple, so a cached None or [] counts) if younger than ``ttl_s``."""
+        entry = self._users.get(user_id, {}).get(key)
+        if entry is None or time.monotonic() - entry[0] > ttl_s:
+            return None
+        self._users.move_to_end(user_id)
+        return (entry[1],)
+
+    def _put(self, user_id: str, key: tuple[Any, ...], value: Any) -> None:
+        """Keep ``value``, evicting the least recently used users beyond ``max_users``."""
+        self._users.setdefault(user_id, {})[key] = (time.monotonic(), value)
+        self._users.move_to_end(user_id)
+        while len(self._users) > self._max_users:
+            self._users.popitem(last=False)
+
+
+NameIndexCache = ReadCache  # the first name of this cache; kept for callers that use it

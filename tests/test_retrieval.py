@@ -1,0 +1,364 @@
+"""Tests of the read path end to end over the real store (LanceDB + Tantivy in tmp_path)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from proxy.memory.errors import EmbedderError, StoreError
+from proxy.memory.fusion import BM25, DENSE, ENTITY, Candidate, NameIndex
+from proxy.memory.injection import Section, inject
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.retrieval import ReadCache, plan_items, retrieve
+from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.store import MemoryStore, StoreSettings
+from tests.support.embedder import HashingEmbedder
+
+NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
+
+
+def _fact(user: str, text: str, days_ago: float = 10, **fields: Any) -> MemoryRecord:
+    """A fact of ``user`` created ``days_ago`` before NOW."""
+    return MemoryRecord(user_id=user, kind=Kind.FACT, text=text, created_at=NOW - timedelta(days=days_ago), **fields)
+
+
+def _turn(user: str, text: str, conversation: str, days_ago: float = 1, role: str = "user") -> MemoryRecord:
+    """A chat turn of ``user`` in ``conversation``."""
+    return MemoryRecord(
+        user_id=user,
+        kind=Kind.TURN,
+        text=text,
+        role=role,
+        conversation_id=conversation,
+        created_at=NOW - timedelta(days=days_ago),
+    )
+
+
+def _settings(**changes: Any) -> RetrievalSettings:
+    """Read-path settings with a generous arm timeout, so a loaded test machine never degrades an arm."""
+    return RetrievalSettings(**{"arm_timeout_ms": 10_000, **changes})
+
+
+def _ask(text: str) -> list[dict[str, Any]]:
+    """A request with a system prompt and one user question."""
+    return [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}]
+
+
+@pytest.fixture
+def embedder() -> HashingEmbedder:
+    """The deterministic test embedder, shared by the store and the read path."""
+    return HashingEmbedder(dim=64)
+
+
+@pytest.fixture
+async def store(tmp_path: Path, embedder: HashingEmbedder) -> AsyncIterator[MemoryStore]:
+    """A real store in a temporary directory."""
+    async with MemoryStore(StoreSettings(path=tmp_path / "data"), embedder) as opened:
+        yield opened
+
+
+class FailingEmbedder(HashingEmbedder):
+    """An embedding backend that is down."""
+
+    async def embed_query(self, text: str) -> np.ndarray:
+        raise EmbedderError("backend unreachable")
+
+
+class SlowEmbedder(HashingEmbedder):
+    """An embedding backend that hangs."""
+
+    async def embed_query(self, text: str) -> np.ndarray:
+        await asyncio.sleep(30)
+        return await super().embed_query(text)
+
+
+class BrokenKeywordStore:
+    """The real store, with its keyword arm failing (fault injection, everything else real)."""
+
+    def __init__(self, store: MemoryStore, error: BaseException | None = None, delay: float = 0.0) -> None:
+        self._store = store
+        self._error = error
+        self._delay = delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def keyword_search(self, *args: Any, **kwargs: Any) -> Sequence[Any]:
+        await asyncio.sleep(self._delay)
+        if self._error is not None:
+            raise self._error
+        return await self._store.keyword_search(*args, **kwargs)
+
+
+async def test_fact_from_one_conversation_is_injected_in_another_and_never_for_another_user(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """Maya's vegetarian fact reaches her new chat's system prompt; Bob asking the same gets none of it."""
+    await store.add(
+        [
+            _fact("maya", "Maya is vegetarian and cooks for two kids", source_ids=("t1",)),
+            _turn("maya", "I am vegetarian, by the way", "c1"),
+            _fact("bob", "Bob hates mushrooms"),
+        ]
+    )
+    messages = _ask("What should I cook for dinner, something vegetarian?")
+    result = await retrieve(store, embedder, messages, "maya", _settings(), NOW, conversation_id="c2")
+    injection = inject(messages, result.items, result.query.terms if result.query else (), InjectionSettings())
+    system = injection.messages[0]["content"]
+    assert system.startswith("You are helpful.\n\n<memory>")
+    assert '"Maya is vegetarian and cooks for two kids"' in system
+    assert result.arms_ran == [DENSE, BM25, ENTITY]
+    other = await retrieve(store, embedder, messages, "bob", _settings(), NOW, conversation_id="c2")
+    assert all(c.record.user_id == "bob" for c in other.candidates)
+    assert "Maya" not in inject(messages, other.items, (), InjectionSettings()).block
+
+
+async def test_embedder_down_keeps_bm25_serving(store: MemoryStore) -> None:
+    """Without the embedder, the keyword arm still finds the fact and the result says dense is degraded."""
+    await store.add([_fact("maya", "Maya's passport number ends in 4471"), _fact("maya", "Maya likes jazz")])
+    result = await retrieve(store, FailingEmbedder(), _ask("where is my passport?"), "maya", _settings(), NOW)
+    assert result.degraded == {DENSE: "embedder-EmbedderError"}
+    assert DENSE not in result.arms_ran
+    assert BM25 in result.arms_ran
+    assert result.candidates[0].record.text == "Maya's passport number ends in 4471"
+    assert not result.gated
+    assert "degraded=dense:embedder-EmbedderError" in result.arms_header
+
+
+async def test_embedder_timeout_is_reported_and_bm25_serves(store: MemoryStore) -> None:
+    """A hanging embedder costs at most the arm timeout, and BM25 answers."""
+    await store.add([_fact("maya", "Maya's passport number ends in 4471")])
+    settings = _settings(arm_timeout_ms=400)
+    started = asyncio.get_running_loop().time()
+    result = await retrieve(store, SlowEmbedder(), _ask("my passport number?"), "maya", settings, NOW)
+    assert asyncio.get_running_loop().time() - started < 5.0
+    assert result.degraded[DENSE] == "embedder-timeout"
+    assert [c.record.text for c in result.candidates] == ["Maya's passport number ends in 4471"]
+
+
+async def test_keyword_arm_failure_leaves_dense_serving(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """When BM25 raises, the dense arm still answers and the header names the failure."""
+    await store.add([_fact("maya", "Maya plays the saxophone")])
+    broken = BrokenKeywordStore(store, error=StoreError("index locked"))
+    result = await retrieve(broken, embedder, _ask("saxophone lessons"), "maya", _settings(), NOW)
+    assert result.degraded == {BM25: "StoreError"}
+    assert result.arms_ran == [DENSE, ENTITY]
+    assert result.candidates[0].record.text == "Maya plays the saxophone"
+
+
+async def test_keyword_arm_timeout_is_bounded(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A hanging keyword arm is cut at its timeout and the others serve."""
+    await store.add([_fact("maya", "Maya plays the saxophone")])
+    slow = BrokenKeywordStore(store, delay=30.0)
+    settings = _settings(arm_timeout_ms=400)
+    started = asyncio.get_running_loop().time()
+    result = await retrieve(slow, embedder, _ask("saxophone"), "maya", settings, NOW)
+    assert asyncio.get_running_loop().time() - started < 5.0
+    assert result.degraded[BM25] == "timeout"
+    assert result.candidates[0].record.text == "Maya plays the saxophone"
+
+
+async def test_bm25_only_hit_surfaces(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A memory the dense arm does not return (k=1) still becomes a candidate through BM25."""
+    parcel = _fact("maya", "Maya's parcel ZX4471 left the depot on Monday with the winter coats")
+    await store.add([parcel, _fact("maya", "status of order, status of order")])
+    settings = _settings(dense_k=1, gating=False, entity_k=0)
+    result = await retrieve(store, embedder, _ask("status of order ZX4471"), "maya", settings, NOW)
+    by_id = {c.id: c for c in result.candidates}
+    assert set(by_id[parcel.id].arm_scores) == {BM25}
+
+
+async def test_weak_keyword_matches_are_gated(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """BM25 hits sharing one word of a four-word question are gated out, and the result says so."""
+    await store.add([_fact("maya", "The agency called about paperwork")])
+    question = _ask("Caroline adoption agency interview outcome")
+    result = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    assert result.gated
+    assert result.arms_header.startswith("dense,bm25,entity,gated")
+
+
+async def test_old_turns_leave_the_window_but_facts_do_not(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """Turns older than 14 days are not candidates; facts of any age are; no window brings turns back."""
+    await store.add(
+        [
+            _turn("maya", "We talked about tomato seedlings", "c1", days_ago=30),
+            _fact("maya", "Maya grows tomato seedlings", days_ago=300),
+        ]
+    )
+    question = _ask("How are my tomato seedlings?")
+    windowed = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    assert [c.record.kind for c in windowed.candidates] == [Kind.FACT]
+    unbounded = await retrieve(store, embedder, question, "maya", _settings(turn_window_days=None), NOW)
+    assert {c.record.kind for c in unbounded.candidates} == {Kind.FACT, Kind.TURN}
+
+
+async def test_superseded_facts_are_never_retrieved(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """After "we moved to Paris", only the current city comes back."""
+    london = _fact("maya", "Maya lives in London", days_ago=60)
+    await store.add([london])
+    await store.supersede("maya", london.id, _fact("maya", "Maya lives in Paris", days_ago=1))
+    result = await retrieve(store, embedder, _ask("Which city do I live in?"), "maya", _settings(), NOW)
+    assert [c.record.text for c in result.candidates] == ["Maya lives in Paris"]
+
+
+async def test_insights_and_recent_activity_are_offered(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """Current insights and the last user messages of other chats are items; this chat's are not."""
+    insight = MemoryRecord(
+        user_id="maya",
+        kind=Kind.INSIGHT,
+        text="Maya is learning to bake sourdough",
+        confidence=0.9,
+        start_at=NOW - timedelta(days=50),
+        end_at=NOW - timedelta(days=2),
+        created_at=NOW - timedelta(days=2),
+    )
+    old_insight = insight.replace(id="old-insight", text="Maya runs marathons", valid=False)
+    await store.add(
+        [
+            insight,
+            old_insight,
+            _turn("maya", "Printer ink is so expensive", "c1", days_ago=0.5),
+            _turn("maya", "Sure, here are some inks", "c1", days_ago=0.49, role="assistant"),
+            _turn("maya", "Hello again in this chat", "c9", days_ago=0.1),
+        ]
+    )
+    settings = _settings()
+    result = await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, conversation_id="c9")
+    sections = {(i.section, i.text) for i in result.items}
+    assert (Section.INSIGHTS, "Maya is learning to bake sourdough") in sections
+    assert (Section.RECENT, "Printer ink is so expensive") in sections
+    texts = {i.text for i in result.items}
+    assert "Maya runs marathons" not in texts
+    assert "Sure, here are some inks" not in {i.text for i in result.items if i.section is Section.RECENT}
+    assert "Hello again in this chat" not in {i.text for i in result.items if i.section is Section.RECENT}
+
+
+async def test_entity_arm_surfaces_memories_by_name(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A memory tagged "Caroline" comes back for a question naming her, though it shares no other word."""
+    tagged = _fact("maya", "She started a counselling course", entities=("Caroline",))
+    await store.add([tagged, *(_fact("maya", f"Filler memory number {i}") for i in range(5))])
+    settings = _settings(dense_k=1, gating=False)
+    result = await retrieve(store, embedder, _ask("What is caroline up to?"), "maya", settings, NOW)
+    by_id = {c.id: c for c in result.candidates}
+    assert by_id[tagged.id].arm_scores[ENTITY] == 1.0
+
+
+async def test_subject_fusion_lifts_linked_memories(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A memory linked to a subject close to the query is lifted by lambda x cos."""
+    linked = _fact("maya", "Bought a used Fender last week")
+    other = _fact("maya", "Bought a used bicycle last week")
+    subject = MemoryRecord(
+        user_id="maya", kind=Kind.SUBJECT, text="guitar music", subject_kind="topic", source_ids=(linked.id,)
+    )
+    await store.add([linked, other, subject])
+    result = await retrieve(store, embedder, _ask("guitar music gear I bought"), "maya", _settings(), NOW)
+    by_id = {c.id: c for c in result.candidates}
+    assert by_id[linked.id].boosts.get("subject", 0.0) > 0.0
+    assert "subject" not in by_id[other.id].boosts
+    assert subject.id not in by_id
+
+
+async def test_name_index_cache_serves_until_invalidated(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A cached name index does not see a new name until it is invalidated (or its TTL passes)."""
+    cache = ReadCache(ttl_s=3600)
+    question = _ask("Any news from Priya?")
+    settings = _settings(dense_k=1, bm25_k=1)
+    await retrieve(store, embedder, question, "maya", settings, NOW, names=cache)
+    news = _fact("maya", "She got the job in Lisbon", entities=("Priya",))
+    await store.add([news])
+    stale = await retrieve(store, embedder, question, "maya", settings, NOW, names=cache)
+    assert all(ENTITY not in c.arm_scores for c in stale.candidates)
+    cache.invalidate("maya")
+    fresh = await retrieve(store, embedder, question, "maya", settings, NOW, names=cache)
+    assert {c.id: c.arm_scores.get(ENTITY) for c in fresh.candidates}[news.id] == 1.0
+
+
+async def test_read_cache_serves_insights_and_recent_turns_until_they_expire(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """Insights stay cached for ttl_s; the newest turns only for recent_ttl_s, so a new message shows soon."""
+    cache = ReadCache(ttl_s=3600, recent_ttl_s=0.0)
+    insight = MemoryRecord(user_id="maya", kind=Kind.INSIGHT, text="Maya bakes on weekends", confidence=0.8)
+    await store.add([insight, _turn("maya", "First message elsewhere", "c1", days_ago=0.2)])
+    settings = _settings()
+    await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, conversation_id="c9", names=cache)
+    newer = MemoryRecord(user_id="maya", kind=Kind.INSIGHT, text="Maya is training for a 10k", confidence=0.9)
+    await store.add([newer, _turn("maya", "Second message elsewhere", "c2", days_ago=0.1)])
+    again = await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, conversation_id="c9", names=cache)
+    texts = {(i.section, i.text) for i in again.items}
+    assert (Section.RECENT, "Second message elsewhere") in texts
+    assert (Section.INSIGHTS, "Maya is training for a 10k") not in texts
+    cache.invalidate("maya")
+    fresh = await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, conversation_id="c9", names=cache)
+    assert (Section.INSIGHTS, "Maya is training for a 10k") in {(i.section, i.text) for i in fresh.items}
+
+
+async def test_prebuilt_name_index_is_used_as_given(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A caller-built index (as the LoCoMo harness builds one) drives the entity arm."""
+    fact = _fact("maya", "Went to the pottery class")
+    await store.add([fact])
+    index = NameIndex.build([fact.replace(entities=("Melanie",))])
+    result = await retrieve(store, embedder, _ask("what did melanie do"), "maya", _settings(), NOW, names=index)
+    assert result.candidates[0].arm_scores.get(ENTITY) == 1.0
+
+
+async def test_no_user_text_means_no_retrieval(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A request without user text runs no arm and injects nothing."""
+    result = await retrieve(store, embedder, [{"role": "system", "content": "x"}], "maya", _settings(), NOW)
+    assert result.query is None
+    assert result.items == []
+    assert result.arms_header == ""
+
+
+async def test_timings_cover_every_step(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """The result carries per-step timings for the metrics and the X-Memory-Retrieval-Ms header."""
+    await store.add([_fact("maya", "Maya likes jazz")])
+    result = await retrieve(store, embedder, _ask("jazz"), "maya", _settings(), NOW)
+    assert {"embedder", DENSE, BM25, ENTITY, "fusion", "total"} <= set(result.timings_ms)
+    assert result.timings_ms["total"] >= result.timings_ms["fusion"]
+
+
+def _candidate(record: MemoryRecord, final: float) -> Candidate:
+    """A scored candidate."""
+    return Candidate(record=record, arm_scores={DENSE: final}, fused=final, final=final)
+
+
+def test_plan_caps_facts_and_past_by_settings() -> None:
+    """Only the best max_facts facts and max_past turns become items, scaled into [0, 1]."""
+    facts = [_candidate(_fact("maya", f"fact {i}"), 3.0 - i / 10) for i in range(5)]
+    turns = [_candidate(_turn("maya", f"turn {i}", "c1"), 2.0 - i / 10) for i in range(5)]
+    settings = _settings(max_facts=2, max_past=1)
+    items = plan_items([*facts, *turns], [], [], NOW, settings)
+    assert [(i.section, i.text) for i in items] == [
+        (Section.ABOUT_USER, "fact 0"),
+        (Section.ABOUT_USER, "fact 1"),
+        (Section.PAST, "turn 0"),
+    ]
+    assert items[0].score == pytest.approx(1.0)
+
+
+def test_summary_cooldown_skips_a_summary_injected_minutes_ago() -> None:
+    """With a cooldown set, a summary injected 5 minutes ago is left out; with none it stays."""
+    summary = MemoryRecord(
+        user_id="maya",
+        kind=Kind.SUMMARY,
+        text="Planned the Lisbon trip",
+        created_at=NOW - timedelta(days=3),
+        last_accessed_at=NOW - timedelta(minutes=5),
+    )
+    candidates = [_candidate(summary, 1.0)]
+    assert plan_items(candidates, [], [], NOW, _settings()) != []
+    assert plan_items(candidates, [], [], NOW, _settings(summary_cooldown_minutes=30)) == []
+
+
+def test_recent_message_that_is_also_relevant_is_listed_once() -> None:
+    """A relevant message from another chat appears under recent activity only, with its better score."""
+    turn = _turn("maya", "Printer ink is so expensive", "c1", days_ago=0.5)
+    items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings())
+    assert [(i.section, i.score) for i in items] == [(Section.RECENT, pytest.approx(1.0))]
