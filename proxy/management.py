@@ -17,12 +17,21 @@ import re
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Protocol, TypeVar, cast
+from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
 import orjson
 import structlog
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from proxy.errors import BadRequest, NotFound, ServiceUnavailable, Unauthorized
 from proxy.identity import log_user, valid_id
@@ -45,6 +54,7 @@ WEB_HEADERS = {
 }
 MAX_TEXT_CHARS = 4000
 EXPORT_CHUNK_BYTES = 64 * 1024
+KINDS = frozenset(str(kind) for kind in Kind)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _M = TypeVar("_M", bound=BaseModel)
@@ -111,30 +121,44 @@ class ManagedMemory(Protocol):
 # --- request models -----------------------------------------------------------------------------------
 
 
+def _integral(value: Any) -> Any:
+    """JSON numbers like ``3.0`` are integers (JSON Schema agrees); strings and ``3.5`` stay refused."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _no_null(value: Any) -> Any:
+    """An optional field may be left out, not sent as ``null``."""
+    if value is None:
+        raise ValueError("leave the field out instead of sending null")
+    return value
+
+
+Count = Annotated[int, BeforeValidator(_integral)]
+
+
 class _Body(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _present_means_not_null(cls, value: Any) -> Any:
+        return _no_null(value)
 
 
 class NewMemory(_Body):
     """``POST .../memories``: a fact written by an operator."""
 
     text: Text
-    kind: Kind = Kind.FACT
-    importance: int | None = Field(None, ge=1, le=10)
+    kind: Literal["fact"] = "fact"
+    importance: Count | None = Field(None, ge=1, le=10)
     category: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[a-z_]+$")
-
-    @model_validator(mode="after")
-    def _facts_only(self) -> NewMemory:
-        if self.kind is not Kind.FACT:
-            raise ValueError("only facts can be added by hand (kind must be 'fact')")
-        return self
 
 
 class MemoryEdit(_Body):
     """``PATCH .../memories/{id}``: new text (re-embedded; the old version stays in history) or importance."""
 
     text: Text | None = None
-    importance: int | None = Field(None, ge=1, le=10)
+    importance: Count | None = Field(None, ge=1, le=10)
 
     @model_validator(mode="after")
     def _something(self) -> MemoryEdit:
@@ -147,7 +171,7 @@ class SearchRequest(_Body):
     """``POST .../search``: what would be injected for a conversation whose last message is ``query``."""
 
     query: Text
-    k: int = Field(10, ge=1, le=50)
+    k: Count = Field(10, ge=1, le=50)
 
 
 class ListQuery(BaseModel):
@@ -330,15 +354,15 @@ async def delete_memory(request: web.Request) -> web.Response:
 
 
 async def forget_user(request: web.Request) -> web.Response:
-    """``DELETE /v1/memory/users/{user_id}``: every trace of the user; counts of what was erased."""
+    """``DELETE /v1/memory/users/{user_id}``: every trace of the user; counts by kind (and queued jobs)."""
     user_id = _user(request)
     memory = _memory(request)
     started = time.perf_counter()
     counts = await asyncio.shield(memory.forget_user(user_id))
     seconds = time.perf_counter() - started
-    _audit(request, "forgotten", user_id, records=sum(counts.values()), seconds=round(seconds, 3))
-    return _json({"user_id": user_id, "deleted": counts, "total": sum(counts.values()),
-                  "seconds": round(seconds, 3)})
+    records = sum(n for kind, n in counts.items() if kind in KINDS)
+    _audit(request, "forgotten", user_id, records=records, seconds=round(seconds, 3))
+    return _json({"user_id": user_id, "deleted": counts, "total": records, "seconds": round(seconds, 3)})
 
 
 def _download_name(user_id: str) -> str:
