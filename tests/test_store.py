@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId
+from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
 from proxy.memory.keyword import KeywordDoc, KeywordIndex
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore, StoreSettings
@@ -373,3 +373,13 @@ async def test_ann_index_keeps_searches_scoped(tmp_path: Path) -> None:
         hits = await store.vector_search("alice", await query_vector(store, "walk in the park"), 50)
         assert len(hits) == 50
         assert {hit.record.user_id for hit in hits} == {"alice"}
+
+
+async def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:
+    """One process owns a data directory: a second open fails clearly and harms nothing."""
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        [record] = await store.add([fact("alice", "owned by the first store")])
+        with pytest.raises(StoreError, match="in use"):
+            async with MemoryStore(settings_for(tmp_path), HashingEmbedder()):
+                pass
+        assert await keyword_ids(store, "alice", "owned") == [record.id]

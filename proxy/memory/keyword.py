@@ -178,7 +178,12 @@ class KeywordIndex:
 
     async def __aenter__(self) -> KeywordIndex:
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="tantivy")
-        self._gen = await self._run(self._open_current)
+        try:
+            self._gen = await self._run(self._open_current)
+        except BaseException:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

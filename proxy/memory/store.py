@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
+import fcntl
 import json
 import os
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -108,6 +110,7 @@ class MemoryStore:
         self._cache = VectorCache(settings.vector_cache_bytes)
         self._lock = asyncio.Lock()
         self._touches: dict[str, dict[str, datetime]] = {}
+        self._needs_repair = False
         self._writer: BatchWriter[MemoryRecord] | None = None
         self._stack: AsyncExitStack | None = None
 
@@ -126,6 +129,7 @@ class MemoryStore:
     async def __aenter__(self) -> MemoryStore:
         self.settings.path.mkdir(parents=True, exist_ok=True)
         async with AsyncExitStack() as stack:
+            stack.enter_context(_owned(self.settings.path / "LOCK"))
             await self._lance.open()
             stack.callback(self._lance.close)
             await stack.enter_async_context(self._keyword)
@@ -204,7 +208,7 @@ class MemoryStore:
 
     # writes ---------------------------------------------------------------------------------------------
 
-    def _check_writable(self) -> None:
+    def _check_model(self) -> None:
         if self._lance.mismatch is not None:
             raise self._lance.mismatch
 
@@ -213,7 +217,7 @@ class MemoryStore:
 
         Idempotent by id: a record whose id is already stored is left as it is.
         """
-        self._check_writable()
+        self._check_model()
         records = list(records)
         for record in records:
             check_user_id(record.user_id)
@@ -268,8 +272,16 @@ class MemoryStore:
         vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in records])
         await self._lance.add(_arrow_rows(records, vectors))
         self._cache.upsert(records, vectors)
-        await self._keyword.upsert([KeywordDoc.of(record) for record in records])
-        await self._keyword.commit()
+        await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in records]))
+
+    async def _index(self, change: Callable[[], Awaitable[None]]) -> None:
+        """Apply a change to Tantivy after LanceDB took it; if Tantivy fails, repair at the next optimize."""
+        try:
+            await change()
+            await self._keyword.commit()
+        except BaseException:
+            self._needs_repair = True
+            raise
         await self._mark_synced()
 
     async def update(self, user_id: str, id: str, **changes: Any) -> MemoryRecord | None:
@@ -282,7 +294,7 @@ class MemoryStore:
             changes["kind"] = Kind(changes["kind"])
         vector = None
         if "text" in changes:
-            self._check_writable()
+            self._check_model()
             vector = (await self._embed([str(changes["text"])]))[0]
         async with self._lock:
             return await self._update_locked(user_id, id, changes, vector)
@@ -300,9 +312,9 @@ class MemoryStore:
         await self._lance.replace(user_id, _arrow_rows([new], vector[None, :]))
         self._cache.upsert([new], vector[None, :])
         if _KEYWORD_FIELDS & set(changes):
-            await self._keyword.upsert([KeywordDoc.of(new)])
-            await self._keyword.commit()
-        await self._mark_synced()
+            await self._index(lambda: self._keyword.upsert([KeywordDoc.of(new)]))
+        else:
+            await self._mark_synced()
         return self._touched(new)
 
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:
@@ -355,9 +367,7 @@ class MemoryStore:
             await self._lance.delete(user_id, [id])
             self._cache.remove(user_id, [id])
             self._touches.get(user_id, {}).pop(id, None)
-            await self._keyword.remove(user_id, [id])
-            await self._keyword.commit()
-            await self._mark_synced()
+            await self._index(lambda: self._keyword.remove(user_id, [id]))
         return True
 
     async def forget_user(self, user_id: str) -> dict[str, int]:
@@ -396,9 +406,15 @@ class MemoryStore:
             yield _keyword_docs(batch)
 
     async def optimize(self) -> None:
-        """Compact LanceDB, fold new rows into its indexes, drop versions older than ten minutes."""
+        """Compact LanceDB, fold new rows into its indexes, drop versions older than ten minutes.
+
+        Also repairs Tantivy if a write reached LanceDB but failed in Tantivy since the last round.
+        """
         async with self._lock:
             await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS, self.settings.ann_index_min_rows)
+            if self._needs_repair:
+                await self.repair()
+                self._needs_repair = False
             await self._mark_synced()
 
     async def reindex(self, progress: Callable[[int, int], None] | None = None) -> int:
@@ -458,7 +474,7 @@ class MemoryStore:
     ) -> list[Hit]:
         """The ``k`` records nearest to ``query`` (cosine), valid ones only by default."""
         check_user_id(user_id)
-        self._check_writable()
+        self._check_model()
         vector = np.asarray(query, dtype=np.float32).reshape(-1)
         if vector.shape != (self._embedder.dim,):
             raise StoreError(f"query vector has shape {vector.shape}, expected ({self._embedder.dim},)")
@@ -536,6 +552,20 @@ class MemoryStore:
 
 
 # --- helpers -------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _owned(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on the data directory: one process owns it (and its Tantivy writer)."""
+    with lock_path.open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise StoreError(f"{lock_path.parent} is in use by another memproxy process") from exc
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _arrow_rows(records: Sequence[MemoryRecord], vectors: npt.NDArray[np.float32]) -> pa.Table:
