@@ -130,14 +130,13 @@ OUTLIERS: tuple[tuple[str, datetime], ...] = (
 )
 
 OLD_MESSAGES: tuple[tuple[str, datetime], ...] = tuple(
-    (text, datetime(2025, 11, 10, 9, tzinfo=UTC) + timedelta(days=i))
-    for i, text in enumerate(SOURDOUGH.messages[:5])
+    (text, datetime(2025, 11, 10, 9, tzinfo=UTC) + timedelta(days=i)) for i, text in enumerate(SOURDOUGH.messages[:5])
 )
 
 
 def user_messages() -> list[tuple[str, datetime, str]]:
     """Every in-window message as (text, sent at, topic name or "outlier"), topics first."""
-    rows = [(text, at, topic.name) for topic in TOPICS for text, at in zip(topic.messages, topic.times())]
+    rows = [(text, at, topic.name) for topic in TOPICS for text, at in zip(topic.messages, topic.times(), strict=True)]
     return rows + [(text, at, "outlier") for text, at in OUTLIERS]
 
 
