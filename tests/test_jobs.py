@@ -262,10 +262,10 @@ async def test_expired_lease_is_taken_again(tmp_path: Path) -> None:
     """A job claimed by a worker that stopped renewing its lease is claimed again once the lease runs out."""
     async with JobQueue(settings(tmp_path, lease_s=0.2)) as queue:
         job_id = await queue.enqueue("exchange", "u1", {})
-        (claimed,), _ = await queue.claim(["exchange"], 5)
-        assert (await queue.claim(["exchange"], 5))[0] == []
+        (claimed,), _ = await queue.claim({"exchange": 5})
+        assert (await queue.claim({"exchange": 5}))[0] == []
         await asyncio.sleep(0.3)
-        (again,), _ = await queue.claim(["exchange"], 5)
+        (again,), _ = await queue.claim({"exchange": 5})
     assert claimed.id == again.id == job_id
     assert (claimed.attempt, again.attempt) == (1, 2)
 
@@ -274,7 +274,7 @@ async def test_jobs_left_running_by_a_dead_process_run_after_restart(tmp_path: P
     """A job still marked running when its process vanished is taken again at the next open, at once."""
     async with JobQueue(settings(tmp_path, lease_s=3600)) as queue:
         job_id = await queue.enqueue("exchange", "u1", {"n": 1})
-        (job,), _ = await queue.claim(["exchange"], 1)
+        (job,), _ = await queue.claim({"exchange": 1})
         await job.checkpoint("turns", ["t1", "t2"])
     seen: list[dict[str, object]] = []
 
@@ -395,3 +395,31 @@ def test_backoff_is_bounded_and_grows(attempt: int, base: float, cap: float, see
     delay = backoff_delay(attempt, base, cap, random.Random(seed))
     ceiling = min(cap, base * 2.0 ** min(attempt - 1, 60))
     assert ceiling / 2 <= delay <= ceiling
+
+
+async def test_slow_kind_never_starves_another(tmp_path: Path) -> None:
+    """With every slot of a slow kind busy, a job of another kind still starts at once."""
+    release = asyncio.Event()
+    started: dict[str, float] = {}
+
+    async def slow(job: Job) -> None:
+        await release.wait()
+
+    async def quick(job: Job) -> None:
+        started[job.id] = time.monotonic()
+
+    async with JobQueue(settings(tmp_path, concurrency=2)) as queue:
+        for user in ("a", "b", "c", "d"):
+            await queue.enqueue("facts", user, {})
+        async with JobRunner(queue, {"facts": slow, "exchange": quick}):
+            await eventually(lambda: running_is(queue, 2))
+            sent = time.monotonic()
+            job_id = await queue.enqueue("exchange", "a", {})
+            await eventually(lambda: state_is(queue, job_id, "done"))
+            release.set()
+    assert started[job_id] - sent < 0.5
+
+
+async def running_is(queue: JobQueue, n: int) -> bool:
+    """Whether exactly ``n`` jobs are running."""
+    return (await queue.metrics()).running == n

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import sys
 import time
+from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -412,3 +414,66 @@ async def test_insights_job_is_debounced_per_user(harness: Harness) -> None:
     await harness.settle()
     metrics = await harness.queue.metrics()
     assert metrics.depth_by_kind.get("insights") == 1
+
+
+# ------------------------------------------------------------------------------------------------- crash
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def item_facts(name: str, body: dict[str, Any]) -> Any:
+    """Fake LLM answers for the crash test: one fact per "I own item number N" message, always ADD."""
+    if name == "memory_facts":
+        (message,) = user_payload(body)["user_messages"]
+        return facts(fact(message.replace("I own", "The user owns")))
+    return None
+
+
+async def test_sigkill_mid_processing_loses_and_duplicates_nothing(tmp_path: Path) -> None:
+    """After SIGKILL of a busy worker and a restart, every acknowledged exchange is stored exactly once."""
+    async with FakeLLM(lambda name, body: item_facts(name, body) or decision("ADD"), delay_s=0.03) as llm:
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "tests.job_crash_worker", str(tmp_path), llm.base_url, "40",
+            cwd=ROOT, stdout=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        acked, started = await read_until_busy(worker, min_acked=15, min_facts_started=5)
+        worker.kill()
+        await worker.wait()
+        async with running(tmp_path, llm) as h:
+            await h.settle(within_s=30)
+            stored = await stored_items(h)
+    assert len(acked) >= 15
+    assert started >= 5
+    for n in acked:
+        assert stored[n] == {"user": 1, "assistant": 1, "fact": 1}, f"exchange {n}: {stored[n]}"
+    assert all(count == 1 for counts in stored.values() for count in counts.values())
+
+
+async def read_until_busy(
+    worker: asyncio.subprocess.Process, min_acked: int, min_facts_started: int
+) -> tuple[set[int], int]:
+    """Read the worker's lines until enough exchanges are acknowledged and fact jobs have started."""
+    assert worker.stdout is not None
+    acked: set[int] = set()
+    started = 0
+    async with asyncio.timeout(60):
+        while len(acked) < min_acked or started < min_facts_started:
+            line = (await worker.stdout.readline()).decode()
+            assert line, "the worker exited early"
+            if line.startswith("ACK "):
+                acked.add(int(line.split()[1]))
+            elif line.startswith("START facts"):
+                started += 1
+    return acked, started
+
+
+async def stored_items(h: Harness) -> dict[int, dict[str, int]]:
+    """For each item number: how many user turns, assistant turns and facts mention it."""
+    counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for user in ("u0", "u1", "u2"):
+        page = await h.store.list(user, limit=1000, include_invalid=True)
+        for record in page.data:
+            n = int(record.text.rsplit(" ", 1)[-1])
+            label = "fact" if record.kind == Kind.FACT else str(record.role)
+            counts[n][label] += 1
+    return {n: dict(c) for n, c in counts.items()} | {}

@@ -6,8 +6,9 @@ Vocabulary:
   ``run_after``), ``running`` (claimed under a lease), ``done`` (kept ``done_retention_s`` with its payload
   cleared, so that re-enqueueing the same ``job_id`` is ignored) or ``dead`` (gave up after ``max_attempts``).
 - A *lane* is one (user, kind). Jobs of one lane run one at a time, in enqueue order; lanes run in parallel,
-  at most ``concurrency`` jobs at once. (One lane per kind, not per user, so that storing the turns of a new
-  reply never waits behind a slow fact-extraction call for the previous one.)
+  at most ``concurrency`` jobs of each kind at once. (Lanes and limits are per kind, not per user only, so
+  that storing the turns of a new reply never waits behind slow fact-extraction calls, the user's own or
+  anyone else's.)
 - A *debounced* job has a ``dedupe_key``: enqueueing the same (user, kind, key) while a job is still pending
   updates that job (new ``run_after`` and payload) instead of adding one, never later than
   ``debounce_max_delay_s`` after its first trigger. Debounced jobs do not hold up the FIFO order of their
@@ -32,6 +33,7 @@ import random
 import sqlite3
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
@@ -61,7 +63,7 @@ class JobQueueSettings(BaseModel):
     backoff_base_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=300.0, gt=0)
     lease_s: float = Field(default=60.0, gt=0)
-    concurrency: int = Field(default=4, ge=1)
+    concurrency: int = Field(default=16, ge=1)  # jobs in flight per kind
     poll_interval_s: float = Field(default=1.0, gt=0)
     job_timeout_s: float = Field(default=300.0, gt=0)
     drain_timeout_s: float = Field(default=10.0, ge=0)
@@ -202,7 +204,7 @@ CREATE TABLE IF NOT EXISTS job_state (
 
 _CANDIDATES = """
 SELECT * FROM jobs AS j
-WHERE j.state = 'pending' AND j.run_after <= :now AND j.kind IN ({kinds})
+WHERE j.state = 'pending' AND j.run_after <= :now AND j.kind = :kind
   AND NOT EXISTS (SELECT 1 FROM jobs AS r
                   WHERE r.user_id = j.user_id AND r.kind = j.kind AND r.state = 'running')
   AND (j.dedupe_key IS NOT NULL OR NOT EXISTS (
@@ -325,16 +327,15 @@ class _Db:
             cur = c.execute(_EXPIRE_LEASES, {"max": self.settings.max_attempts, "now": now, "owner": owner})
             return cur.rowcount
 
-    def claim(
-        self, kinds: Sequence[str], limit: int, owner: str, now: float
-    ) -> tuple[list[sqlite3.Row], float]:
-        """Up to ``limit`` due jobs (one per free lane) marked running; and when the next job is due."""
-        marks = ",".join("?" * len(kinds))
-        sql = _CANDIDATES.format(kinds=marks).replace(":now", "?").replace(":limit", "?")
+    def claim(self, limits: Mapping[str, int], owner: str, now: float) -> tuple[list[sqlite3.Row], float]:
+        """Due jobs marked running, at most ``limits[kind]`` per kind and one per lane; and the next due time."""
+        picked: list[sqlite3.Row] = []
         with self.txn() as c:
             self._expire(c, owner, now)
-            rows = c.execute(sql, (now, *kinds, limit * 8 + 8)).fetchall()
-            picked = _one_per_lane(rows, limit)
+            for kind, limit in limits.items():
+                if limit > 0:
+                    rows = c.execute(_CANDIDATES, {"now": now, "kind": kind, "limit": limit * 8 + 8}).fetchall()
+                    picked += _one_per_lane(rows, limit)
             lease_until = now + self.settings.lease_s
             for row in picked:
                 c.execute(
@@ -342,9 +343,10 @@ class _Db:
                     " lease_until = ?, updated_at = ? WHERE seq = ?",
                     (owner, lease_until, now, row["seq"]),
                 )
+            marks = ",".join("?" * len(limits))
             nxt = c.execute(
                 f"SELECT MIN(run_after) FROM jobs WHERE state = 'pending' AND kind IN ({marks})",  # noqa: S608
-                tuple(kinds),
+                tuple(limits),
             ).fetchone()[0]
         return picked, float(nxt) if nxt is not None else float("inf")
 
@@ -420,9 +422,7 @@ class _Db:
 
     def update_state(self, user_id: str, key: str, fn: Callable[[JSON | None], JSON | None]) -> JSON | None:
         with self.txn() as c:
-            row = c.execute(
-                "SELECT value FROM job_state WHERE user_id = ? AND key = ?", (user_id, key)
-            ).fetchone()
+            row = c.execute("SELECT value FROM job_state WHERE user_id = ? AND key = ?", (user_id, key)).fetchone()
             new = fn(json.loads(row[0]) if row is not None else None)
             if new is None:
                 c.execute("DELETE FROM job_state WHERE user_id = ? AND key = ?", (user_id, key))
@@ -528,9 +528,9 @@ class JobQueue:
         self.wakeup.set()
         return new_id
 
-    async def claim(self, kinds: Sequence[str], limit: int) -> tuple[list[Job], float]:
-        """Claim up to ``limit`` due jobs of ``kinds`` (one per lane); also when the next one is due."""
-        rows, next_due = await self._call(self._db.claim, tuple(kinds), limit, self.owner, time.time())
+    async def claim(self, limits: Mapping[str, int]) -> tuple[list[Job], float]:
+        """Claim due jobs, up to ``limits[kind]`` of each kind (one per lane); also when the next one is due."""
+        rows, next_due = await self._call(self._db.claim, dict(limits), self.owner, time.time())
         return [self._job(row) for row in rows], next_due
 
     def _job(self, row: sqlite3.Row) -> Job:
@@ -569,9 +569,7 @@ class JobQueue:
             self._totals["dead"] += 1
             await self._finish(job, {"state": "dead", "updated_at": now, "last_error": error})
             return JobState.DEAD
-        delay = backoff_delay(
-            job.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng
-        )
+        delay = backoff_delay(job.attempt, self.settings.backoff_base_s, self.settings.backoff_max_s, self._rng)
         changes = {"state": "pending", "run_after": now + delay, "updated_at": now, "last_error": error}
         await self._finish(job, changes)
         return JobState.PENDING
@@ -597,9 +595,7 @@ class JobQueue:
     async def release(self, job: Job) -> None:
         """Hand an interrupted job back, due now, without spending an attempt (used at shutdown)."""
         now = time.time()
-        await self._finish(
-            job, {"state": "pending", "attempts": job.attempt - 1, "run_after": now, "updated_at": now}
-        )
+        await self._finish(job, {"state": "pending", "attempts": job.attempt - 1, "run_after": now, "updated_at": now})
 
     async def _finish(self, job: Job, changes: JSON) -> None:
         await self._call(self._db.finish, job.id, self.owner, changes)
@@ -623,9 +619,7 @@ class JobQueue:
         self.wakeup.set()
         return done
 
-    async def update_state(
-        self, user_id: str, key: str, fn: Callable[[JSON | None], JSON | None]
-    ) -> JSON | None:
+    async def update_state(self, user_id: str, key: str, fn: Callable[[JSON | None], JSON | None]) -> JSON | None:
         """Atomically replace a small per-user JSON value with ``fn(old)`` (None deletes it); returns it.
 
         ``fn`` runs on the queue's thread inside the transaction: it must be quick and pure.
@@ -669,9 +663,7 @@ class JobQueue:
             failed_total=self._totals["failed"],
             deferred_total=self._totals["deferred"],
             dead_total=self._totals["dead"],
-            step_latency={
-                name: dataclasses.replace(s, buckets=list(s.buckets)) for name, s in self._steps.items()
-            },
+            step_latency={name: dataclasses.replace(s, buckets=list(s.buckets)) for name, s in self._steps.items()},
         )
 
 
@@ -717,11 +709,13 @@ class JobRunner:
             await self._drain()
 
     async def _fill(self, group: asyncio.TaskGroup) -> float:
-        free = self._settings.concurrency - len(self._inflight)
-        if free <= 0:
+        self._queue.wakeup.clear()  # before claiming: a wake-up during the claim is kept for the next wait
+        busy = Counter(job.kind for job, _ in self._inflight.values())
+        free = {kind: self._settings.concurrency - busy[kind] for kind in self._handlers}
+        if not any(n > 0 for n in free.values()):
             return float("inf")
         try:
-            jobs, next_due = await self._queue.claim(tuple(self._handlers), free)
+            jobs, next_due = await self._queue.claim(free)
             await self._purge_now_and_then()
         except (sqlite3.Error, OSError) as error:
             log.error("jobs.claim_failed", error=repr(error))
@@ -731,13 +725,15 @@ class JobRunner:
         return next_due
 
     async def _sleep_until(self, next_due: float) -> None:
-        wake = self._queue.wakeup
-        timeout = min(self._settings.poll_interval_s, max(0.0, next_due - time.time()))
-        if timeout > 0:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(timeout):
-                    await wake.wait()
-        wake.clear()
+        """Wait for an enqueue or a finished job, or until the next scheduled job is due.
+
+        Due jobs left unclaimed wait for a busy lane or a free slot: both end with a finished job.
+        """
+        until_due = next_due - time.time()
+        timeout = self._settings.poll_interval_s if until_due <= 0 else min(self._settings.poll_interval_s, until_due)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await self._queue.wakeup.wait()
 
     async def _purge_now_and_then(self) -> None:
         if time.monotonic() - self._last_purge > 60.0:
@@ -776,9 +772,7 @@ class JobRunner:
         request_id = job.payload.get("request_id")
         started = time.perf_counter()
         try:
-            with structlog.contextvars.bound_contextvars(
-                job_id=job.id, job_kind=job.kind, request_id=request_id
-            ):
+            with structlog.contextvars.bound_contextvars(job_id=job.id, job_kind=job.kind, request_id=request_id):
                 await self._attempt(job)
         except asyncio.CancelledError:
             await asyncio.shield(self._release_quietly(job))
