@@ -205,8 +205,7 @@ def test_subject_boost_never_sinks_a_memory(cosines: list[float], weight: float)
     records = [_rec(f"m{i}", f"m{i}") for i in range(len(cosines))]
     candidates = weighted_fusion({DENSE: _hits(*((r, 0.5) for r in records))}, {DENSE: 1.0})
     subjects = [
-        ArmHit(_rec(f"s{i}", f"s{i}", kind=Kind.SUBJECT, source_ids=(f"m{i}",)), c)
-        for i, c in enumerate(cosines)
+        ArmHit(_rec(f"s{i}", f"s{i}", kind=Kind.SUBJECT, source_ids=(f"m{i}",)), c) for i, c in enumerate(cosines)
     ]
     boosted = {c.id: c.fused for c in apply_subject_boost(candidates, subjects, weight)}
     assert all(boosted[c.id] >= c.fused for c in candidates)
@@ -230,12 +229,8 @@ def test_neighbour_smoothing_lifts_the_turn_next_to_a_strong_one() -> None:
         "We went to the Alps", "a", kind=Kind.TURN, conversation_id="c", created_at=T0 + timedelta(seconds=30)
     )
     far = _rec("Something else", "f", kind=Kind.TURN, conversation_id="c", created_at=T0 + timedelta(days=1))
-    other = _rec(
-        "Other chat", "o", kind=Kind.TURN, conversation_id="d", created_at=T0 + timedelta(seconds=10)
-    )
-    fused = weighted_fusion(
-        {DENSE: _hits((question, 0.9), (answer, 0.3), (far, 0.3), (other, 0.1))}, {DENSE: 1.0}
-    )
+    other = _rec("Other chat", "o", kind=Kind.TURN, conversation_id="d", created_at=T0 + timedelta(seconds=10))
+    fused = weighted_fusion({DENSE: _hits((question, 0.9), (answer, 0.3), (far, 0.3), (other, 0.1))}, {DENSE: 1.0})
     smoothed = {c.id: c for c in smooth_neighbours(fused, 0.5, window_s=600)}
     assert smoothed["a"].fused == pytest.approx(0.25 + 0.5)
     assert smoothed["q"].fused == pytest.approx(1.0 + 0.5 * 0.25)

@@ -18,9 +18,7 @@ def _chat(*user_texts: str) -> list[dict[str, object]]:
 
 def test_query_is_the_latest_user_message() -> None:
     """A self-contained question is searched as it is, without older turns."""
-    query = build_query(
-        _chat("I moved to Paris last year", "What is a good vegetarian pasta recipe for kids?")
-    )
+    query = build_query(_chat("I moved to Paris last year", "What is a good vegetarian pasta recipe for kids?"))
     assert query is not None
     assert query.text == "What is a good vegetarian pasta recipe for kids?"
     assert not query.expanded

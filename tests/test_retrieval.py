@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 from proxy.memory.errors import EmbedderError, StoreError
-from proxy.memory.fusion import BM25, DENSE, ENTITY, Candidate, NameIndex
+from proxy.memory.fusion import BM25, DENSE, ENTITY, ArmHit, Candidate, NameIndex
 from proxy.memory.injection import Section, inject
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval import ReadCache, plan_items, retrieve
+from proxy.memory.retrieval import ReadCache, entity_hits, plan_items, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
 from tests.support.embedder import HashingEmbedder
@@ -247,6 +247,28 @@ async def test_entity_arm_surfaces_memories_by_name(store: MemoryStore, embedder
     result = await retrieve(store, embedder, _ask("What is caroline up to?"), "maya", settings, NOW)
     by_id = {c.id: c for c in result.candidates}
     assert by_id[tagged.id].arm_scores[ENTITY] == 1.0
+
+
+async def test_a_common_name_only_lifts_what_other_arms_found(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """A name on more memories than entity_surface_max brings none of them in; it boosts the ones found."""
+    tagged = [_fact("maya", f"Note {i} about the garden", entities=("Maya",)) for i in range(12)]
+    await store.add(tagged)
+    settings = _settings(dense_k=2, bm25_k=2, gating=False, entity_surface_max=10)
+    result = await retrieve(store, embedder, _ask("What did Maya plant in the garden?"), "maya", settings, NOW)
+    with_name = [c for c in result.candidates if ENTITY in c.arm_scores]
+    assert with_name
+    assert all({DENSE, BM25} & set(c.arm_scores) for c in with_name)
+    assert len(result.candidates) <= 4
+
+
+def test_entity_hits_join_surfaced_and_found_memories() -> None:
+    """Entity hits are the surfaced memories plus found ones carrying a named name, best first."""
+    rare = _fact("maya", "Priya got the job")
+    common = _fact("maya", "Maya watered the plants")
+    other = _fact("maya", "Unrelated")
+    found = [[ArmHit(common, 0.9), ArmHit(other, 0.8)]]
+    hits = entity_hits({rare.id: 1.0, common.id: 0.2}, [rare], found)
+    assert [(h.record.id, h.score) for h in hits] == [(rare.id, 1.0), (common.id, 0.2)]
 
 
 async def test_subject_fusion_lifts_linked_memories(store: MemoryStore, embedder: HashingEmbedder) -> None:

@@ -305,23 +305,31 @@ def apply_date_boost(candidates: Sequence[Candidate], query_text: str, weight: f
 # --- the whole fusion step --------------------------------------------------------------------------------
 
 
+def is_gated(
+    dense_hits: Sequence[ScoredRecord], bm25_hits: Sequence[ScoredRecord], query: Query, settings: RetrievalSettings
+) -> bool:
+    """Whether keyword gating leaves BM25 out: gating on, the dense arm answered, and BM25's top hits are weak."""
+    if not settings.gating or not dense_hits:
+        return False
+    return keyword_gate(
+        query.terms, bm25_hits, top_n=settings.gating_top_n, min_fraction=settings.gating_min_term_fraction
+    )
+
+
 def fuse(
     arms: Mapping[str, Sequence[ScoredRecord]],
     query: Query,
     settings: RetrievalSettings,
     subject_hits: Sequence[ScoredRecord] = (),
+    *,
+    gated: bool | None = None,
 ) -> Fusion:
-    """Gate, fuse and boost the arms' hits into one candidate list, best first."""
-    gated = (
-        settings.gating
-        and bool(arms.get(DENSE))
-        and keyword_gate(
-            query.terms,
-            arms.get(BM25, ()),
-            top_n=settings.gating_top_n,
-            min_fraction=settings.gating_min_term_fraction,
-        )
-    )
+    """Gate, fuse and boost the arms' hits into one candidate list, best first.
+
+    ``gated`` is computed here unless the caller already decided it (with ``is_gated``).
+    """
+    if gated is None:
+        gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
     used = {arm: hits for arm, hits in arms.items() if not (gated and arm == BM25)}
     if settings.fusion == "rrf":
         candidates = reciprocal_rank_fusion(used, settings.rrf_k)

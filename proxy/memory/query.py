@@ -118,9 +118,7 @@ def is_anaphoric(text: str, short_words: int) -> bool:
     return len(content) <= 2 and any(t in _ANAPHORIC for t in tokens)
 
 
-def build_query(
-    messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, expand: bool = True
-) -> Query | None:
+def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, expand: bool = True) -> Query | None:
     """The query of a chat request, or None when it has no user text to search with."""
     texts = user_texts(messages)
     if not texts:

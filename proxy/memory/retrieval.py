@@ -35,6 +35,7 @@ from proxy.memory.fusion import (
     ScoredRecord,
     entity_scores,
     fuse,
+    is_gated,
     names_in_query,
 )
 from proxy.memory.injection import MemoryItem, Section, item_from_record
@@ -58,6 +59,7 @@ __all__ = [
     "ReadCache",
     "RetrievalResult",
     "RetrievalStore",
+    "entity_hits",
     "load_name_index",
     "plan_items",
     "recent_messages",
@@ -205,6 +207,14 @@ def _in_scope(record: MemoryRecord, since: datetime | None) -> bool:
     return record.kind in PAST_KINDS and (since is None or record.created_at >= since)
 
 
+@dataclass(frozen=True, slots=True)
+class _Entity:
+    """The entity arm's finding: memory id -> damped name score, and the rare-name memories it fetched."""
+
+    scores: dict[str, float]
+    surfaced: list[MemoryRecord]
+
+
 async def _entity_arm(
     store: RetrievalStore,
     user_id: str,
@@ -212,15 +222,28 @@ async def _entity_arm(
     index: NameIndex,
     settings: RetrievalSettings,
     since: datetime | None,
+) -> _Entity:
+    """Score memories by the names the query mentions; fetch those of rare names so they can surface.
+
+    A name on more than ``entity_surface_max`` memories cannot say which of them matter, so it only lifts
+    memories the other arms found; a rarer name also brings its memories in (at most ``entity_k``).
+    """
+    names = names_in_query(query.text, index)
+    scores = entity_scores(names, index)
+    rare = {rid for name in names if len(index.names[name]) <= settings.entity_surface_max for rid in index.names[name]}
+    ids = [rid for rid in scores if rid in rare][: settings.entity_k]
+    records = await store.get_many(user_id, ids) if ids else []
+    return _Entity(scores=scores, surfaced=[r for r in records if _in_scope(r, since)])
+
+
+def entity_hits(
+    scores: Mapping[str, float], surfaced: Sequence[MemoryRecord], found: Sequence[Sequence[ScoredRecord]]
 ) -> list[ScoredRecord]:
-    """Memories carrying names the query mentions, scored by damped name weight."""
-    scores = entity_scores(names_in_query(query.text, index), index)
-    ids = list(scores)[: settings.entity_k]
-    if not ids:
-        return []
-    records = await store.get_many(user_id, ids)
-    hits = [ArmHit(r, scores[r.id]) for r in records if r.id in scores and _in_scope(r, since)]
-    return sorted(hits, key=lambda h: -h.score)
+    """The entity arm's hits: surfaced memories, and memories other arms ``found`` that carry a named name."""
+    records = {r.id: r for r in surfaced}
+    for hits in found:
+        records.update((h.record.id, h.record) for h in hits if h.record.id in scores)
+    return sorted((ArmHit(r, scores[rid]) for rid, r in records.items()), key=lambda h: -h.score)
 
 
 async def _name_index(store: RetrievalStore, user_id: str, names: NameIndex | ReadCache | None) -> NameIndex:
@@ -239,7 +262,7 @@ async def _entity_step(
     names: NameIndex | ReadCache | None,
     settings: RetrievalSettings,
     since: datetime | None,
-) -> list[ScoredRecord]:
+) -> _Entity:
     """The entity arm with its name index."""
     index = await _name_index(store, user_id, names)
     return await _entity_arm(store, user_id, query, index, settings, since)
@@ -342,14 +365,19 @@ class _Found:
 
     dense: _Dense | None
     bm25: list[ScoredRecord] | None
-    entity: list[ScoredRecord] | None
+    entity: _Entity | None
     insights: list[MemoryRecord] | None
     recent: list[MemoryRecord] | None
 
-    def arms(self) -> dict[str, list[ScoredRecord]]:
-        """The hits of the arms that ran, by arm name."""
-        pairs = ((DENSE, self.dense.hits if self.dense else None), (BM25, self.bm25), (ENTITY, self.entity))
-        return {name: hits for name, hits in pairs if hits is not None}
+    def arms(self, query: Query, settings: RetrievalSettings) -> tuple[dict[str, list[ScoredRecord]], bool]:
+        """The hits of the arms that ran, by arm name, and whether BM25 is gated out."""
+        dense = self.dense.hits if self.dense else None
+        gated = is_gated(dense or [], self.bm25 or [], query, settings)
+        arms = {name: hits for name, hits in ((DENSE, dense), (BM25, self.bm25)) if hits is not None}
+        if self.entity is not None:
+            found = [hits for name, hits in arms.items() if not (gated and name == BM25)]
+            arms[ENTITY] = entity_hits(self.entity.scores, self.entity.surfaced, found)
+        return arms, gated
 
 
 async def _run_steps(
@@ -429,8 +457,8 @@ async def retrieve(
     report = _Report()
     found = await _run_steps(store, embedder, user_id, query, settings, now, conversation_id, names, report)
     fusing = time.perf_counter()
-    arms = found.arms()
-    fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else ())
+    arms, gated = found.arms(query, settings)
+    fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else (), gated=gated)
     scored = score_candidates(fused.candidates, now, settings)
     items = plan_items(scored, found.insights or [], found.recent or [], now, settings)
     report.timings_ms["fusion"] = round((time.perf_counter() - fusing) * 1000, 3)

@@ -38,9 +38,7 @@ def combined_scores(
     return [sum(w * p[i] for w, p in zip(weights, parts, strict=True)) for i in range(len(relevance))]
 
 
-def score_candidates(
-    candidates: Sequence[Candidate], now: datetime, settings: RetrievalSettings
-) -> list[Candidate]:
+def score_candidates(candidates: Sequence[Candidate], now: datetime, settings: RetrievalSettings) -> list[Candidate]:
     """Candidates with their final score set, best first (ties keep the fused order)."""
     weights = (settings.relevance_weight, settings.recency_weight, settings.importance_weight)
     totals = combined_scores(
