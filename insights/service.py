@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from datetime import datetime, timedelta
 
 import numpy as np
@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from insights.clustering import Cluster, cluster_messages
 from insights.generation import InsightError, InsightRun, UserMessage, generate_insight
-from proxy.memory.llm import LLMClient
+from proxy.memory.llm import LLMClient, LLMUnavailable
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.store import MemoryStore
 
@@ -116,13 +116,36 @@ async def _regenerate(
         log.info("insights.nothing_to_say", messages=len(messages))
         return await current_insights(store, user_id)
     run = InsightRun(user_id, new_id(), utcnow(), model, settings.prompt_token_budget)
-    async with asyncio.TaskGroup() as group:
-        tasks = [group.create_task(generate_insight(llm, run, c, messages)) for c in clusters]
-    fresh = [record for task in tasks if (record := task.result()) is not None]
+    fresh = [record for record in await _generate_all(llm, run, clusters, messages) if record is not None]
     if not fresh:
         log.info("insights.nothing_to_say", messages=len(messages), clusters=len(clusters))
         return await current_insights(store, user_id)
     return await replace_insights(store, user_id, fresh)
+
+
+async def _generate_all(
+    llm: LLMClient, run: InsightRun, clusters: list[Cluster], messages: list[UserMessage]
+) -> list[MemoryRecord | None]:
+    """One insight (or None) per cluster, asked concurrently; the first failure cancels the rest and is raised.
+
+    An unreachable model wins over other failures, so that the job waits for it rather than spending attempts.
+    """
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(generate_insight(llm, run, c, messages)) for c in clusters]
+    except ExceptionGroup as failed:
+        leaves = list(_leaves(failed))
+        raise next((e for e in leaves if isinstance(e, LLMUnavailable)), leaves[0]) from None
+    return [task.result() for task in tasks]
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> Iterator[BaseException]:
+    """The exceptions inside ``group``, nested groups flattened."""
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            yield from _leaves(error)
+        else:
+            yield error
 
 
 async def load_user_messages(

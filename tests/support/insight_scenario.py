@@ -24,8 +24,8 @@ class Topic:
 
     def times(self) -> list[datetime]:
         """When each message was sent."""
-        step = (self.end - self.start) / max(len(self.messages) - 1, 1)
-        return [self.start + i * step for i in range(len(self.messages))]
+        last = max(len(self.messages) - 1, 1)
+        return [self.start + (self.end - self.start) * i // last for i in range(len(self.messages))]
 
 
 SOURDOUGH = Topic(
@@ -130,7 +130,16 @@ OUTLIERS: tuple[tuple[str, datetime], ...] = (
 )
 
 OLD_MESSAGES: tuple[tuple[str, datetime], ...] = tuple(
-    (text, datetime(2025, 11, 10, 9, tzinfo=UTC) + timedelta(days=i)) for i, text in enumerate(SOURDOUGH.messages[:5])
+    (text, datetime(2025, 11, 10, 9, tzinfo=UTC) + timedelta(days=i))
+    for i, text in enumerate(
+        (
+            "Which sourdough starter should I buy for a first try at bread?",
+            "Is a sourdough loaf healthier than supermarket bread?",
+            "How warm should my kitchen be for the sourdough dough to rise?",
+            "Can I make sourdough pizza dough with the same starter?",
+            "What is the float test for a sourdough starter?",
+        )
+    )
 )
 
 
