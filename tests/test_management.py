@@ -40,7 +40,8 @@ async def api(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]
     """The proxy with memory on and the admin key set, shared by the module."""
     async with FakeUpstream() as upstream:
         client = await _client(upstream={"base_url": upstream.base_url}, admin={"api_key": KEY},
-                               storage={"path": str(tmp_path_factory.mktemp("mgmt"))})
+                               storage={"path": str(tmp_path_factory.mktemp("mgmt"))},
+                               retrieval={"arm_timeout_ms": 10_000})  # a loaded CI box must not degrade arms
         yield client
         await client.close()
 

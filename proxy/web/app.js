@@ -205,6 +205,8 @@ const RENDERERS = {
   turn: { head: ["Message", "Role", "Conversation", "Date", ""], row: turnRow },
 };
 
+const PLURAL = { fact: "facts", summary: "summaries", insight: "insights", turn: "messages" };
+
 function renderPage(records, fresh) {
   const body = $("tab-body");
   const { head, row } = RENDERERS[state.tab];
@@ -216,7 +218,7 @@ function renderPage(records, fresh) {
   }
   for (const record of records) tbody.append(row(record));
   if (fresh && !records.length) {
-    body.replaceChildren(el("p", { class: "empty-tab muted" }, `No ${state.tab === "fact" ? "facts" : `${state.tab}s`} remembered.`));
+    body.replaceChildren(el("p", { class: "empty-tab muted" }, `No ${PLURAL[state.tab]} remembered.`));
   }
 }
 
@@ -243,7 +245,7 @@ function factRow(record) {
     el("td", {}, record.category ? badge(record.category) : "—"),
     el("td", {}, importance(record.importance)),
     el("td", { class: "nowrap" }, when(record.created_at)),
-    el("td", { class: "small muted" }, source(record)),
+    el("td", { class: "small muted nowrap" }, source(record)),
     actions(record, true));
 }
 
