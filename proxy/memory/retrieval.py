@@ -8,6 +8,11 @@ conversations. Each of these has its own timeout; one that raises or times out i
 ``degraded`` (arm -> short reason, never a message text) and the others still serve: without the embedder,
 BM25 alone answers. Everything else is the pure core (``query``, ``fusion``, ``scoring``, ``injection``).
 
+The entity arm matches the query against the user's name index (entities of facts, names of subjects): a
+name on at most ``entity_surface_max`` memories brings those memories in (one ``get_many``), a commoner name
+only lifts memories the dense or keyword arm found. Pass a ``ReadCache`` as ``names`` so that the name index,
+the insights and the newest turns are not listed from the store on every request.
+
 Callers inject ``result.items`` with ``injection.inject`` and then ``store.touch`` the injected ids, which
 restarts their recency clock.
 """
