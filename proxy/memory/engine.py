@@ -164,7 +164,7 @@ class MemoryEngine:
         if text is None or text == current.text:
             if importance is None:
                 return current
-            return await self.store.update(user_id, id, importance=importance, updated_at=utcnow())
+            return await self.store.update(user_id, id, importance=importance)
         new = current.replace(id=new_id(), text=text,
                               embedding=None, importance=importance or current.importance,
                               created_at=utcnow(), updated_at=utcnow(), superseded_by=None)
