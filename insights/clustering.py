@@ -5,7 +5,7 @@ Method:
 1. Below ``min_messages`` there is too little to generalise from: no clusters.
 2. k is chosen on a seeded sample of at most ``sample_size`` points: KMeans for k = 2..max_clusters, the k
    with the best cosine silhouette wins (below ``min_silhouette`` nothing separates and k = 1).
-3. KMeans with that k is fitted on all points, started from the sample's centres (a few iterations).
+3. All points take the nearest of the sample's centres, refined by a few spherical Lloyd steps.
 4. Clusters whose centroids have a cosine of at least ``merge_similarity`` are merged, closest pair first.
    Silhouette always prefers some split, even of one theme; measured with all-MiniLM-L6-v2, halves of one
    topic have centroid cosines of 0.58-0.70, distinct topics 0.07-0.21, so 0.55 keeps a one-topic user at
@@ -44,6 +44,7 @@ _MAD_TO_SIGMA = 1.4826
 # KMeans restarts per k: small samples are cheap and each restart there fixes merged topics (tests: 14/50
 # wrong k with 1 restart, 3/50 with 3, 0/50 with 10); past ~500 points 3 restarts are stable enough.
 N_INIT_SMALL, N_INIT_LARGE, SMALL_SAMPLE = 10, 3, 500
+REFINE_STEPS = 10
 _MIN_SPREAD = 0.03  # floor on the scaled MAD, in cosine distance
 
 
@@ -97,7 +98,7 @@ def _cluster(points: Floats, params: ClusteringParams) -> list[Cluster]:
     k_max = min(params.max_clusters, len(points) // max(params.min_cluster_size, 1))
     sample = points[_sample_indices(len(points), params.sample_size, params.seed)]
     k, centres = choose_k(sample, k_max=k_max, seed=params.seed, min_silhouette=params.min_silhouette)
-    labels = merge_similar(points, _fit_labels(points, k, centres, seed=params.seed), params.merge_similarity)
+    labels = merge_similar(points, _fit_labels(points, k, centres), params.merge_similarity)
     clusters = [_build_cluster(points, np.flatnonzero(labels == label), params) for label in np.unique(labels)]
     kept = [c for c in clusters if c is not None and c.size >= params.min_cluster_size]
     return sorted(kept, key=lambda c: (-c.size, c.members[0]))
@@ -121,12 +122,24 @@ def choose_k(sample: Floats, *, k_max: int, seed: int, min_silhouette: float) ->
     return best
 
 
-def _fit_labels(points: Floats, k: int, centres: Floats | None, *, seed: int) -> npt.NDArray[np.intp]:
-    """KMeans labels for all points, started from the sample's centres."""
+def _fit_labels(points: Floats, k: int, centres: Floats | None) -> npt.NDArray[np.intp]:
+    """Labels for all points: nearest of the sample's centres, refined by a few spherical Lloyd steps.
+
+    Cheaper than a full KMeans fit (one matrix product per step); on LoCoMo's chat turns, which have no
+    clear themes and so the least stable boundaries, 94-95 % of points get the label a full fit gives.
+    """
     if k == 1 or centres is None:
         return np.zeros(len(points), dtype=np.intp)
-    model = KMeans(n_clusters=k, init=centres.astype(np.float64), n_init=1, max_iter=50, random_state=seed)
-    return np.asarray(model.fit_predict(points.astype(np.float64)), dtype=np.intp)
+    unit = centres / np.maximum(np.linalg.norm(centres, axis=1, keepdims=True), 1e-12)
+    labels = np.argmax(points @ unit.T, axis=1)
+    for _ in range(REFINE_STEPS):
+        present = np.unique(labels)
+        unit = np.stack([_unit(points[labels == label].mean(axis=0)) for label in present])
+        updated = present[np.argmax(points @ unit.T, axis=1)]
+        if np.array_equal(updated, labels):
+            break
+        labels = updated
+    return np.asarray(labels, dtype=np.intp)
 
 
 def merge_similar(points: Floats, labels: npt.NDArray[np.intp], threshold: float) -> npt.NDArray[np.intp]:
