@@ -27,9 +27,15 @@ tests/node/node_modules/.installed: tests/node/package-lock.json
 	npm ci --prefix tests/node --no-audit --no-fund
 	touch $@
 
+# Headless Chromium for the web page's end-to-end test (Debian packages; CI runs as root).
+$(VENV)/.chromium: | $(BIN)/python
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	else apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
+	touch $@
+
 install: $(VENV)/.runtime
 
-install-test: $(VENV)/.test tests/node/node_modules/.installed
+install-test: $(VENV)/.test tests/node/node_modules/.installed $(VENV)/.chromium
 
 serve: install
 	$(BIN)/memproxy serve $(ARGS)
@@ -42,6 +48,12 @@ lint: install-test
 
 bench-overhead: install-test
 	$(BIN)/python bench/overhead.py
+
+bench-store: install-test
+	$(BIN)/python bench/store.py
+
+bench-locomo: install-test
+	$(BIN)/python bench/locomo.py
 
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache

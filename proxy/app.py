@@ -14,8 +14,9 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from proxy.config import Settings
+from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
-from proxy.memory.engine import EngineSettings, MemoryEngine
+from proxy.management import add_management_routes
 from proxy.memory.llm import (
     LiteLLMClient,
     LiteLLMSettings,
@@ -65,7 +66,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
     """Each memory component's own settings."""
     return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
                           jobs=settings.jobs_settings(), retrieval=settings.retrieval,
-                          injection=settings.injection, writer=settings.writer, extraction=settings.extraction)
+                          injection=settings.injection, writer=settings.writer, extraction=settings.extraction,
+                          insights=settings.insights)
 
 
 @contextlib.asynccontextmanager
@@ -104,4 +106,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
 
     app.cleanup_ctx.append(lifecycle)
     add_routes(app)
+    add_management_routes(app)
     return app

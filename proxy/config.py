@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
 
+from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
@@ -130,6 +131,7 @@ class Settings(_Frozen):
     writer: WriterSettings = WriterSettings()
     extraction: ExtractionSettings = ExtractionSettings()
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()
+    insights: InsightSettings = InsightSettings()
 
     def store_settings(self) -> StoreSettings:
         """The store's settings, rooted in the data directory."""

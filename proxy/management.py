@@ -62,7 +62,7 @@ Text = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max
 
 
 class Preview(Protocol):
-    """What the engine's ``search`` returns (``proxy.memory.engine.SearchPreview``)."""
+    """What the engine's ``search`` returns (``proxy.engine.SearchPreview``)."""
 
     @property
     def results(self) -> list[dict[str, Any]]: ...
@@ -98,7 +98,7 @@ class AdminStore(Protocol):
 
 
 class ManagedMemory(Protocol):
-    """The memory engine as the management API uses it (``proxy.memory.engine.MemoryEngine``)."""
+    """The memory engine as the management API uses it (``proxy.engine.MemoryEngine``)."""
 
     @property
     def store(self) -> AdminStore: ...

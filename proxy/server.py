@@ -11,9 +11,12 @@ import signal
 
 import structlog
 from aiohttp import web
+from tqdm import tqdm
 
 from proxy.app import MemoryFactory, build_app
 from proxy.config import Settings
+from proxy.memory.embedders import build_embedder
+from proxy.memory.store import MemoryStore
 from proxy.state import STATE
 
 log = structlog.get_logger("memproxy.server")
@@ -41,3 +44,17 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
     finally:
         await runner.cleanup()
         log.info("server.stopped")
+
+
+async def reindex(settings: Settings) -> int:
+    """Re-embed every stored memory with the configured embedder, with a progress bar; returns the count."""
+    async with build_embedder(settings.embedder) as embedder:
+        store = MemoryStore(settings.store_settings(), embedder, allow_mismatch=True)
+        async with store:
+            with tqdm(unit="memory", desc="reindex") as bar:
+
+                def progress(done: int, total: int) -> None:
+                    bar.total = total
+                    bar.update(done - bar.n)
+
+                return await store.reindex(progress)

@@ -32,7 +32,11 @@ async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFa
     clients: list[TestClient[Any, Any]] = []
 
     async def build(memory_factory: MemoryFactory | None = None, **overrides: Any) -> TestClient[Any, Any]:
-        tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)}}
+        # Generous read-path deadlines: tests check behaviour, not speed, on a shared 2-core machine
+        # (speed is the benchmarks' job).
+        tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)},
+                                "memory": {"retrieval_timeout_ms": 20_000},
+                                "retrieval": {"arm_timeout_ms": 20_000}}
         for section, values in overrides.items():
             tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values
         settings = load_settings(None, environ={}, overrides=tree)

@@ -17,6 +17,8 @@ from typing import Any
 
 import structlog
 
+from insights.scheduler import InsightJobs, InsightScheduler, request_insights
+from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.fusion import Candidate
@@ -44,6 +46,7 @@ class EngineSettings:
     injection: InjectionSettings
     writer: WriterSettings
     extraction: ExtractionSettings
+    insights: InsightSettings
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -79,6 +82,7 @@ class MemoryEngine:
         self.store = MemoryStore(settings.store, self.embedder)
         self.jobs = JobQueue(settings.jobs)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
+        self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model)
         self.names = NameIndexCache()
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
@@ -95,7 +99,9 @@ class MemoryEngine:
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
             await stack.enter_async_context(self.jobs)
-            await stack.enter_async_context(JobRunner(self.jobs, self.writer.handlers()))
+            handlers = {**self.writer.handlers(), **self.insight_jobs.handlers()}
+            await stack.enter_async_context(JobRunner(self.jobs, handlers))
+            await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
             self._stack = stack.pop_all()
         self._ready = True
         log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
@@ -187,8 +193,7 @@ class MemoryEngine:
 
     async def regenerate_insights(self, user_id: str) -> str:
         """Queue an insight regeneration for the user now (collapses with pending triggers)."""
-        return await self.jobs.enqueue("insights", user_id, {"reason": "manual"}, dedupe_key="insights",
-                                       run_after=time.time())
+        return await request_insights(self.jobs, user_id, reason="manual")
 
     # --------------------------------------------------------------------------------------------- metrics
 
