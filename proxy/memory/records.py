@@ -148,18 +148,16 @@ def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=schema)
 
 
+_FIELD_NAMES = tuple(field.name for field in dataclasses.fields(MemoryRecord))
+
+
 def from_row(row: Mapping[str, Any]) -> MemoryRecord:
     """A record from one row of a LanceDB/pyarrow result (``to_pylist`` form)."""
-    values: dict[str, Any] = {}
-    for field in dataclasses.fields(MemoryRecord):
-        if field.name not in row:
-            continue
-        value = row[field.name]
-        if field.name == "kind":
-            value = Kind(value)
-        elif field.name in ("entities", "source_ids"):
-            value = tuple(value or ())
-        elif field.name == "embedding" and value is not None:
-            value = list(value)
-        values[field.name] = value
+    values = {name: row[name] for name in _FIELD_NAMES if name in row}
+    values["kind"] = Kind(values["kind"])
+    for name in ("entities", "source_ids"):
+        if name in values:
+            values[name] = tuple(values[name] or ())
+    if values.get("embedding") is not None:
+        values["embedding"] = list(values["embedding"])
     return MemoryRecord(**values)
