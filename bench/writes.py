@@ -127,11 +127,11 @@ async def enqueue_and_drain(bench: Bench, exchanges: int, users: int) -> dict[st
     }
 
 
-async def searchable_after(bench: Bench, user: str, token: str) -> float:
-    """Seconds from the reply's end until a keyword search for ``token`` finds the new turn."""
+async def searchable_after(bench: Bench, user: str, token: str, limit_s: float = 30.0) -> float:
+    """Seconds from the reply's end until a keyword search for ``token`` finds the new turn (capped)."""
     end, _ = await bench.send(user, f"I like {token}")
     found = False
-    while not found:  # polling is the measurement: a search, as the next request would make
+    while not found and time.time() - end < limit_s:  # polling is the measurement: the next request's search
         await asyncio.sleep(0.002)
         found = bool(await bench.store.keyword_search(user, token, 1, kinds=[Kind.TURN]))
     return time.time() - end
@@ -156,7 +156,7 @@ async def freshness(bench: Bench, samples: int, load_rate: float, llm_delay_s: f
             group.create_task(background_load(bench, 20, load_rate, stop))
         for i in range(samples):
             user = f"load{i % 20}" if load_rate > 0 else "fresh"
-            latencies.append(await searchable_after(bench, user, f"zebra{i}x{int(load_rate)}"))
+            latencies.append(await searchable_after(bench, user, f"zebra{i}{'loaded' if load_rate > 0 else 'idle'}"))
             await asyncio.sleep(0.02)
         stop.set()
     bench.llm.delay_s = 0.0
@@ -191,10 +191,11 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             drain = await enqueue_and_drain(bench, args.exchanges, args.users)
             progress("freshness, idle")
             idle = await freshness(bench, args.samples, 0.0, 0.0)
-            progress("freshness, under load")
-            loaded = await freshness(bench, args.samples, args.load_rate, args.load_llm_delay_ms / 1000)
+            rate = args.load_rate or round(drain["exchanges_per_s"] / 2, 1)
+            progress(f"freshness, under load ({rate} exchanges/s)")
+            loaded = await freshness(bench, args.samples, rate, args.load_llm_delay_ms / 1000)
     return {
-        "settings": vars(args) | {"machine": platform.machine(), "cpus": os.cpu_count()},
+        "settings": vars(args) | {"machine": platform.machine(), "cpus": os.cpu_count(), "load_rate": rate},
         **drain,
         "searchable_idle": summary(idle),
         "searchable_under_load": summary(loaded),
@@ -217,11 +218,11 @@ def print_table(result: dict[str, Any]) -> None:
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--exchanges", type=int, default=300)
+    parser.add_argument("--exchanges", type=int, default=200)
     parser.add_argument("--users", type=int, default=30)
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--load-rate", type=float, default=10.0, help="background exchanges per second")
+    parser.add_argument("--samples", type=int, default=60)
+    parser.add_argument("--load-rate", type=float, default=0.0, help="background exchanges/s (0: half the drain rate)")
     parser.add_argument("--load-llm-delay-ms", type=float, default=500.0)
     parser.add_argument("--embedder", choices=["local", "hashing"], default="local")
     parser.add_argument("--no-write", action="store_true", help="do not write bench/results/writes.json")

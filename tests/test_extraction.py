@@ -175,9 +175,7 @@ def test_sensitive_fact_dropped_unless_user_asked() -> None:
 
 def test_model_cannot_claim_an_explicit_request_the_user_never_made() -> None:
     """A fact flagged explicit by the model is still screened when the user's words hold no such request."""
-    claimed = extracted(
-        "The user is Catholic", sensitive=True, sensitive_category="religion", explicit_request=True
-    )
+    claimed = extracted("The user is Catholic", sensitive=True, sensitive_category="religion", explicit_request=True)
     kept, reasons = screen_facts([claimed], exchange("I'm Catholic, as you know"), SETTINGS)
     assert kept == []
     assert reasons == ["sensitive:religion"]
@@ -228,9 +226,7 @@ def test_assistant_claims_are_not_user_facts() -> None:
 def test_remember_request_always_yields_a_fact() -> None:
     """When the model misses a "remember that ..." request, a fact for it is added anyway."""
     kept, _ = screen_facts([], exchange("Remember that Maya's flight lands at 6pm on Friday."), SETTINGS)
-    assert [s.fact.text for s in kept] == [
-        'The user asked to remember: "Maya\'s flight lands at 6pm on Friday"'
-    ]
+    assert [s.fact.text for s in kept] == ['The user asked to remember: "Maya\'s flight lands at 6pm on Friday"']
     assert kept[0].explicit
 
 
@@ -253,9 +249,9 @@ def test_decisions_become_plans() -> None:
     """ADD, UPDATE, DELETE and NONE map onto add, supersede, invalidate and skip of the named fact."""
     new = "Maya lives in Paris"
     assert plan_from_decision(new, NEAR, Decision(decision="ADD")) == Plan("add", new)
-    assert plan_from_decision(
-        new, NEAR, Decision(decision="UPDATE", target=1, text="Maya lives in Paris")
-    ) == (Plan("supersede", "Maya lives in Paris", "f-london"))
+    assert plan_from_decision(new, NEAR, Decision(decision="UPDATE", target=1, text="Maya lives in Paris")) == (
+        Plan("supersede", "Maya lives in Paris", "f-london")
+    )
     assert plan_from_decision("No cat", NEAR, Decision(decision="DELETE", target=2)) == (
         Plan("invalidate", "No cat", "f-cat")
     )
@@ -271,9 +267,7 @@ def test_decision_naming_no_existing_fact_is_bad_output() -> None:
 def test_shortcuts_skip_the_model_when_obvious() -> None:
     """Nothing similar means add without a model call; the same text means duplicate."""
     assert shortcut_plan("The user likes tea", [], 0.3) == Plan("add", "The user likes tea")
-    assert shortcut_plan("The user likes tea", [Neighbour("a", "x", 0.1)], 0.3) == Plan(
-        "add", "The user likes tea"
-    )
+    assert shortcut_plan("The user likes tea", [Neighbour("a", "x", 0.1)], 0.3) == Plan("add", "The user likes tea")
     assert shortcut_plan("the user has a cat!", NEAR, 0.3) == Plan("skip", "the user has a cat!")
     assert shortcut_plan("Maya lives in Paris", NEAR, 0.3) is None
 
@@ -297,26 +291,26 @@ def test_schemas_are_strict_compatible() -> None:
 
 
 @pytest.fixture
-async def fake() -> AsyncIterator[FakeLLM]:
+async def llm_server() -> AsyncIterator[FakeLLM]:
     """A running fake LLM."""
     async with FakeLLM() as server:
         yield server
 
 
 @pytest.fixture
-async def llm(fake: FakeLLM) -> AsyncIterator[OpenAICompatibleLLM]:
-    """A client pointed at the fake."""
-    async with OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=fake.base_url, timeout_s=5)) as client:
+async def llm(llm_server: FakeLLM) -> AsyncIterator[OpenAICompatibleLLM]:
+    """A client pointed at the fake LLM."""
+    async with OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm_server.base_url, timeout_s=5)) as client:
         yield client
 
 
 async def test_extraction_call_uses_strict_schema_and_returns_fields(
-    fake: FakeLLM, llm: OpenAICompatibleLLM
+    llm_server: FakeLLM, llm: OpenAICompatibleLLM
 ) -> None:
     """The extraction call asks for strict json_schema output and returns every field of every fact."""
-    fake.script("memory_facts", facts(fact("The user lives in Paris", category="location", importance=8)))
+    llm_server.script("memory_facts", facts(fact("The user lives in Paris", category="location", importance=8)))
     found = await Extractor(SETTINGS, llm).extract("gpt-x", exchange("I live in Paris"))
-    (body,) = fake.requests
+    (body,) = llm_server.requests
     assert body["response_format"]["json_schema"]["strict"] is True
     assert body["model"] == "gpt-x"
     assert user_payload(body)["user_messages"] == ["I live in Paris"]
@@ -326,68 +320,66 @@ async def test_extraction_call_uses_strict_schema_and_returns_fields(
     }  # fmt: skip
 
 
-async def test_bad_output_retried_once_then_accepted(fake: FakeLLM, llm: OpenAICompatibleLLM) -> None:
+async def test_bad_output_retried_once_then_accepted(llm_server: FakeLLM, llm: OpenAICompatibleLLM) -> None:
     """Invalid JSON gets one retry that names the problem; a good second answer is used."""
-    fake.script("memory_facts", "{not json", facts(fact("The user has a dog")))
+    llm_server.script("memory_facts", "{not json", facts(fact("The user has a dog")))
     with structlog.testing.capture_logs() as logs:
         found = await Extractor(SETTINGS, llm).extract("m", exchange("I have a dog"))
     assert [f.text for f in found] == ["The user has a dog"]
-    assert "unusable" in fake.requests[1]["messages"][-1]["content"]
+    assert "unusable" in llm_server.requests[1]["messages"][-1]["content"]
     assert [e["event"] for e in logs] == ["memory.bad_output"]
 
 
 @pytest.mark.parametrize("second", [Refusal(), {"facts": [{"fact": "wrong field"}]}, '["a list"]'])
-async def test_bad_output_twice_fails_with_reason(
-    fake: FakeLLM, llm: OpenAICompatibleLLM, second: Any
-) -> None:
+async def test_bad_output_twice_fails_with_reason(llm_server: FakeLLM, llm: OpenAICompatibleLLM, second: Any) -> None:
     """Two unusable answers (refusal, wrong fields, not an object) end the call with a logged reason."""
-    fake.script("memory_facts", "", second)
+    llm_server.script("memory_facts", "", second)
     with structlog.testing.capture_logs() as logs, pytest.raises(ExtractionFailed, match="memory_facts"):
         await Extractor(SETTINGS, llm).extract("m", exchange("hi"))
     assert [e["attempt"] for e in logs if e["event"] == "memory.bad_output"] == [1, 2]
-    assert len(fake.requests) == 2
+    assert len(llm_server.requests) == 2
 
 
-async def test_upstream_errors_are_classified(fake: FakeLLM, llm: OpenAICompatibleLLM) -> None:
+async def test_upstream_errors_are_classified(llm_server: FakeLLM, llm: OpenAICompatibleLLM) -> None:
     """503 and connection refused mean unavailable (wait); 400 means bad output (give up the step)."""
-    fake.script("s", Status(503), Status(400, "response_format not supported"))
+    llm_server.script("s", Status(503), Status(400, "response_format not supported"))
     with pytest.raises(LLMUnavailable, match="503"):
         await llm.complete_json("m", [], {}, "s")
     with pytest.raises(LLMBadOutput, match="not supported"):
         await llm.complete_json("m", [], {}, "s")
-    await fake.stop_listening()
+    await llm_server.stop_listening()
     with pytest.raises(LLMUnavailable, match="cannot reach"):
         await llm.complete_json("m", [], {}, "s")
 
 
-async def test_reconcile_call_maps_numbers_to_ids(fake: FakeLLM, llm: OpenAICompatibleLLM) -> None:
+async def test_reconcile_call_maps_numbers_to_ids(llm_server: FakeLLM, llm: OpenAICompatibleLLM) -> None:
     """The model sees existing facts numbered from 1 and its UPDATE number becomes the right fact id."""
-    fake.script("memory_reconcile", {"decision": "UPDATE", "target": 1, "text": "Maya lives in Paris"})
+    llm_server.script("memory_reconcile", {"decision": "UPDATE", "target": 1, "text": "Maya lives in Paris"})
     plan = await Extractor(SETTINGS, llm).decide("m", "Maya moved to Paris", NEAR)
     assert plan == Plan("supersede", "Maya lives in Paris", "f-london")
-    assert user_payload(fake.requests[0])["existing_facts"][0] == {
+    assert user_payload(llm_server.requests[0])["existing_facts"][0] == {
         "number": 1,
         "text": "Maya lives in London",
     }
 
 
-async def test_prefix_router_sends_models_to_their_route(fake: FakeLLM, llm: OpenAICompatibleLLM) -> None:
+async def test_prefix_router_sends_models_to_their_route(llm_server: FakeLLM, llm: OpenAICompatibleLLM) -> None:
     """A model with a routed prefix goes to that route's client, with the prefix stripped when configured."""
     router = PrefixRouter(default=llm, routes=[Route("local/", llm, strip_prefix=True)])
-    fake.script("s", {"ok": 1}, {"ok": 2})
+    llm_server.script("s", {"ok": 1}, {"ok": 2})
     assert await router.complete_json("local/qwen", [], {}, "s") == {"ok": 1}
     assert await router.complete_json("gpt-x", [], {}, "s") == {"ok": 2}
-    assert [body["model"] for body in fake.requests] == ["qwen", "gpt-x"]
+    assert [body["model"] for body in llm_server.requests] == ["qwen", "gpt-x"]
 
 
 @pytest.mark.slow
-async def test_litellm_client_returns_parsed_object(fake: FakeLLM) -> None:
+async def test_litellm_client_returns_parsed_object(llm_server: FakeLLM) -> None:
     """The litellm client reaches an OpenAI-compatible server and returns the parsed JSON object."""
     client = LiteLLMClient(
-        LiteLLMSettings(api_base=fake.base_url, api_key="sk-fake-key-for-tests", timeout_s=10)
+        LiteLLMSettings(api_base=llm_server.base_url, api_key="sk-llm_server-key-for-tests", timeout_s=10)
     )
-    fake.script("memory_facts", facts(fact("The user has a dog")))
+    llm_server.script("memory_facts", facts(fact("The user has a dog")))
     answer = await client.complete_json(
-        "openai/fake-model", [{"role": "user", "content": "hi"}], FACTS_SCHEMA, "memory_facts"
+        "openai/llm_server-model", [{"role": "user", "content": "hi"}], FACTS_SCHEMA, "memory_facts"
     )
     assert answer["facts"][0]["text"] == "The user has a dog"

@@ -95,9 +95,7 @@ RECONCILE_SCHEMA = _object(
         "text": {"type": "string"},
     }
 )
-SUMMARY_SCHEMA = _object(
-    {"summary": {"type": "string"}, "topics": {"type": "array", "items": {"type": "string"}}}
-)
+SUMMARY_SCHEMA = _object({"summary": {"type": "string"}, "topics": {"type": "array", "items": {"type": "string"}}})
 
 
 class ExtractedFact(BaseModel):
@@ -262,9 +260,7 @@ def reconcile_messages(candidate: str, existing: Sequence[str]) -> list[dict[str
     ]
 
 
-def summary_messages(
-    previous: str | None, turns: Sequence[tuple[str, str]], max_chars: int
-) -> list[dict[str, Any]]:
+def summary_messages(previous: str | None, turns: Sequence[tuple[str, str]], max_chars: int) -> list[dict[str, Any]]:
     """The chat messages of the summary call; ``turns`` are (role, text), oldest first."""
     per_turn = max(200, max_chars // max(1, len(turns)))
     data = {
@@ -349,9 +345,7 @@ _IDENTIFIER_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ),
     (
         "credential",
-        re.compile(
-            r"\b(password|passcode|passphrase|pin(\s+code)?|cvv|cvc|security\s+code)\s*(is|was|:|=)\s*\S+", _I
-        ),
+        re.compile(r"\b(password|passcode|passphrase|pin(\s+code)?|cvv|cvc|security\s+code)\s*(is|was|:|=)\s*\S+", _I),
     ),
     (
         "api_key",
@@ -492,7 +486,7 @@ def screen_facts(
     """Split facts into those that may be stored and the reasons the others may not (in order)."""
     if not any(f.explicit_request for f in facts):
         fallback = remember_fallback(exchange.user_messages)
-        facts = [*facts, fallback] if fallback is not None else facts
+        facts = [fallback, *facts] if fallback is not None else facts
     kept: list[Screened] = []
     reasons: list[str] = []
     seen: set[str] = set()

@@ -34,7 +34,7 @@ import sqlite3
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from enum import StrEnum
 from pathlib import Path
@@ -274,7 +274,7 @@ class _Db:
             self.lock_fd = None
 
     @contextlib.contextmanager
-    def txn(self, *, durable: bool = False) -> Any:
+    def txn(self, *, durable: bool = False) -> Iterator[sqlite3.Connection]:
         """One write transaction; ``durable`` makes its commit fsync before returning."""
         if durable:
             self.c.execute("PRAGMA synchronous=FULL")
@@ -419,6 +419,10 @@ class _Db:
     def job_row(self, job_id: str) -> JSON | None:
         row = self.c.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
         return dict(row) if row is not None else None
+
+    def get_state(self, user_id: str, key: str) -> JSON | None:
+        row = self.c.execute("SELECT value FROM job_state WHERE user_id = ? AND key = ?", (user_id, key)).fetchone()
+        return json.loads(row[0]) if row is not None else None
 
     def update_state(self, user_id: str, key: str, fn: Callable[[JSON | None], JSON | None]) -> JSON | None:
         with self.txn() as c:
@@ -628,7 +632,7 @@ class JobQueue:
 
     async def get_state(self, user_id: str, key: str) -> JSON | None:
         """A per-user JSON value, or None."""
-        return await self.update_state(user_id, key, lambda value: value)
+        return await self._call(self._db.get_state, user_id, key)
 
     def on_forget(self, hook: Callable[[str], Awaitable[None]]) -> None:
         """Register a coroutine that stops a user's running jobs (the runner registers itself)."""

@@ -181,7 +181,7 @@ def _import_litellm() -> Any:
     """litellm, imported on first use (5-8 s), with the local cost map so the import makes no request."""
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
     module = importlib.import_module("litellm")
-    module.telemetry = False
+    setattr(module, "telemetry", False)  # noqa: B010 - a module attribute mypy does not know
     return module
 
 

@@ -21,6 +21,7 @@ job finds its records already there. A reply cut short by a client disconnect is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -133,9 +134,7 @@ def turn_records(job_id: str, user_id: str, p: ExchangePayload) -> list[MemoryRe
     ]
 
 
-def fact_record(
-    job_id: str, i: int, user_id: str, p: FactsPayload, screened: Screened, text: str
-) -> MemoryRecord:
+def fact_record(job_id: str, i: int, user_id: str, p: FactsPayload, screened: Screened, text: str) -> MemoryRecord:
     """The fact record for the ``i``-th screened fact of a job."""
     fact = screened.fact
     return MemoryRecord(
@@ -169,9 +168,7 @@ def _summarised(turn_ids: Sequence[str], summary_id: str) -> Any:
 class Writer:
     """The handlers of the write path's jobs, over one store, one queue and one extractor."""
 
-    def __init__(
-        self, settings: WriterSettings, store: MemoryStore, queue: JobQueue, extractor: Extractor
-    ) -> None:
+    def __init__(self, settings: WriterSettings, store: MemoryStore, queue: JobQueue, extractor: Extractor) -> None:
         self.settings = settings
         self._store = store
         self._queue = queue
@@ -199,10 +196,12 @@ class Writer:
                 await self._store.add(turns)
             job.queue.observe_step("reply_to_searchable", max(0.0, time.time() - p.finished_at))
             await job.checkpoint("turns")
-        await self._schedule_summary(job, p, [t.id for t in turns])
+        if turns:
+            await self._schedule_summary(job, p, [t.id for t in turns])
         user_turns = tuple(t.id for t in turns if t.role == "user")
-        facts = FactsPayload(**p.model_dump(), source_ids=user_turns).model_dump(mode="json")
-        await self._queue.enqueue("facts", job.user_id, facts, job_id=f"{job.id}:facts")
+        if user_turns:  # facts come only from what the user wrote
+            facts = FactsPayload(**p.model_dump(), source_ids=user_turns).model_dump(mode="json")
+            await self._queue.enqueue("facts", job.user_id, facts, job_id=f"{job.id}:facts")
 
     async def _schedule_summary(self, job: Job, p: ExchangePayload, turn_ids: Sequence[str]) -> None:
         key = f"summary:{p.conversation_id}"
@@ -225,10 +224,10 @@ class Writer:
                     await self._reconcile(job, p, i, fact)
                 await job.checkpoint(f"fact:{i}")
         now = time.time()
+        payload = {"reason": "exchange", "model": self._model(p), "request_id": p.request_id}
         await self._queue.enqueue(
-            "insights", job.user_id, {"reason": "exchange", "request_id": p.request_id},
-            dedupe_key="insights", run_after=now + self.settings.insights_debounce_s,
-        )  # fmt: skip
+            "insights", job.user_id, payload, dedupe_key="insights", run_after=now + self.settings.insights_debounce_s
+        )
 
     async def _screened_facts(self, job: Job, p: FactsPayload) -> list[Screened]:
         if "extracted" in job.progress:
@@ -253,27 +252,27 @@ class Writer:
 
     async def _reconcile(self, job: Job, p: FactsPayload, i: int, screened: Screened) -> None:
         record = fact_record(job.id, i, job.user_id, p, screened, screened.fact.text)
-        if await self._store.get(job.user_id, record.id) is not None:
-            return  # applied by an earlier attempt
+        decided = job.progress.get(f"plan:{i}")
+        if decided is not None:  # an earlier attempt decided and began applying: apply the same plan again
+            await self._apply(job.user_id, Plan(**decided["plan"]), record.replace(text=decided["text"]))
+            return
         vector = (await self._store.embedder.embed_documents([record.text]))[0]
         neighbours = await self._neighbours(job.user_id, vector)
         plan = await self._plan(p, record.text, neighbours)
         if plan is None:
             return
         if plan.action == "supersede" and plan.text != record.text:
-            record = await self._rescreen(record, plan.text, screened, p)
-            if record is None:
+            merged = await self._rescreen(record, plan.text, screened, p)
+            if merged is None:
                 return
+            record = merged
         elif plan.action in ("add", "supersede"):
-            record = record.replace(
-                embedding=[float(x) for x in vector], model_id=self._store.embedder.model_id
-            )
+            record = record.replace(embedding=[float(x) for x in vector], model_id=self._store.embedder.model_id)
+        await job.checkpoint(f"plan:{i}", {"plan": dataclasses.asdict(plan), "text": record.text})
         await self._apply(job.user_id, plan, record)
 
     async def _neighbours(self, user_id: str, vector: Any) -> list[Neighbour]:
-        hits = await self._store.vector_search(
-            user_id, vector, self.settings.reconcile_neighbours, kinds=[Kind.FACT]
-        )
+        hits = await self._store.vector_search(user_id, vector, self.settings.reconcile_neighbours, kinds=[Kind.FACT])
         return [Neighbour(hit.record.id, hit.record.text, hit.score) for hit in hits]
 
     async def _plan(self, p: FactsPayload, text: str, neighbours: Sequence[Neighbour]) -> Plan | None:
@@ -294,9 +293,7 @@ class Writer:
     ) -> MemoryRecord | None:
         """The merged text of an UPDATE passes the same screens as the extracted fact."""
         merged = screened.fact.model_copy(update={"text": text, "explicit_request": screened.explicit})
-        outcome = screen_fact(
-            merged, ExchangeText(p.user_messages, p.reply, p.context), self._extractor.settings
-        )
+        outcome = screen_fact(merged, ExchangeText(p.user_messages, p.reply, p.context), self._extractor.settings)
         if isinstance(outcome, str):
             log.info("memory.rejected", reason=outcome, step="reconcile")
             return None
@@ -322,15 +319,13 @@ class Writer:
         if not pending:
             return
         summary_id = derived_id(job.id, "summary")
-        if await self._store.get(job.user_id, summary_id) is None:
+        if "summary_written" not in job.progress or await self._store.get(job.user_id, summary_id) is None:
             async with job.timed("summary"):
-                done = await self._summarise(
-                    job, conversation_id, pending, state.get("summary_id"), summary_id
-                )
+                done = await self._summarise(job, conversation_id, pending, state.get("summary_id"), summary_id)
             if not done:
                 return
-        state = await self._queue.update_state(job.user_id, key, _summarised(pending, summary_id))
-        if state and len(state["pending"]) >= self.settings.summary_max_new_turns:
+        after = await self._queue.update_state(job.user_id, key, _summarised(pending, summary_id))
+        if after and len(after["pending"]) >= self.settings.summary_max_new_turns:
             await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key)
 
     async def _summarise(
@@ -356,6 +351,7 @@ class Writer:
             start_at=previous.start_at if previous and previous.start_at else turns[0].created_at,
             end_at=turns[-1].created_at, meta=json.dumps({"job_id": job.id}),
         )  # fmt: skip
+        await job.checkpoint("summary_written")  # from here a replay checks the store for the record
         if previous is not None and previous.valid:
             await self._store.supersede(job.user_id, previous.id, record)
         else:
