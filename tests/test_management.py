@@ -16,11 +16,12 @@ import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
+from proxy.app import build_app
 from proxy.management import OPENAPI_PATH
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.state import STATE
 from tests.fake_upstream import FakeUpstream
-from tests.support.live_app import admin_settings, management_app
+from tests.support.live_app import admin_settings
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,7 +31,7 @@ Client = TestClient[Any, Any]
 
 
 async def _client(**sections: Any) -> Client:
-    client = TestClient(TestServer(management_app(admin_settings(**sections)), host="127.0.0.1"))
+    client = TestClient(TestServer(build_app(admin_settings(**sections)), host="127.0.0.1"))
     await client.start_server()
     return client
 

@@ -18,7 +18,6 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Settings, load_settings
-from proxy.management import add_management_routes
 
 
 def admin_settings(**sections: Any) -> Settings:
@@ -26,16 +25,8 @@ def admin_settings(**sections: Any) -> Settings:
     return load_settings(None, environ={}, overrides=sections)
 
 
-def management_app(settings: Settings) -> web.Application:
-    """The real app, with the management routes added if the factory does not add them (yet)."""
-    app = build_app(settings)
-    if not any(resource.canonical.startswith("/v1/memory") for resource in app.router.resources()):
-        add_management_routes(app)
-    return app
-
-
 async def _serve(settings: Settings, started: queue.Queue[Any], stop: asyncio.Event) -> None:
-    runner = web.AppRunner(management_app(settings), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
