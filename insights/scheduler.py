@@ -1,7 +1,8 @@
 """Insight triggers and the job that runs them: all of them go through the durable queue.
 
 - **Activity**: the write path enqueues a debounced ``insights`` job after each exchange's facts
-  (``request_insights`` does the same for anyone else: ``delay_s=settings.debounce_s``).
+  (``request_insights`` does the same for anyone else, with the delay the caller gives: the write path
+  uses ``[writer] insights_debounce_s``).
 - **Schedule**: ``InsightScheduler`` (an async context manager that owns its task) looks every
   ``schedule_check_s`` for users whose last run is at least ``schedule_interval_s`` old (default weekly) and
   who wrote something since, and enqueues a job for each.

@@ -53,7 +53,6 @@ class InsightSettings(BaseModel):
     min_message_words: int = Field(default=3, ge=1)  # "thanks", "ok!" say nothing about the user
     schedule_interval_s: float = Field(default=WEEK_S, gt=0)
     schedule_check_s: float = Field(default=3600.0, gt=0)  # how often the scheduler looks for due users
-    debounce_s: float = Field(default=900.0, ge=0)  # quiet time after activity before a run
     model: str | None = None  # None: the model the trigger names (the chat's), else the app's default
     prompt_token_budget: int = Field(default=1000, ge=50)  # representative messages per call
     seed: int = 0
