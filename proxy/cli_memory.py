@@ -230,7 +230,7 @@ def _confirmed(args: argparse.Namespace) -> bool:
     if not sys.stdin.isatty():
         raise CommandError("refusing to forget without --yes when not run interactively", EXIT_USAGE)
     answer = input(f"Erase everything memproxy keeps about {args.user!r}? Type the user id to confirm: ")
-    return answer.strip() == args.user
+    return bool(answer.strip() == args.user)
 
 
 def cmd_forget(client: Client, args: argparse.Namespace, out: IO[str]) -> int:

@@ -11,11 +11,12 @@ then call the memory engine (``state.memory``) and its store; with memory disabl
 from __future__ import annotations
 
 import asyncio
+import builtins
 import functools
 import hmac
 import re
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
 
@@ -92,9 +93,9 @@ class AdminStore(Protocol):
     async def list(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
                    cursor: str | None = None, include_invalid: bool = False) -> Page: ...
 
-    def export(self, user_id: str) -> Any: ...  # an async iterator of JSON lines
+    def export(self, user_id: str) -> AsyncIterator[str]: ...
 
-    async def user_ids(self) -> list[str]: ...
+    async def user_ids(self) -> builtins.list[str]: ...  # ``list`` is the method above in this scope
 
 
 class ManagedMemory(Protocol):
