@@ -1,10 +1,12 @@
 """The keyword arm: a Tantivy BM25 index of every memory's text, scoped by user.
 
 Fields: ``id`` (raw, stored), ``user_id`` (raw, indexed only), ``kind`` (raw), ``text`` (words: Tantivy's
-default pipeline of simple tokenizer, long-token removal and lowercasing), ``text_cjk`` (character bigrams of
-the CJK runs of the text, so Korean, Japanese and Chinese queries match inside words), ``created_us``
-(microseconds, exact range filters), ``valid`` and ``sig`` (a digest of the indexed fields, stored, which
-lets the store's startup repair find documents that disagree with LanceDB).
+default pipeline of simple tokenizer, long-token removal and lowercasing), ``text_stem`` (the same words
+without English stop words, Snowball-stemmed; word queries match this field, so "hiking" finds "hikes"),
+``text_cjk`` (character bigrams of the CJK runs of the text, so Korean, Japanese and Chinese queries match
+inside words), ``created_us`` (microseconds, exact range filters), ``valid`` and ``sig`` (a digest of the
+indexed fields, stored, which lets the store's startup repair find documents that disagree with LanceDB).
+An index written before ``text_stem`` existed no longer matches the schema and is rebuilt from LanceDB.
 
 Queries are built from terms through Tantivy's query API: the query text goes through the same analyzers
 as the documents and each resulting token becomes a term query, so no user text or id is ever parsed as
@@ -44,6 +46,7 @@ from proxy.memory.errors import StoreError
 from proxy.memory.records import Kind, MemoryRecord
 
 WORDS = "memproxy_words"
+STEMS = "memproxy_stems"
 CJK = "memproxy_cjk"
 MAX_QUERY_TERMS = 64
 MAX_TOKEN_CHARS = 40
@@ -58,6 +61,13 @@ def word_analyzer() -> tantivy.TextAnalyzer:
     """The words pipeline, identical to Tantivy's ``default`` tokenizer."""
     builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
     return builder.filter(Filter.lowercase()).build()
+
+
+def stem_analyzer() -> tantivy.TextAnalyzer:
+    """The words pipeline without English stop words, then the English Snowball stemmer."""
+    builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
+    builder = builder.filter(Filter.lowercase()).filter(Filter.stopword("english"))
+    return builder.filter(Filter.stemmer("english")).build()
 
 
 def cjk_analyzer() -> tantivy.TextAnalyzer:
@@ -109,6 +119,7 @@ def _schema() -> tantivy.Schema:
     builder.add_text_field("user_id", tokenizer_name="raw", index_option="basic")
     builder.add_text_field("kind", tokenizer_name="raw", index_option="basic")
     builder.add_text_field("text", tokenizer_name=WORDS, index_option="freq")
+    builder.add_text_field("text_stem", tokenizer_name=STEMS, index_option="freq")
     builder.add_text_field("text_cjk", tokenizer_name=CJK, index_option="freq")
     builder.add_integer_field("created_us", indexed=True, fast=True)
     builder.add_boolean_field("valid", indexed=True)
@@ -117,7 +128,7 @@ def _schema() -> tantivy.Schema:
 
 
 def _document(doc: KeywordDoc) -> Document:
-    out = Document(id=doc.id, user_id=doc.user_id, kind=doc.kind, text=doc.text, sig=doc.sig)
+    out = Document(id=doc.id, user_id=doc.user_id, kind=doc.kind, text=doc.text, text_stem=doc.text, sig=doc.sig)
     out.add_integer("created_us", doc.created_us)
     out.add_boolean("valid", doc.valid)
     for run in cjk_runs(doc.text):
@@ -137,6 +148,7 @@ class _Generation:
         except (ValueError, OSError) as exc:
             raise _Unusable(str(exc)) from exc
         self.index.register_tokenizer(WORDS, word_analyzer())
+        self.index.register_tokenizer(STEMS, stem_analyzer())
         self.index.register_tokenizer(CJK, cjk_analyzer())
         try:
             self.writer: Any = self.index.writer(heap_size=heap_bytes, num_threads=1)
@@ -170,7 +182,7 @@ class KeywordIndex:
         self.path = path
         self._heap_bytes = heap_bytes
         self._threads = threads
-        self._words = word_analyzer()
+        self._stems = stem_analyzer()
         self._lock = asyncio.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._gen: _Generation | None = None
@@ -235,6 +247,11 @@ class KeywordIndex:
                 shutil.rmtree(child, ignore_errors=True)
 
     # writes ---------------------------------------------------------------------------------------------
+
+    async def add(self, docs: Sequence[KeywordDoc]) -> None:
+        """Add documents whose ids the index does not hold yet (visible after ``commit``)."""
+        async with self._lock:
+            await self._run(self._add_all, self._g, docs)
 
     async def upsert(self, docs: Sequence[KeywordDoc]) -> None:
         """Add documents, replacing any with the same id (visible after ``commit``)."""
@@ -324,9 +341,9 @@ class KeywordIndex:
 
     def build_query(self, schema: tantivy.Schema, user_id: str, text: str, where: KeywordFilter) -> Query | None:
         """The query for ``text`` within one user's documents, or None when the text has no terms."""
-        words = _unique(self._words.analyze(text), MAX_QUERY_TERMS)
+        words = _unique(self._stems.analyze(text), MAX_QUERY_TERMS)
         bigrams = _unique(cjk_bigrams(text), MAX_QUERY_TERMS)
-        should = [(Occur.Should, Query.term_query(schema, "text", word)) for word in words]
+        should = [(Occur.Should, Query.term_query(schema, "text_stem", word)) for word in words]
         should += [(Occur.Should, Query.term_query(schema, "text_cjk", pair)) for pair in bigrams]
         if not should:
             return None

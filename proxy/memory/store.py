@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import builtins
 import contextlib
 import dataclasses
 import fcntl
@@ -54,7 +55,7 @@ from proxy.memory.lance import (
     record_filter,
     valid_record_id,
 )
-from proxy.memory.records import Kind, MemoryRecord, from_row, to_arrow, utcnow
+from proxy.memory.records import Kind, MemoryRecord, arrow_schema, from_row, utcnow
 from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes
 
 __all__ = ["Hit", "MemoryStore", "Page", "StoreSettings"]
@@ -111,6 +112,7 @@ class MemoryStore:
         self._lock = asyncio.Lock()
         self._touches: dict[str, dict[str, datetime]] = {}
         self._needs_repair = False
+        self._purges = 0
         self._writer: BatchWriter[MemoryRecord] | None = None
         self._stack: AsyncExitStack | None = None
 
@@ -234,17 +236,17 @@ class MemoryStore:
         """Records with a unit vector of this store's model each (one batched call for the missing)."""
         todo = [i for i, record in enumerate(records) if record.embedding is None]
         vectors = await self._embed([records[i].text for i in todo]) if todo else None
-        out = list(records)
-        for row, i in enumerate(todo):
-            out[i] = records[i].replace(embedding=vectors[row] if vectors is not None else None)
-        model = self._embedder.model_id
-        for i, record in enumerate(out):
-            if record.model_id not in ("", model) and i not in todo:
-                raise EmbedderMismatch(record.model_id, len(record.embedding or ()), model, self._embedder.dim)
-            vector = np.asarray(record.embedding, dtype=np.float32)
-            if vector.shape != (self._embedder.dim,):
+        fresh = dict(zip(todo, vectors if vectors is not None else [], strict=True))
+        model, dim = self._embedder.model_id, self._embedder.dim
+        out = []
+        for i, record in enumerate(records):
+            if i not in fresh and record.model_id not in ("", model):
+                raise EmbedderMismatch(record.model_id, len(record.embedding or ()), model, dim)
+            vector = fresh[i] if i in fresh else np.asarray(record.embedding, dtype=np.float32)
+            if vector.shape != (dim,):
                 raise StoreError(f"record {record.id} has a vector of shape {vector.shape}")
-            out[i] = record.replace(embedding=vector, model_id=model)
+            same = record.model_id == model and record.embedding is vector
+            out.append(record if same else record.replace(embedding=vector, model_id=model))
         return out
 
     async def _embed(self, texts: list[str]) -> npt.NDArray[np.float32]:
@@ -261,7 +263,7 @@ class MemoryStore:
                 unique.setdefault(record.id, record)
         async with self._lock:
             owners = await self._lance.existing(list(unique))
-            errors = [_foreign_ids(submission, owners) for submission in batch]
+            errors: list[BaseException | None] = [_foreign_ids(s, owners) for s in batch]
             refused = {r.id for s, e in zip(batch, errors, strict=True) if e is not None for r in s.items}
             new = [r for r in unique.values() if r.id not in owners and r.id not in refused]
             if new:
@@ -272,7 +274,7 @@ class MemoryStore:
         vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in records])
         await self._lance.add(_arrow_rows(records, vectors))
         self._cache.upsert(records, vectors)
-        await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in records]))
+        await self._index(lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
 
     async def _index(self, change: Callable[[], Awaitable[None]]) -> None:
         """Apply a change to Tantivy after LanceDB took it; if Tantivy fails, repair at the next optimize."""
@@ -392,6 +394,7 @@ class MemoryStore:
         Until the rebuilt index is swapped in, the old one may still match the deleted records, but keyword
         hits are resolved against LanceDB (and the cache), so they are never returned.
         """
+        self._purges += 1
         try:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._keyword.rebuild(self._all_keyword_docs()))
@@ -408,20 +411,27 @@ class MemoryStore:
     async def optimize(self) -> None:
         """Compact LanceDB, fold new rows into its indexes, drop versions older than ten minutes.
 
-        Also repairs Tantivy if a write reached LanceDB but failed in Tantivy since the last round.
+        Also repairs Tantivy if a write reached LanceDB but failed in Tantivy since the last round, and
+        builds the ANN index once the table is large enough (outside the write lock: it takes minutes).
         """
         async with self._lock:
-            await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS, self.settings.ann_index_min_rows)
+            await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)
             if self._needs_repair:
                 await self.repair()
                 self._needs_repair = False
             await self._mark_synced()
+        purges = self._purges
+        if await self._lance.ensure_ann_index(self.settings.ann_index_min_rows):  # slow: outside the lock
+            async with self._lock:
+                if purges != self._purges:  # a user was forgotten meanwhile: the new index may hold them
+                    await self._lance.purge([])
+                await self._mark_synced()
 
     async def reindex(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Re-embed every record with this store's embedder into a fresh table and swap it in."""
         await self._flush_touches()
         async with self._lock:
-            done = await self._lance.reindex(self._embed, self.settings.ann_index_min_rows, progress)
+            done = await self._lance.reindex(self._embed, progress)
             self._cache.clear()
             await self._mark_synced()
         log.info("memory.reindexed", records=done, model=self._embedder.model_id)
@@ -471,7 +481,7 @@ class MemoryStore:
         since: datetime | None = None,
         until: datetime | None = None,
         include_invalid: bool = False,
-    ) -> list[Hit]:
+    ) -> builtins.list[Hit]:
         """The ``k`` records nearest to ``query`` (cosine), valid ones only by default."""
         check_user_id(user_id)
         self._check_model()
@@ -508,7 +518,7 @@ class MemoryStore:
         since: datetime | None = None,
         until: datetime | None = None,
         include_invalid: bool = False,
-    ) -> list[Hit]:
+    ) -> builtins.list[Hit]:
         """The ``k`` best BM25 matches of ``query`` among the user's records, valid ones only by default."""
         check_user_id(user_id)
         where = keyword_filter(kinds, since, until, include_invalid)
@@ -546,7 +556,7 @@ class MemoryStore:
             check_user_id(user_id)
         return await self._lance.count(user_id)
 
-    async def user_ids(self) -> list[str]:
+    async def user_ids(self) -> builtins.list[str]:
         """Every user with at least one record."""
         return await self._lance.user_ids()
 
@@ -569,12 +579,22 @@ def _owned(lock_path: Path) -> Iterator[None]:
 
 
 def _arrow_rows(records: Sequence[MemoryRecord], vectors: npt.NDArray[np.float32]) -> pa.Table:
-    """Records as LanceDB rows, the vectors set from one matrix (no per-float Python conversion)."""
+    """Records as LanceDB rows, column by column, the vectors from one matrix (no per-float conversion)."""
     dim = vectors.shape[1]
-    table = to_arrow([record.replace(embedding=None) for record in records], dim)
-    flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
-    column = pa.FixedSizeListArray.from_arrays(flat, dim)
-    return table.set_column(table.schema.get_field_index("embedding"), table.schema.field("embedding"), column)
+    schema = arrow_schema(dim)
+    columns = []
+    for field in schema:
+        if field.name == "embedding":
+            flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
+            columns.append(pa.FixedSizeListArray.from_arrays(flat, dim))
+            continue
+        values = [getattr(record, field.name) for record in records]
+        if field.name == "kind":
+            values = [str(value) for value in values]
+        elif pa.types.is_list(field.type):
+            values = [list(value) for value in values]
+        columns.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 def _keyword_docs(batch: pa.RecordBatch) -> list[KeywordDoc]:
