@@ -26,6 +26,7 @@ from proxy.memory.records import Kind, MemoryRecord, from_row
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
 _ID_OVERHEAD_BYTES = 120
+_PY_ROW_BYTES = 2_000  # the loaded columns as Python objects, per row, text aside (RSS-calibrated)
 _MIN_CAPACITY = 64
 
 
@@ -36,7 +37,7 @@ def micros(at: datetime) -> int:
 
 def estimated_bytes(rows: int, dim: int) -> int:
     """What an entry of ``rows`` records of dimension ``dim`` is expected to cost, before loading it."""
-    return rows * (dim * 4 + _RECORD_OVERHEAD_BYTES + _ID_OVERHEAD_BYTES + 16)
+    return rows * (dim * 4 + _PY_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
 
 
 class UserVectors:
@@ -50,8 +51,12 @@ class UserVectors:
         self.n = 0
         self.dead = 0
         self.generation = 0
-        self._rows = rows.drop_columns(["embedding"]) if rows is not None else None
-        self._base: list[int] = []  # row in self._rows, or -1 for records added after the load
+        # Columns as Python lists: a hit becomes a record in microseconds (Arrow's take + to_pylist of a
+        # few rows costs about a millisecond). Costs memory: counted in ``nbytes``.
+        scalars = rows.drop_columns(["embedding"]) if rows is not None else None
+        self._columns: dict[str, list[Any]] = scalars.to_pydict() if scalars is not None else {}
+        self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
+        self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
         self._records: list[MemoryRecord | None] = []
         self._materialised = 0
         self._alloc(max(_MIN_CAPACITY, rows.num_rows if rows is not None else 0))
@@ -91,7 +96,7 @@ class UserVectors:
     def nbytes(self) -> int:
         """Approximate memory held by the entry."""
         arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
-        rows = self._rows.nbytes if self._rows is not None else 0
+        rows = self._columns_bytes
         extra = self._materialised * _RECORD_OVERHEAD_BYTES + len(self.ids) * _ID_OVERHEAD_BYTES
         return arrays + rows + extra
 
@@ -191,14 +196,13 @@ class UserVectors:
         return _top_k(vectors, mask, query, k, ids)
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
-        """The current records for ``ids`` (None where deleted), materialising Arrow rows in one take."""
+        """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
         rows = [self.index.get(record_id) for record_id in ids]
         pending = [row for row in rows if row is not None and self._records[row] is None]
-        if pending and self._rows is not None:
-            taken = self._rows.take([self._base[row] for row in pending]).to_pylist()
-            for row, values in zip(pending, taken, strict=True):
-                self._records[row] = from_row(values)
-            self._materialised += len(pending)
+        for row in pending:
+            base = self._base[row]
+            self._records[row] = from_row({name: values[base] for name, values in self._columns.items()})
+        self._materialised += len(pending)
         return [self._records[row] if row is not None else None for row in rows]
 
     def ordered_ids(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> list[str]:
