@@ -162,6 +162,14 @@ def records_for(user: str, n: int, rng: random.Random, vectors: np.ndarray | Non
     return out
 
 
+_STARTED = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    """A progress line on stderr (the table goes to stdout at the end)."""
+    print(f"[{time.perf_counter() - _STARTED:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (nearest rank)."""
     ordered = sorted(values)
@@ -251,8 +259,13 @@ async def _ingest(store: MemoryStore, records: list[MemoryRecord], per_call: int
     }
 
 
-async def build_corpus(path: Path, sizes: list[int], background_users: int, background_size: int) -> dict[str, Any]:
-    """Load the search corpus; the first 20k rows through the default writer settings, timed."""
+async def build_corpus(
+    path: Path, sizes: list[int], background_users: int, background_size: int, timed_rows: int, ann_min_rows: int
+) -> dict[str, Any]:
+    """Load the search corpus; the first ``timed_rows`` through the default writer settings, timed.
+
+    ``store.optimize()`` compacts, adds the scalar indexes and, past ``ann_min_rows``, builds HNSW-SQ.
+    """
     rng, nrng = random.Random(2), np.random.default_rng(2)
     users = [(f"user-{size}", size) for size in sizes]
     users += [(f"background-{i}", background_size) for i in range(background_users)]
@@ -260,18 +273,22 @@ async def build_corpus(path: Path, sizes: list[int], background_users: int, back
     for user, size in users:
         everything.extend(records_for(user, size, rng, unit_vectors(size, nrng)))
     random.Random(3).shuffle(everything)
-    timed_part, bulk = everything[:20_000], everything[20_000:]
+    timed_part, bulk = everything[:timed_rows], everything[timed_rows:]
+    progress(f"  {len(everything)} records generated")
     async with MemoryStore(StoreSettings(path=path), FixedDimEmbedder()) as store:
         no_embed = await _ingest(store, timed_part, per_call=64, callers=4)
-    settings = StoreSettings(path=path, flush_max_rows=8192)
+    progress(f"  {no_embed}")
+    settings = StoreSettings(path=path, flush_max_rows=8192, ann_index_min_rows=ann_min_rows)
     async with MemoryStore(settings, FixedDimEmbedder()) as store:
         start = time.perf_counter()
         for i in range(0, len(bulk), 8192):
             await store.add(bulk[i : i + 8192])
         bulk_s = time.perf_counter() - start
+        progress(f"  bulk load {bulk_s:.1f}s")
         start = time.perf_counter()
         await store.optimize()
         optimize_s = time.perf_counter() - start
+        progress(f"  optimize {optimize_s:.1f}s")
         total = await store.count()
     return {
         "users": dict(users),
@@ -285,9 +302,10 @@ async def build_corpus(path: Path, sizes: list[int], background_users: int, back
 async def search_latencies(path: Path, sizes: list[int], queries: int) -> dict[str, Any]:
     """Per user size: cache miss, cache hit, keyword and both-arms latencies."""
     out: dict[str, Any] = {}
-    async with MemoryStore(StoreSettings(path=path), FixedDimEmbedder()) as store:
+    async with MemoryStore(StoreSettings(path=path, ann_index_min_rows=10**12), FixedDimEmbedder()) as store:
         for size in sizes:
             out[str(size)] = await _search_one(store, f"user-{size}", queries)
+            progress(f"  {size}: {out[str(size)]['both_arms']}")
         out["cache"] = {"hits": store.cache.hits, "misses": store.cache.misses, "bytes": store.cache.nbytes}
     return out
 
@@ -326,7 +344,8 @@ async def _search_one(store: MemoryStore, user: str, queries: int) -> dict[str, 
 async def lancedb_path_latencies(path: Path, sizes: list[int], queries: int) -> dict[str, Any]:
     """Vector search without the cache (LanceDB, filtered by user, prefilter; HNSW-SQ if built)."""
     out: dict[str, Any] = {}
-    async with MemoryStore(StoreSettings(path=path, vector_cache_bytes=0), FixedDimEmbedder()) as store:
+    settings = StoreSettings(path=path, vector_cache_bytes=0, ann_index_min_rows=10**12)
+    async with MemoryStore(settings, FixedDimEmbedder()) as store:
         for size in sizes:
             pairs = await _queries(store, f"user-{size}", queries)
             await store.vector_search(f"user-{size}", pairs[0][0], 10)
@@ -357,7 +376,7 @@ async def forget_latency(root: Path, background_users: int, background_size: int
 
 async def forget_in_corpus(path: Path, size: int) -> dict[str, Any]:
     """Forget the ``size`` user of the full corpus (the purge rewrites what shares its data files)."""
-    async with MemoryStore(StoreSettings(path=path), FixedDimEmbedder()) as store:
+    async with MemoryStore(StoreSettings(path=path, ann_index_min_rows=10**12), FixedDimEmbedder()) as store:
         total = await store.count()
         start = time.perf_counter()
         counts = await store.forget_user(f"user-{size}")
@@ -418,20 +437,29 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         root = Path(tmp)
         embedder = None if args.no_embedding else local_embedder()
         if embedder is not None:
+            progress("ingest with embedding")
             detail["ingest"]["with_embedding"] = await ingest_with_embedding(root, embedder, args.embed_turns)
             if hasattr(embedder, "aclose"):
                 await embedder.aclose()
         corpus = root / "corpus"
-        detail["corpus"] = await build_corpus(corpus, sizes, args.background_users, args.background_size)
+        progress("corpus")
+        ann_min_rows = 50_000 if args.ann else 10**12
+        detail["corpus"] = await build_corpus(
+            corpus, sizes, args.background_users, args.background_size, args.ingest_turns, ann_min_rows
+        )
         detail["ingest"]["no_embedding"] = detail["corpus"]["ingest_no_embedding"]
+        progress("search (cache)")
         detail["search"] = await search_latencies(corpus, sizes, args.queries)
+        progress("search (LanceDB path)")
         detail["lancedb_path"] = await lancedb_path_latencies(corpus, sizes, max(50, args.queries // 3))
         detail["rss"] = rss_mb()
+        progress("forget")
         detail["forget"] = {
             "small_store": await forget_latency(root, 4, 2_500),
             "corpus": await forget_in_corpus(corpus, min(sizes, key=lambda size: abs(size - 10_000))),
         }
     detail["bench_seconds"] = round(time.perf_counter() - started, 1)
+    progress("done")
     ten_k = detail["search"].get("10000", {}).get("both_arms", {})
     ingest = detail["ingest"].get("with_embedding", {}).get("batched", detail["ingest"]["no_embedding"])
     return {
@@ -456,9 +484,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--sizes", default="1000,10000,100000", help="memories per measured user")
     parser.add_argument("--background-users", type=int, default=8)
     parser.add_argument("--background-size", type=int, default=2_000)
-    parser.add_argument("--queries", type=int, default=300, help="queries per measured user")
-    parser.add_argument("--embed-turns", type=int, default=1_024, help="turns ingested with real embedding")
+    parser.add_argument("--queries", type=int, default=200, help="queries per measured user")
+    parser.add_argument("--ingest-turns", type=int, default=5_000, help="turns ingested (no embedding), timed")
+    parser.add_argument("--embed-turns", type=int, default=512, help="turns ingested with real embedding")
     parser.add_argument("--no-embedding", action="store_true", help="skip the real-embedding ingest")
+    parser.add_argument("--ann", action="store_true", help="build the HNSW-SQ index on the corpus (minutes on 2 cores)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args()
 
