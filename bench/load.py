@@ -1,0 +1,373 @@
+"""Latency and throughput of memproxy side by side with LiteLLM's proxy, in one run (``make bench-load``).
+
+Starts the fake upstream (loopback, fixed latency), memproxy (its store seeded with 10k memories of one user)
+and LiteLLM's proxy server (from its own venv ``bench/.venv-litellm``, same fake upstream, no memory), then
+measures, interleaved round by round, four targets at concurrency 1, 16 and 64 with the same async load
+generator: ``direct`` (the fake upstream), ``memproxy-off`` (``X-Memory-Mode: off``), ``memproxy-on`` (the
+seeded user, full read path, ``X-Memory-Mode: read`` so the store does not grow) and ``litellm``. Non-stream
+latency and stream time to first byte; added latency is the difference of percentiles against ``direct`` at
+the same concurrency. Prints a table and the issue's target checks, writes ``bench/results/load.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import random
+import socket
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.loadgen import Sample, body, merge, percentile, rss_mb, run
+from bench.store import OBJECTS, PLACES, TIMES, VERBS, sentence
+from tests.support.processes import Process, child_env, fake_upstream_process, memproxy_process
+
+BENCH = Path(__file__).resolve().parent
+RESULTS = BENCH / "results" / "load.json"
+CACHE = BENCH / ".cache"
+LITELLM_BIN = BENCH / ".venv-litellm" / "bin" / "litellm"
+USER = "bench-user"
+OFF = {"X-Memory-User": USER, "X-Memory-Mode": "off"}
+ON = {"X-Memory-User": USER, "X-Memory-Mode": "read"}
+DEFAULT_REQUESTS = {1: 120, 16: 320, 64: 640}
+
+
+def _progress(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- seeding the memproxy-on user
+
+
+async def _seed(path: Path, count: int) -> None:
+    """Write ``count`` turns and facts of USER through the real store and the real local embedder."""
+    from proxy.memory.embedders import EmbedderSettings, build_embedder
+    from proxy.memory.records import Kind, MemoryRecord
+    from proxy.memory.store import MemoryStore, StoreSettings
+
+    rng = random.Random(8)
+    now = datetime.now(UTC)
+    step = timedelta(days=30) / count
+    embedder = build_embedder(EmbedderSettings())
+    async with embedder, MemoryStore(StoreSettings(path=path), embedder) as store:
+        for start in range(0, count, 500):
+            batch = []
+            for i in range(start, min(start + 500, count)):
+                fact = i % 4 == 0
+                batch.append(MemoryRecord(
+                    user_id=USER, kind=Kind.FACT if fact else Kind.TURN, text=sentence(rng),
+                    created_at=now - step * (count - i), conversation_id=None if fact else f"conv-{i // 20}",
+                    role=None if fact else ("user" if i % 2 else "assistant"),
+                    category="preference" if fact else None, importance=rng.randint(3, 9)))
+            await store.add(batch)
+            _progress(f"seeded {min(start + 500, count)}/{count} memories")
+
+
+def seeded_store(count: int) -> Path:
+    """A data dir holding ``count`` memories of USER, cached under bench/.cache/ by count."""
+    path = CACHE / f"memories-{count}"
+    done = path / ".seeded"
+    if done.exists():
+        return path
+    if path.exists():
+        import shutil
+
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    started = time.perf_counter()
+    asyncio.run(_seed(path, count))
+    done.write_text(f"{count}\n")
+    _progress(f"seeded {count} memories in {time.perf_counter() - started:.0f} s")
+    return path
+
+
+# ---------------------------------------------------------------- LiteLLM's proxy
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_ready(url: str, proc: Process, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            break
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:  # noqa: S310 (our own http URL)
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"litellm not ready at {url}; output:\n" + "\n".join(proc.lines[-40:]))
+
+
+@contextmanager
+def litellm_process(upstream: str, workdir: Path) -> Iterator[tuple[Process, str]]:
+    """LiteLLM's proxy routing ``fake-echo`` to the fake upstream; yields it and its base URL (ending in /v1)."""
+    config = workdir / "litellm.yaml"
+    config.write_text(
+        "model_list:\n"
+        "  - model_name: fake-echo\n"
+        "    litellm_params:\n"
+        "      model: openai/fake-echo\n"
+        f"      api_base: {upstream}\n"
+        "      api_key: sk-fake\n"
+        "litellm_settings:\n"
+        "  telemetry: false\n"
+    )
+    port = _free_port()
+    env = child_env(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False", DISABLE_SCHEMA_UPDATE="True",
+                    DO_NOT_TRACK="1", ANONYMIZED_TELEMETRY="False")
+    env.pop("DATABASE_URL", None)
+    proc = Process([str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
+                    "--telemetry", "False"], env)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc)
+        yield proc, f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.stop()
+        proc.cleanup()
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@dataclass
+class Target:
+    """One thing under load: its chat URL, headers and the pid whose memory counts."""
+
+    name: str
+    url: str
+    headers: dict[str, str]
+    pid: int | None
+    plain: list[Sample] = field(default_factory=list)
+    streams: list[Sample] = field(default_factory=list)
+    rss: float = 0.0
+
+
+def tree_rss_mb(pid: int) -> float:
+    """Resident memory of a process and its descendants in MiB."""
+    total = rss_mb(pid)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        total += sum(tree_rss_mb(int(child)) for child in children)
+    return total
+
+
+def queries(rng: random.Random, n: int) -> list[str]:
+    """``n`` distinct, realistic questions about the seeded memories (fresh ones miss the query cache)."""
+    shapes = [
+        "Where was it that I {verb} {obj} {time}?",
+        "What do you remember about when I {verb} {obj}?",
+        "Remind me, when I {verb} {obj} {place}, how did it go?",
+        "Can you help me plan something like {obj} {place} again?",
+        "What did I tell you about {obj} {time}?",
+        "Last time we talked about {obj}, what did I decide?",
+    ]
+    out: set[str] = set()
+    while len(out) < n:
+        shape = rng.choice(shapes)
+        out.add(shape.format(verb=rng.choice(VERBS), obj=rng.choice(OBJECTS), place=rng.choice(PLACES),
+                             time=rng.choice(TIMES)) + f" ({rng.randrange(10**6)})" * (rng.random() < 0.3))
+    return sorted(out, key=lambda _: rng.random())
+
+
+async def _round(targets: list[Target], concurrency: int, requests: int, stream: bool, texts: list[str]) -> None:
+    for target in targets:
+        sample = await run(target.url, concurrency=concurrency, requests=requests, stream=stream,
+                           headers=target.headers, texts=texts)
+        (target.streams if stream else target.plain).append(sample)
+        if target.pid is not None:
+            target.rss = max(target.rss, tree_rss_mb(target.pid))
+
+
+async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: int,
+                rng: random.Random) -> None:
+    for target in targets:
+        target.plain, target.streams, target.rss = [], [], 0.0
+    for stream in (False, True):
+        warm = queries(rng, 20)
+        for target in targets:
+            await run(target.url, concurrency=concurrency, requests=max(20, concurrency), stream=stream,
+                      headers=target.headers, texts=warm)
+        for _ in range(rounds):
+            rng.shuffle(targets)
+            await _round(targets, concurrency, requests, stream, queries(rng, requests))
+    _progress(f"c={concurrency} done")
+
+
+def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
+    by_name = {t.name: t for t in targets}
+    direct_plain = merge(by_name["direct"].plain).latencies_ms
+    direct_ttft = merge(by_name["direct"].streams).ttfts_ms
+    rows = []
+    for name in [n for n in ("direct", "memproxy-off", "memproxy-on", "litellm") if n in by_name]:
+        target = by_name[name]
+        plain, streams = merge(target.plain), merge(target.streams)
+        lat = plain.latencies_ms
+        rows.append({
+            "target": name, "concurrency": concurrency,
+            "p50_ms": round(percentile(lat, 50), 3), "p95_ms": round(percentile(lat, 95), 3),
+            "p99_ms": round(percentile(lat, 99), 3),
+            "added_p50_ms": round(percentile(lat, 50) - percentile(direct_plain, 50), 3),
+            "added_p99_ms": round(percentile(lat, 99) - percentile(direct_plain, 99), 3),
+            "ttft_added_p50_ms": round(percentile(streams.ttfts_ms, 50) - percentile(direct_ttft, 50), 3),
+            "rps": round(plain.rps, 1), "errors": plain.errors + streams.errors,
+            "rss_mb": None if target.pid is None else round(target.rss, 1),
+        })
+    return rows
+
+
+async def measure(targets: list[Target], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every cell, interleaved round by round across targets."""
+    rng = random.Random(64)
+    rows: list[dict[str, Any]] = []
+    for concurrency in args.concurrency:
+        requests = args.requests or DEFAULT_REQUESTS.get(concurrency, max(120, concurrency * 15))
+        await _cell(targets, concurrency, requests, args.rounds, rng)
+        rows.extend(_rows(targets, concurrency))
+    return rows
+
+
+def probe(chat_url: str) -> dict[str, str]:
+    """The X-Memory-* headers of one memproxy-on request: proof that the read path injects memories."""
+    request = urllib.request.Request(chat_url, data=body("What did I book in Kyoto last weekend?"),  # noqa: S310
+                                     headers={"Content-Type": "application/json", **ON})
+    with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 (our own http URL)
+        return {k: v for k, v in response.headers.items() if k.lower().startswith("x-memory") and k != "X-Memory-Ids"}
+
+
+def degraded_reads(base_url: str) -> float:
+    """memproxy's count of requests served with degraded memory (read timeouts or failures)."""
+    with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:  # noqa: S310
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("memproxy_memory_degraded_total"))
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    """The result table on stdout."""
+    print(f"{'target':<14}{'conc':>5}{'p50':>9}{'p95':>9}{'p99':>9}{'+p50':>9}{'+p99':>9}{'+ttft50':>9}"
+          f"{'req/s':>9}{'errors':>8}{'rss MB':>9}")
+    for r in rows:
+        rss = "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f}"
+        print(f"{r['target']:<14}{r['concurrency']:>5}{r['p50_ms']:>9.2f}{r['p95_ms']:>9.2f}{r['p99_ms']:>9.2f}"
+              f"{r['added_p50_ms']:>9.2f}{r['added_p99_ms']:>9.2f}{r['ttft_added_p50_ms']:>9.2f}{r['rps']:>9.1f}"
+              f"{r['errors']:>8}{rss:>9}")
+
+
+def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
+    """The issue's targets, per concurrency, as (passed, line)."""
+    cell = {(r["target"], r["concurrency"]): r for r in rows}
+    out: list[tuple[bool, str]] = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        off, on, lite = cell.get(("memproxy-off", c)), cell.get(("memproxy-on", c)), cell.get(("litellm", c))
+        if off:
+            added = off["added_p50_ms"]
+            out.append((added <= 1.0, f"c={c} memproxy-off added p50 {added:.2f} ms <= 1 ms"))
+        if off and lite:
+            ratio = off["added_p50_ms"] / lite["added_p50_ms"] if lite["added_p50_ms"] > 0 else float("inf")
+            out.append((ratio <= 0.25, f"c={c} memproxy-off added p50 / litellm added p50 = "
+                                       f"{off['added_p50_ms']:.2f}/{lite['added_p50_ms']:.2f} = {ratio:.2f}x <= 0.25x"))
+        if on:
+            p50, p99 = on["added_p50_ms"], on["added_p99_ms"]
+            out.append((p50 <= 10.0, f"c={c} memproxy-on added p50 {p50:.2f} ms <= 10 ms"))
+            out.append((p99 <= 30.0, f"c={c} memproxy-on added p99 {p99:.2f} ms <= 30 ms"))
+    top = max(r["concurrency"] for r in rows)
+    on, lite = cell.get(("memproxy-on", top)), cell.get(("litellm", top))
+    if on and lite:
+        ratio = on["rps"] / lite["rps"] if lite["rps"] else float("inf")
+        out.append((ratio >= 1.5, f"c={top} memproxy-on req/s / litellm req/s = {on['rps']:.1f}/{lite['rps']:.1f} = "
+                                  f"{ratio:.2f}x >= 1.5x"))
+    errors = sum(r["errors"] for r in rows)
+    out.append((errors == 0, f"errors {errors} == 0"))
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) -> list[Target]:
+    _, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
+    base = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
+            "MEMPROXY_LOGGING__LEVEL": args.log_level}
+    proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
+    _progress(f"memproxy up on {proxy}")
+    targets = [Target("direct", f"{upstream}/chat/completions", {}, None),
+               Target("memproxy-off", f"{proxy}/chat/completions", OFF, proc.popen.pid),
+               Target("memproxy-on", f"{proxy}/chat/completions", ON, proc.popen.pid)]
+    if not args.skip_litellm:
+        lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
+        _progress(f"litellm up on {lite}")
+        targets.append(Target("litellm", f"{lite}/chat/completions", {"Authorization": "Bearer sk-bench"},
+                              lproc.popen.pid))
+    return targets
+
+
+def main() -> None:
+    """Run the benchmark."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--latency-ms", type=float, default=5.0, help="fake upstream latency")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests per round per cell (default by concurrency: 1:120, 16:320, 64:640)")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell and mode")
+    parser.add_argument("--memories", type=int, default=10_000, help="memories of the memproxy-on user")
+    parser.add_argument("--log-level", default="info", help="memproxy log level (info logs every request)")
+    parser.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not args.skip_litellm and not LITELLM_BIN.exists():
+        sys.exit(f"{LITELLM_BIN} missing: python3 -m venv bench/.venv-litellm && "
+                 "bench/.venv-litellm/bin/pip install 'litellm[proxy]' (or pass --skip-litellm)")
+    started = time.perf_counter()
+    seed_src = seeded_store(args.memories)
+    with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
+        data = Path(tmp) / "data"
+        import shutil
+
+        shutil.copytree(seed_src, data)  # memproxy may compact or touch; the cache stays pristine
+        targets = _targets(stack, args, data, Path(tmp))
+        proxy = targets[1].url.removesuffix("/chat/completions")
+        memory_headers = probe(f"{proxy}/chat/completions")
+        degraded_before = degraded_reads(proxy)
+        rows = asyncio.run(measure(targets, args))
+        degraded = degraded_reads(proxy) - degraded_before
+    print_table(rows)
+    print(f"memproxy-on probe {memory_headers}; reads served degraded during the run: {degraded:.0f}")
+    results = checks(rows)
+    for passed, line in results:
+        print(f"{'PASS' if passed else 'FAIL'}  {line}")
+    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "upstream_latency_ms": args.latency_ms,
+            "rounds": args.rounds, "memories": args.memories, "memproxy_log_level": args.log_level,
+            "wall_s": round(time.perf_counter() - started, 1), "memproxy_on_probe_headers": memory_headers,
+            "memproxy_degraded_reads": degraded,
+            "checks": [{"pass": p, "check": line} for p, line in results]}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
