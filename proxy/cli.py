@@ -3,19 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import uvloop
 
 from proxy.cli_memory import add_memory_commands, run_memory_command
-from proxy.config import ConfigError, Settings, load_settings
-from proxy.logs import configure_logging
-from proxy.server import reindex, serve
-
-EXIT_CONFIG = 2
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -32,36 +24,13 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    server: dict[str, Any] = {}
-    if getattr(args, "host", None) is not None:
-        server["host"] = args.host
-    if getattr(args, "port", None) is not None:
-        server["port"] = args.port
-    return {"server": server} if server else {}
-
-
-def load_or_exit(args: argparse.Namespace) -> Settings:
-    """The settings, or exit code 2 with one message naming the bad key."""
-    try:
-        return load_settings(getattr(args, "config", None), overrides=_overrides(args))
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``memproxy`` console script."""
     args = _parser().parse_args(argv)
-    if args.command == "serve":
-        settings = load_or_exit(args)
-        configure_logging(settings.logging.level)
-        uvloop.run(serve(settings))
-    elif args.command == "reindex":
-        settings = load_or_exit(args)
-        configure_logging("warning")
-        count = uvloop.run(reindex(settings))
-        print(f"re-embedded {count} memories with {settings.embedder.model}")
+    if args.command in ("serve", "reindex"):
+        # Imported here, not at the top: the server stack (LanceDB, onnxruntime, litellm clients) costs ~6 s
+        # of CPU to import, and the memory-management commands only speak HTTP to a running server.
+        importlib.import_module("proxy.server").run_command(args)
     else:
         raise SystemExit(run_memory_command(args))
 

@@ -140,7 +140,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise
         err = NotFound(exc.reason) if exc.status == 404 else BadRequest(exc.reason)
         err.status = exc.status
-        return error_response(err)
+        response = error_response(err)
+        if "Allow" in exc.headers:  # a 405 must say which methods are allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except Exception:
         log.exception("request.unhandled", path=request.path)
         return error_response(ProxyError("internal error in memproxy; see its logs"))

@@ -6,20 +6,27 @@ Shutdown order: stop accepting connections, let in-flight requests (streams incl
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
+import sys
+from typing import Any
 
 import structlog
+import uvloop
 from aiohttp import web
 from tqdm import tqdm
 
 from proxy.app import MemoryFactory, build_app
-from proxy.config import Settings
+from proxy.config import ConfigError, Settings, load_settings
+from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.store import MemoryStore
 from proxy.state import STATE
 
 log = structlog.get_logger("memproxy.server")
+
+EXIT_CONFIG = 2
 
 
 async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
@@ -58,3 +65,33 @@ async def reindex(settings: Settings) -> int:
                     bar.update(done - bar.n)
 
                 return await store.reindex(progress)
+
+
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    server: dict[str, Any] = {}
+    if getattr(args, "host", None) is not None:
+        server["host"] = args.host
+    if getattr(args, "port", None) is not None:
+        server["port"] = args.port
+    return {"server": server} if server else {}
+
+
+def load_or_exit(args: argparse.Namespace) -> Settings:
+    """The settings, or exit code 2 with one message naming the bad key."""
+    try:
+        return load_settings(getattr(args, "config", None), overrides=_overrides(args))
+    except ConfigError as exc:
+        print(str(exc), file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG) from None
+
+
+def run_command(args: argparse.Namespace) -> None:
+    """``memproxy serve`` and ``memproxy reindex``."""
+    settings = load_or_exit(args)
+    if args.command == "serve":
+        configure_logging(settings.logging.level)
+        uvloop.run(serve(settings))
+        return
+    configure_logging("warning")
+    count = uvloop.run(reindex(settings))
+    print(f"re-embedded {count} memories with {settings.embedder.model}")
