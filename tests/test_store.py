@@ -383,3 +383,21 @@ async def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -
             async with MemoryStore(settings_for(tmp_path), HashingEmbedder()):
                 pass
         assert await keyword_ids(store, "alice", "owned") == [record.id]
+
+
+async def test_deferred_purge_hides_at_once_and_clears_files_at_the_next_round(tmp_path: Path) -> None:
+    """forget_user(purge=False) removes the user from every read now and from the disk at optimize."""
+    user, secret = "zq-deferred-user-5512", "quagmirezephyr"
+    path = tmp_path / "data"
+    async with MemoryStore(settings_for(path), HashingEmbedder()) as store:
+        await store.add([fact(user, f"{secret} {i}") for i in range(10)] + [fact("bob", "bob stays")])
+        counts = await store.forget_user(user, purge=False)
+        assert counts["fact"] == 10
+        assert await keyword_ids(store, user, secret) == []
+        assert await vector_ids(store, user, secret) == []
+        assert await store.count(user) == 0
+        await store.optimize()
+        assert len(await keyword_ids(store, "bob", "stays")) == 1
+    for file in (p for p in path.rglob("*") if p.is_file()):
+        assert secret.encode() not in file.read_bytes(), file
+        assert user.encode() not in file.read_bytes(), file

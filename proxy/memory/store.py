@@ -372,8 +372,13 @@ class MemoryStore:
             await self._index(lambda: self._keyword.remove(user_id, [id]))
         return True
 
-    async def forget_user(self, user_id: str) -> dict[str, int]:
-        """Erase every record of the user from both arms, the cache and the files; counts by kind."""
+    async def forget_user(self, user_id: str, *, purge: bool = True) -> dict[str, int]:
+        """Erase every record of the user from both arms, the cache and the files; counts by kind.
+
+        The records are gone from every read at once. Their bytes leave the disk before this returns
+        (``purge=True``, which rewrites the data files they shared with other users: time grows with the
+        table) or at the next maintenance round (``purge=False``; a restart finishes it too).
+        """
         check_user_id(user_id)
         async with self._lock:
             counts = await self._lance.kind_counts(user_id)
@@ -384,8 +389,11 @@ class MemoryStore:
             await self._lance.delete(user_id)
             self._cache.drop(user_id)
             self._touches.pop(user_id, None)
-            await self._purge(fragments)
-        log.info("memory.user_forgotten", records=sum(counts.values()))
+            if purge:
+                await self._purge(fragments)
+            else:
+                await self._index(lambda: self._keyword.remove_user(user_id))
+        log.info("memory.user_forgotten", records=sum(counts.values()), purged=purge)
         return {str(kind): counts.get(str(kind), 0) for kind in Kind}
 
     async def _purge(self, fragments: Sequence[int] | None) -> None:
@@ -411,10 +419,13 @@ class MemoryStore:
     async def optimize(self) -> None:
         """Compact LanceDB, fold new rows into its indexes, drop versions older than ten minutes.
 
-        Also repairs Tantivy if a write reached LanceDB but failed in Tantivy since the last round, and
-        builds the ANN index once the table is large enough (outside the write lock: it takes minutes).
+        Also finishes a deferred purge, repairs Tantivy if a write reached LanceDB but failed in Tantivy
+        since the last round, and builds the ANN index once the table is large enough (outside the write
+        lock: it takes minutes).
         """
         async with self._lock:
+            if self._purge_path.exists():  # a forget_user(purge=False) left bytes to remove
+                await self._purge(None)
             await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)
             if self._needs_repair:
                 await self.repair()
