@@ -161,3 +161,12 @@ async def test_rebuild_swaps_in_a_fresh_index(tmp_path: Path) -> None:
         assert not old_dirs & new_dirs
     async with KeywordIndex(tmp_path / "kw") as kw:
         assert await kw.signatures() == {"n1": doc("n1", "only this one").sig}
+
+
+async def test_stop_words_do_not_drive_matches_but_a_stop_word_query_still_works(tmp_path: Path) -> None:
+    """'the cat' ranks by 'cat' alone; a query made only of stop words still finds what contains them."""
+    async with KeywordIndex(tmp_path / "kw") as kw:
+        await kw.upsert([doc("s1", "the dog and the bird"), doc("s2", "a cat"), doc("s3", "to be or not to be")])
+        await kw.commit()
+        assert await ids(kw, "alice", "the cat") == ["s2"]
+        assert await ids(kw, "alice", "to be") == ["s3"]

@@ -2,7 +2,8 @@
 
 Fields: ``id`` (raw, stored), ``user_id`` (raw, indexed only), ``kind`` (raw), ``text`` (words: Tantivy's
 default pipeline of simple tokenizer, long-token removal and lowercasing), ``text_stem`` (the same words
-without English stop words, Snowball-stemmed; word queries match this field, so "hiking" finds "hikes"),
+without English stop words, Snowball-stemmed; word queries match this field, so "hiking" finds "hikes";
+a query made only of stop words matches ``text`` instead),
 ``text_cjk`` (character bigrams of the CJK runs of the text, so Korean, Japanese and Chinese queries match
 inside words), ``created_us`` (microseconds, exact range filters), ``valid`` and ``sig`` (a digest of the
 indexed fields, stored, which lets the store's startup repair find documents that disagree with LanceDB).
@@ -182,6 +183,7 @@ class KeywordIndex:
         self.path = path
         self._heap_bytes = heap_bytes
         self._threads = threads
+        self._words = word_analyzer()
         self._stems = stem_analyzer()
         self._lock = asyncio.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -345,6 +347,9 @@ class KeywordIndex:
         bigrams = _unique(cjk_bigrams(text), MAX_QUERY_TERMS)
         should = [(Occur.Should, Query.term_query(schema, "text_stem", word)) for word in words]
         should += [(Occur.Should, Query.term_query(schema, "text_cjk", pair)) for pair in bigrams]
+        if not should:  # only stop words ("to be or not to be"): match them as plain words
+            plain = _unique(self._words.analyze(text), MAX_QUERY_TERMS)
+            should = [(Occur.Should, Query.term_query(schema, "text", word)) for word in plain]
         if not should:
             return None
         must = [
