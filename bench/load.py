@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import random
+import secrets
 import socket
 import sys
 import tempfile
@@ -39,6 +40,7 @@ BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "load.json"
 CACHE = BENCH / ".cache"
 LITELLM_BIN = BENCH / ".venv-litellm" / "bin" / "litellm"
+LITELLM_KEY = "sk-bench-" + secrets.token_hex(32)  # the proxy refuses to start without a strong master key
 USER = "bench-user"
 OFF = {"X-Memory-User": USER, "X-Memory-Mode": "off"}
 ON = {"X-Memory-User": USER, "X-Memory-Mode": "read"}
@@ -133,11 +135,12 @@ def litellm_process(upstream: str, workdir: Path) -> Iterator[tuple[Process, str
         "  telemetry: false\n"
     )
     port = _free_port()
-    env = child_env(LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False", DISABLE_SCHEMA_UPDATE="True",
+    env = child_env(LITELLM_MASTER_KEY=LITELLM_KEY, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False",
+                    DISABLE_SCHEMA_UPDATE="True",
                     DO_NOT_TRACK="1", ANONYMIZED_TELEMETRY="False")
     env.pop("DATABASE_URL", None)
     proc = Process([str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                    "--telemetry", "False"], env)
+                    "--num_workers", "1"], env)
     try:
         _wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc)
         yield proc, f"http://127.0.0.1:{port}/v1"
@@ -319,7 +322,7 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
     if not args.skip_litellm:
         lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
         _progress(f"litellm up on {lite}")
-        targets.append(Target("litellm", f"{lite}/chat/completions", {"Authorization": "Bearer sk-bench"},
+        targets.append(Target("litellm", f"{lite}/chat/completions", {"Authorization": f"Bearer {LITELLM_KEY}"},
                               lproc.popen.pid))
     return targets
 
