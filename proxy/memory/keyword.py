@@ -30,9 +30,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
+import orjson
 import tantivy
 from tantivy import (
-    Document,
     FieldType,
     Filter,
     Index,
@@ -128,13 +128,20 @@ def _schema() -> tantivy.Schema:
     return builder.build()
 
 
-def _document(doc: KeywordDoc) -> Document:
-    out = Document(id=doc.id, user_id=doc.user_id, kind=doc.kind, text=doc.text, text_stem=doc.text, sig=doc.sig)
-    out.add_integer("created_us", doc.created_us)
-    out.add_boolean("valid", doc.valid)
-    for run in cjk_runs(doc.text):
-        out.add_text("text_cjk", run)
-    return out
+def _document_json(doc: KeywordDoc) -> str:
+    """The document as Tantivy JSON (about 3x cheaper to build and add than a ``Document`` of keywords)."""
+    fields = {
+        "id": doc.id,
+        "user_id": doc.user_id,
+        "kind": doc.kind,
+        "text": doc.text,
+        "text_stem": doc.text,
+        "text_cjk": cjk_runs(doc.text),
+        "created_us": doc.created_us,
+        "valid": doc.valid,
+        "sig": doc.sig,
+    }
+    return orjson.dumps(fields).decode()
 
 
 class _Generation:
@@ -264,7 +271,7 @@ class KeywordIndex:
     def _upsert(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
         for doc in docs:
             gen.writer.delete_documents_by_term("id", doc.id)
-            gen.writer.add_document(_document(doc))
+            gen.writer.add_json(_document_json(doc))
 
     async def remove(self, user_id: str, ids: Sequence[str]) -> None:
         """Delete the user's documents with these ids (visible after ``commit``)."""
@@ -323,7 +330,7 @@ class KeywordIndex:
     @staticmethod
     def _add_all(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
         for doc in docs:
-            gen.writer.add_document(_document(doc))
+            gen.writer.add_json(_document_json(doc))
 
     # reads ----------------------------------------------------------------------------------------------
 

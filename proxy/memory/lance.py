@@ -302,9 +302,8 @@ class MemoryTable:
         elif fragments:
             where = " OR ".join(f"(_rowaddr >= {f << 32} AND _rowaddr < {(f + 1) << 32})" for f in fragments)
             await self.table.update(updates_sql={"importance": "importance"}, where=where)
+        await self._rebuild_scalar_indexes()  # the Bitmap index keeps the user's id as a key otherwise
         async with self.gate.exclusive():
-            await self.table.optimize(cleanup_older_than=_PURGE_CLEANUP, delete_unverified=True)
-            await self._rebuild_scalar_indexes()
             await self.table.optimize(cleanup_older_than=_PURGE_CLEANUP, delete_unverified=True)
 
     async def _rebuild_scalar_indexes(self) -> None:
