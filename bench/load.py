@@ -44,7 +44,7 @@ LITELLM_KEY = "sk-bench-" + secrets.token_hex(32)  # the proxy refuses to start 
 USER = "bench-user"
 OFF = {"X-Memory-User": USER, "X-Memory-Mode": "off"}
 ON = {"X-Memory-User": USER, "X-Memory-Mode": "read"}
-DEFAULT_REQUESTS = {1: 120, 16: 320, 64: 640}
+DEFAULT_REQUESTS = {1: 80, 16: 240, 64: 480}
 
 
 def _progress(message: str) -> None:
@@ -314,6 +314,9 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
     _, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
     base = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
             "MEMPROXY_LOGGING__LEVEL": args.log_level}
+    if args.read_timeout_ms:
+        base |= {"MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": str(args.read_timeout_ms),
+                 "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": str(args.read_timeout_ms)}
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
     _progress(f"memproxy up on {proxy}")
     targets = [Target("direct", f"{upstream}/chat/completions", {}, None),
@@ -333,10 +336,13 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=5.0, help="fake upstream latency")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--requests", type=int, default=0,
-                        help="requests per round per cell (default by concurrency: 1:120, 16:320, 64:640)")
+                        help="requests per round per cell (default by concurrency: 1:80, 16:240, 64:480)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell and mode")
     parser.add_argument("--memories", type=int, default=10_000, help="memories of the memproxy-on user")
     parser.add_argument("--log-level", default="info", help="memproxy log level (info logs every request)")
+    parser.add_argument("--read-timeout-ms", type=float, default=0.0,
+                        help="memproxy's retrieval and arm timeouts (default: the product's 250 ms); with 10k memories "
+                             "the cold load of the user outlasts 250 ms and is cancelled on every request")
     parser.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -364,6 +370,7 @@ def main() -> None:
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
             "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "upstream_latency_ms": args.latency_ms,
             "rounds": args.rounds, "memories": args.memories, "memproxy_log_level": args.log_level,
+            "memproxy_read_timeout_ms": args.read_timeout_ms or "default (250)",
             "wall_s": round(time.perf_counter() - started, 1), "memproxy_on_probe_headers": memory_headers,
             "memproxy_degraded_reads": degraded,
             "checks": [{"pass": p, "check": line} for p, line in results]}
