@@ -94,6 +94,9 @@ class ReadCache:
         self._max_users = max_users
         self._users: OrderedDict[str, dict[tuple[Any, ...], tuple[float, Any]]] = OrderedDict()
         self._locks: dict[tuple[Any, ...], asyncio.Lock] = {}
+        # Loads run in their own tasks so that a request's deadline cannot cancel them: a load slower than
+        # the deadline would otherwise never be cached, and the user would never get that part of memory.
+        self._loads: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
 
     def invalidate(self, user_id: str) -> None:
         """Forget everything cached for a user."""
@@ -128,11 +131,24 @@ class ReadCache:
         async with lock:
             fresh = self._fresh(user_id, key, ttl_s)
             if fresh is None:
-                fresh = (await load(),)
-                self._put(user_id, key, fresh[0])
+                fresh = (await asyncio.shield(self._load_task(user_id, key, load)),)
         if not lock.locked():
             self._locks.pop((user_id, *key), None)
         return cast(_T, fresh[0])
+
+    def _load_task(self, user_id: str, key: tuple[Any, ...], load: Callable[[], Awaitable[_T]]) -> asyncio.Task[_T]:
+        """The running load for ``(user_id, key)``, started if there is none; it caches what it loads."""
+        task = self._loads.get((user_id, *key))
+        if task is None:
+
+            async def load_and_keep() -> _T:
+                value = await load()
+                self._put(user_id, key, value)
+                return value
+
+            task = self._loads[(user_id, *key)] = asyncio.create_task(load_and_keep())
+            task.add_done_callback(lambda _: self._loads.pop((user_id, *key), None))
+        return cast("asyncio.Task[_T]", task)
 
     def _fresh(self, user_id: str, key: tuple[Any, ...], ttl_s: float) -> tuple[Any] | None:
         """The cached value (in a 1-tuple, so a cached None or [] counts) if younger than ``ttl_s``."""

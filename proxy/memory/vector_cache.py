@@ -255,6 +255,9 @@ class VectorCache:
         self._total = 0
         self._loading: dict[str, bool] = {}  # user -> written to while loading
         self._inflight: dict[str, asyncio.Event] = {}
+        # A load runs in its own task so that a caller's deadline cannot cancel it: a user whose first load
+        # is slower than the read-path deadline would otherwise never get cached and never get memory.
+        self._loads: dict[str, asyncio.Task[UserVectors | None]] = {}
         self._too_big: OrderedDict[str, None] = OrderedDict()
 
     @property
@@ -286,8 +289,17 @@ class VectorCache:
         return await self._load(user_id, load)
 
     async def _load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
-        event = self._inflight[user_id] = asyncio.Event()
-        self._loading[user_id] = False
+        task = self._loads.get(user_id)
+        if task is None:
+            event = self._inflight[user_id] = asyncio.Event()
+            self._loading[user_id] = False  # a write from now on makes this load stale
+            task = self._loads[user_id] = asyncio.create_task(self._load_and_keep(user_id, load, event))
+            task.add_done_callback(lambda _: self._loads.pop(user_id, None))
+        return await asyncio.shield(task)
+
+    async def _load_and_keep(
+        self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]], event: asyncio.Event
+    ) -> UserVectors | None:
         try:
             entry = await load()
         finally:
