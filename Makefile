@@ -55,5 +55,14 @@ bench-store: install-test
 bench-locomo: install-test
 	$(BIN)/python bench/locomo.py
 
+# LiteLLM's proxy for the side-by-side load bench, in its own venv (never in the project's).
+bench/.venv-litellm/bin/litellm:
+	$(PYTHON) -m venv bench/.venv-litellm
+	bench/.venv-litellm/bin/python -m pip install --quiet --upgrade pip
+	bench/.venv-litellm/bin/python -m pip install --quiet 'litellm[proxy]==1.108.7'
+
+bench-load: install-test bench/.venv-litellm/bin/litellm
+	$(BIN)/python bench/load.py $(ARGS)
+
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache
