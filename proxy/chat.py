@@ -8,6 +8,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest
+from proxy.memory.query import message_text
 
 
 def parse_chat_request(raw: bytes) -> dict[str, Any]:
@@ -45,16 +46,6 @@ def _check_messages(body: Mapping[str, Any]) -> None:
                              param=f"messages[{index}]", code="invalid_type")
 
 
-def content_text(content: object) -> str:
-    """The text of a message's content: a string, or the text parts of a content array."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts = [part.get("text") for part in content if isinstance(part, dict) and part.get("type") == "text"]
-        return "\n".join(part for part in parts if isinstance(part, str))
-    return ""
-
-
 def new_user_messages(messages: list[dict[str, Any]]) -> tuple[str, ...]:
     """The user messages after the last assistant message: what this request adds to the conversation."""
     trailing: list[str] = []
@@ -63,7 +54,7 @@ def new_user_messages(messages: list[dict[str, Any]]) -> tuple[str, ...]:
         if role == "assistant":
             break
         if role == "user":
-            text = content_text(message.get("content"))
+            text = message_text(message)
             if text:
                 trailing.append(text)
     return tuple(reversed(trailing))
@@ -73,5 +64,5 @@ def system_prompt(messages: list[dict[str, Any]]) -> str | None:
     """The app's own system prompt, if any (the write path must never learn facts from it)."""
     for message in messages:
         if message.get("role") in ("system", "developer"):
-            return content_text(message.get("content"))
+            return message_text(message)
     return None
