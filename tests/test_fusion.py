@@ -24,7 +24,9 @@ from proxy.memory.fusion import (
     names_in_query,
     reciprocal_rank_fusion,
     smooth_neighbours,
+    text_name_scores,
     weighted_fusion,
+    written_names,
 )
 from proxy.memory.query import build_query
 from proxy.memory.records import Kind, MemoryRecord
@@ -132,7 +134,7 @@ def test_fuse_reports_gating_and_leaves_bm25_out() -> None:
     assert query is not None
     noise = _rec("Records of the meeting", "noise")
     arms = {DENSE: _hits((JAZZ, 0.8)), BM25: _hits((noise, 2.0))}
-    result = fuse(arms, query, RetrievalSettings())
+    result = fuse(arms, query, RetrievalSettings(gating=True))
     assert result.gated
     assert _ids(result.candidates) == ["jazz"]
     ungated = fuse(arms, query, RetrievalSettings(gating=False))
@@ -245,6 +247,26 @@ def test_date_boost_lifts_memories_from_the_named_month() -> None:
     fused = weighted_fusion({DENSE: _hits((march, 0.5), (may, 0.5))}, {DENSE: 1.0})
     boosted = {c.id: c.fused for c in apply_date_boost(fused, "Where did I go in March 2026?", 0.2)}
     assert boosted == {"mar": 1.2, "may": 1.0}
+
+
+def test_day_boost_lifts_memories_from_the_named_day_more_than_the_rest_of_the_month() -> None:
+    """ "on March 3, 2026" lifts a memory of March 3 by both boosts, one of March 20 by the month's only."""
+    third = _rec("lunch with Ana", "d3", created_at=datetime(2026, 3, 3, 13, tzinfo=UTC))
+    later = _rec("lunch with Bo", "d20", created_at=datetime(2026, 3, 20, 13, tzinfo=UTC))
+    fused = weighted_fusion({DENSE: _hits((third, 0.5), (later, 0.5))}, {DENSE: 1.0})
+    boosted = {c.id: c.fused for c in apply_date_boost(fused, "Who did I have lunch with on March 3, 2026?", 0.2, 0.5)}
+    assert boosted == pytest.approx({"d3": 1.7, "d20": 1.2})
+
+
+def test_names_written_in_found_memories_lift_them_damped_by_how_many_carry_them() -> None:
+    """A query naming Anna lifts the memories that write "Anna"; a name written in two counts for less."""
+    anna = _rec("Anna recommended Dune to me", "anna")
+    both = _rec("Anna and Tom went to Oslo", "both")
+    book = _rec("I read a book about dunes", "book")
+    assert written_names(anna.text) == {"anna", "dune"}
+    assert text_name_scores("what did anna recommend?", [anna, book]) == {"anna": 1.0}
+    shared = text_name_scores("What did Anna say?", [anna, both, book])
+    assert shared == pytest.approx({"anna": name_damping(2), "both": name_damping(2)})
 
 
 def test_fuse_applies_switched_on_boosts_in_order() -> None:

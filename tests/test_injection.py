@@ -20,7 +20,9 @@ from proxy.memory.injection import (
     excerpt,
     inject,
     item_from_record,
+    line_cost,
     quote,
+    render_item,
 )
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import InjectionSettings
@@ -219,6 +221,20 @@ def test_long_items_are_cut_to_the_excerpt_with_most_query_terms() -> None:
     assert estimate_tokens(quote(cut)) <= 40
     result = inject(_chat(), [_item(text)], ("pasta", "pesto"), InjectionSettings(max_item_tokens=40))
     assert result.items[0].text == cut
+
+
+def test_excerpts_use_most_of_the_item_limit() -> None:
+    """A long memory is cut to nearly the whole allowance, not to a third of it (quotes count once)."""
+    text = " ".join(f"note{i} about the pasta" for i in range(80))
+    cut = excerpt(text, ("pasta",), 90)
+    assert 80 <= estimate_tokens(quote(cut)) <= 90
+
+
+@given(st.text(max_size=200), st.sampled_from(["", "user said", "confidence 0.80"]))
+def test_budget_counts_each_line_as_rendered(text: str, label: str) -> None:
+    """The budget's per-line cost (from the cached cost of the quoted text) is the rendered line's estimate."""
+    item = MemoryItem("m", Section.PAST, text, "2026-03-01", 0.5, label)
+    assert line_cost(item) == estimate_tokens(render_item(item))
 
 
 def test_short_items_are_not_cut() -> None:

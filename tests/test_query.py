@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from datetime import date
+
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.query import build_query, is_anaphoric, query_dates, stem, terms
+from proxy.memory.query import build_query, is_anaphoric, query_dates, query_days, stem, terms
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:
@@ -98,6 +100,15 @@ def test_query_dates_reads_months_and_years() -> None:
     assert query_dates("in 2022 we moved") == [(2022, None)]
     assert query_dates("you may go, we march on") == []
     assert query_dates("May I ask something?") == []
+
+
+def test_query_days_reads_whole_dates_only() -> None:
+    """Days written with their month and year are found in any common order; a month and year alone is not a day."""
+    assert query_days("What did Gina find on 1 February, 2023?") == [date(2023, 2, 1)]
+    both = [date(2023, 5, 3), date(2023, 10, 13)]
+    assert query_days("the painting shown on October 13, 2023 and on 2023-05-03") == both
+    assert query_days("the 3rd of June 2023") == [date(2023, 6, 3)]
+    assert query_days("in May 2023, or on 31 February 2023") == []
 
 
 _messages = st.lists(

@@ -178,7 +178,7 @@ async def test_weak_keyword_matches_are_gated(store: MemoryStore, embedder: Hash
     """BM25 hits sharing one word of a four-word question are gated out, and the result says so."""
     await store.add([_fact("maya", "The agency called about paperwork")])
     question = _ask("Caroline adoption agency interview outcome")
-    result = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    result = await retrieve(store, embedder, question, "maya", _settings(gating=True), NOW)
     assert result.gated
     assert result.arms_header.startswith("dense,bm25,entity,gated")
 

@@ -4,19 +4,25 @@ The arms are ``dense`` (cosine), ``bm25`` (keyword) and ``entity`` (names of the
 query). Their union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
 of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
 carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
-them). Additive boosts follow: subject similarity, adjacent turns, and dates the query names. Keyword gating
-leaves BM25 out when none of its top results holds enough of the query's terms.
+them); besides the user's name index (entities of facts, subjects), names written in the found memories'
+own text count (``text_name_scores``). Additive boosts follow: subject similarity, adjacent turns, and dates
+the query names (a month or year, and a whole day). Keyword gating leaves BM25 out when none of its top
+results holds enough of the query's terms.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
+import operator
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import date, timedelta
 from typing import Protocol
 
-from proxy.memory.query import Query, has_cjk, query_dates, stem, stems, words
+from proxy.memory.query import STOPWORDS, Query, has_cjk, query_dates, query_days, stem, stems, words
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
 
@@ -113,8 +119,19 @@ def _arm_scores(
 
 
 def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
-    """Candidates by fused score, best first (ties: newer first, then id, so the order is stable)."""
-    return sorted(candidates, key=lambda c: (-c.fused, -c.record.created_at.timestamp(), c.id))
+    """Candidates by fused score, best first (ties: newer first, then id, so the order is stable).
+
+    Three stable sorts on C-level keys, cheaper than one sort on a computed tuple.
+    """
+    out = sorted(candidates, key=_RECORD_ID)
+    out.sort(key=_CREATED, reverse=True)
+    out.sort(key=_FUSED, reverse=True)
+    return out
+
+
+_RECORD_ID = operator.attrgetter("record.id")
+_CREATED = operator.attrgetter("record.created_at")
+_FUSED = operator.attrgetter("fused")
 
 
 def _built(
@@ -233,6 +250,38 @@ def names_in_query(text: str, index: NameIndex) -> list[str]:
     return list(found)
 
 
+@functools.lru_cache(maxsize=16_384)  # the same memories come back request after request
+def written_names(text: str) -> frozenset[str]:
+    """Names written in a memory's text: its capitalised words (lowercased), stop words and single letters left out.
+
+    Crude on purpose, and cheap enough to run over every candidate of a request: a sentence-initial word
+    ("Yesterday") counts too, which costs little, since only words the query also holds are ever used.
+    """
+    tokens = (t.lower() for t in _WORD.findall(text) if t[0].isupper())
+    return frozenset(t for t in tokens if _usable_name(t) and t not in STOPWORDS)
+
+
+_WORD = re.compile(r"\w+", re.UNICODE)  # as ``query.words`` tokenises, so that query words and names agree
+
+
+def text_name_scores(query_text: str, records: Iterable[MemoryRecord]) -> dict[str, float]:
+    """Memory id -> damped score of the query's words written as names in the memory (among ``records``).
+
+    Matched case-insensitively as whole words; a name written in many of ``records`` counts for less
+    (``name_damping`` of how many carry it), and several names add up to at most 1.
+    """
+    wanted = {w for w in words(query_text) if w not in STOPWORDS}
+    carried: dict[str, list[str]] = {}
+    for record in {r.id: r for r in records}.values():
+        for name in wanted & written_names(record.text):
+            carried.setdefault(name, []).append(record.id)
+    scores: dict[str, float] = {}
+    for ids in carried.values():
+        for rid in ids:
+            scores[rid] = min(1.0, scores.get(rid, 0.0) + name_damping(len(ids)))
+    return scores
+
+
 def name_damping(memories_with_name: int) -> float:
     """How much one name says: 1 for a name on one memory, ~0.2 for a name on 60 (1 / (1 + ln n))."""
     return 1.0 / (1.0 + math.log(max(1, memories_with_name)))
@@ -286,10 +335,25 @@ def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:
     return [(d.year, d.month) for d in stamps if d is not None]
 
 
-def apply_date_boost(candidates: Sequence[Candidate], query_text: str, weight: float) -> list[Candidate]:
-    """Add ``weight`` to memories dated in a month or year the query names."""
+def _on_named_day(record: MemoryRecord, days: Sequence[date]) -> bool:
+    """Whether a memory is dated within a day of a named day (a summary's or insight's span counts whole)."""
+    start = record.start_at or record.created_at
+    end = record.end_at or record.created_at
+    first, last = min(start, record.created_at).date(), max(end, record.created_at).date()
+    return any(first - _ONE_DAY <= day <= last + _ONE_DAY for day in days)
+
+
+_ONE_DAY = timedelta(days=1)
+
+
+def apply_date_boost(
+    candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0
+) -> list[Candidate]:
+    """Add ``weight`` to memories dated in a month or year the query names, and ``day_weight`` more to those
+    dated within a day of a whole day it names ("on May 3, 2023")."""
     wanted = query_dates(query_text)
-    if not wanted:
+    days = query_days(query_text) if day_weight > 0 else []
+    if not wanted and not days:
         return list(candidates)
 
     def matches(record: MemoryRecord) -> bool:
@@ -299,7 +363,10 @@ def apply_date_boost(candidates: Sequence[Candidate], query_text: str, weight: f
             for year, month in wanted
         )
 
-    return [c.boosted("date", weight if matches(c.record) else 0.0) for c in candidates]
+    def lift(record: MemoryRecord) -> float:
+        return (weight if matches(record) else 0.0) + (day_weight if days and _on_named_day(record, days) else 0.0)
+
+    return [c.boosted("date", lift(c.record)) for c in candidates]
 
 
 # --- the whole fusion step --------------------------------------------------------------------------------
@@ -340,6 +407,6 @@ def fuse(
         candidates = apply_subject_boost(candidates, subject_hits, settings.subject_weight)
     if settings.neighbour_weight > 0:
         candidates = smooth_neighbours(candidates, settings.neighbour_weight, settings.neighbour_window_s)
-    if settings.date_weight > 0:
-        candidates = apply_date_boost(candidates, query.text, settings.date_weight)
+    if settings.date_weight > 0 or settings.day_weight > 0:
+        candidates = apply_date_boost(candidates, query.text, settings.date_weight, settings.day_weight)
     return Fusion(candidates=_ranked(candidates), gated=gated)

@@ -23,6 +23,7 @@ for English; Chinese can run ~1.5x over it with cl100k (o200k: under).
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -174,10 +175,20 @@ def item_from_record(record: MemoryRecord, score: float, section: Section | None
     )
 
 
+def _head(item: MemoryItem) -> str:
+    """The start of an item's line: ``- [date, label]``."""
+    return f"- [{item.date}, {item.label}]" if item.label else f"- [{item.date}]"
+
+
 def render_item(item: MemoryItem) -> str:
     """One block line: ``- [date, label] "text"``."""
-    head = f"{item.date}, {item.label}" if item.label else item.date
-    return f"- [{head}] {quote(item.text)}"
+    return f"{_head(item)} {quote(item.text)}"
+
+
+def line_cost(item: MemoryItem) -> int:
+    """``estimate_tokens(render_item(item))``, from the cached cost of the quoted text (the estimate adds up
+    over whitespace-separated parts)."""
+    return estimate_tokens(_head(item)) + _cost(item.text)
 
 
 # --- excerpts ---------------------------------------------------------------------------------------------
@@ -185,9 +196,19 @@ def render_item(item: MemoryItem) -> str:
 _CHUNK = re.compile(rf"[{_CJK_CLASS}]|[^\s{_CJK_CLASS}]+")
 
 
+@functools.lru_cache(maxsize=16_384)  # the same memories are injected request after request
 def _cost(text: str) -> int:
     """Estimated tokens of ``text`` once quoted."""
     return estimate_tokens(quote(text))
+
+
+@functools.lru_cache(maxsize=4_096)
+def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], tuple[frozenset[str], ...]]:
+    """A long text's chunks (spans), each chunk's cost inside the quotes, and its stems (cached per text)."""
+    chunks = [m.group() for m in _CHUNK.finditer(text)]
+    spans = tuple(m.span() for m in _CHUNK.finditer(text))
+    costs = tuple(estimate_tokens(quote(chunk)) - 2 for chunk in chunks)
+    return spans, costs, tuple(stems(chunk) for chunk in chunks)
 
 
 def _best_window(costs: Sequence[int], hits: Sequence[int], limit: int) -> tuple[int, int]:
@@ -220,15 +241,14 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     """``text`` if it fits ``max_tokens`` once quoted, else the window holding most query terms, with "…"."""
     if _cost(text) <= max_tokens:
         return text
-    chunks = list(_CHUNK.finditer(text))
-    wanted = {t for t in stems(" ".join(query_terms))}
-    costs = [_cost(m.group()) for m in chunks]
-    hits = [len(stems(m.group()) & wanted) for m in chunks]
-    start, end = _best_window(costs, hits, max(1, max_tokens - 2))
+    spans, costs, chunk_stems = _chunked(text)
+    wanted = stems(" ".join(query_terms))
+    hits = [len(found & wanted) for found in chunk_stems]
+    start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
     if end <= start:
         return _prefix_within(text, max_tokens - 1) + "…"
-    cut = text[chunks[start].start() : chunks[end - 1].end()]
-    cut = ("…" if start > 0 else "") + cut + ("…" if end < len(chunks) else "")
+    cut = text[spans[start][0] : spans[end - 1][1]]
+    cut = ("…" if start > 0 else "") + cut + ("…" if end < len(spans) else "")
     while _cost(cut) > max_tokens and " " in cut.strip():
         cut = cut.rstrip("…").rsplit(" ", 1)[0] + "…"
     return cut if _cost(cut) <= max_tokens else _prefix_within(cut, max_tokens)
@@ -278,7 +298,7 @@ def fit_budget(items: Sequence[MemoryItem], budget: int) -> list[MemoryItem]:
     each used section header's, plus each item line's.
     """
     kept = sorted(items, key=lambda i: -i.score)
-    costs = [estimate_tokens(render_item(i)) for i in kept]
+    costs = [line_cost(i) for i in kept]
     sections: dict[Section, int] = {}
     for item in kept:
         sections[item.section] = sections.get(item.section, 0) + 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import date
 from typing import Any
 
 _WORD = re.compile(r"\w+", re.UNICODE)
@@ -181,3 +182,31 @@ def query_dates(text: str) -> list[tuple[int | None, int | None]]:
         if year is not None or month is not None:
             found[(year, month)] = None
     return list(found)
+
+
+_DAY = r"(?P<day>\d{1,2})(?:st|nd|rd|th)?"
+_YEAR = r"(?P<year>(?:19|20)\d\d)"
+_DAY_FIRST = re.compile(rf"\b{_DAY}\s+(?:of\s+)?(?P<month>[A-Za-z]{{3,9}})\.?,?\s+{_YEAR}\b")
+_MONTH_FIRST = re.compile(rf"\b(?P<month>[A-Za-z]{{3,9}})\.?\s+{_DAY},?\s+{_YEAR}\b")
+_ISO_DAY = re.compile(r"\b(?P<year>(?:19|20)\d\d)-(?P<month>\d\d)-(?P<day>\d\d)\b")
+
+
+def _day(year: str, month: int | None, day: str) -> date | None:
+    """The calendar day, or None when the parts do not make one."""
+    try:
+        return date(int(year), month, int(day)) if month is not None else None
+    except ValueError:
+        return None
+
+
+def query_days(text: str) -> list[date]:
+    """Whole days the text names ("October 13, 2023", "13 May 2023", "2023-05-13"), in order, distinct."""
+    found: dict[date, None] = {}
+    for pattern in (_DAY_FIRST, _MONTH_FIRST):
+        for match in pattern.finditer(text):
+            day = _day(match.group("year"), _MONTHS.get(match.group("month").lower()), match.group("day"))
+            found.update({day: None} if day is not None else {})
+    for match in _ISO_DAY.finditer(text):
+        day = _day(match.group("year"), int(match.group("month")), match.group("day"))
+        found.update({day: None} if day is not None else {})
+    return sorted(found)

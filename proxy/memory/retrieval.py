@@ -10,8 +10,9 @@ BM25 alone answers. Everything else is the pure core (``query``, ``fusion``, ``s
 
 The entity arm matches the query against the user's name index (entities of facts, names of subjects): a
 name on at most ``entity_surface_max`` memories brings those memories in (one ``get_many``), a commoner name
-only lifts memories the dense or keyword arm found. Pass a ``ReadCache`` as ``names`` so that the name index,
-the insights and the newest turns are not listed from the store on every request.
+only lifts memories the dense or keyword arm found; names the query shares with the capitalised words of
+those memories' text lift them too (``entity_text_names``). Pass a ``ReadCache`` as ``names`` so that the
+name index, the insights and the newest turns are not listed from the store on every request.
 
 Callers inject ``result.items`` with ``injection.inject`` and then ``store.touch`` the injected ids, which
 restarts their recency clock.
@@ -42,6 +43,7 @@ from proxy.memory.fusion import (
     fuse,
     is_gated,
     names_in_query,
+    text_name_scores,
 )
 from proxy.memory.injection import MemoryItem, Section, item_from_record
 from proxy.memory.query import Query, build_query
@@ -381,8 +383,16 @@ class _Found:
         arms = {name: hits for name, hits in ((DENSE, dense), (BM25, self.bm25)) if hits is not None}
         if self.entity is not None:
             found = [hits for name, hits in arms.items() if not (gated and name == BM25)]
-            arms[ENTITY] = entity_hits(self.entity.scores, self.entity.surfaced, found)
+            scores = self.entity.scores
+            if settings.entity_text_names:
+                scores = _merged(text_name_scores(query.text, [h.record for hits in found for h in hits]), scores)
+            arms[ENTITY] = entity_hits(scores, self.entity.surfaced, found)
         return arms, gated
+
+
+def _merged(first: Mapping[str, float], second: Mapping[str, float]) -> dict[str, float]:
+    """Per memory, the higher of two entity scores."""
+    return {rid: max(first.get(rid, 0.0), second.get(rid, 0.0)) for rid in {**first, **second}}
 
 
 async def _run_steps(
@@ -464,7 +474,7 @@ async def retrieve(
     fusing = time.perf_counter()
     arms, gated = found.arms(query, settings)
     fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else (), gated=gated)
-    scored = score_candidates(fused.candidates, now, settings)
+    scored = score_candidates(fused.candidates[: settings.max_candidates], now, settings)
     items = plan_items(scored, found.insights or [], found.recent or [], now, settings)
     report.timings_ms["fusion"] = round((time.perf_counter() - fusing) * 1000, 3)
     report.timings_ms["total"] = round((time.perf_counter() - started) * 1000, 3)

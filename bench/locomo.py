@@ -1,0 +1,648 @@
+"""LoCoMo retrieval benchmark (``make bench-locomo``): the proxy's own read path, scored at turn level.
+
+Each conversation of a file in LoCoMo's layout becomes one user's memories: every turn is a ``turn``
+record ``"Speaker: text"`` (an image caption appended), dated by its session's date (turns 30 s apart, each
+session its own conversation id), stored through the real ``MemoryStore`` (LanceDB + Tantivy in a temporary
+directory) with the real embedder (batched). Every category 1-4 question with valid evidence (1,536 in
+``locomo10.json``) goes through ``proxy.memory.retrieval.retrieve`` exactly as a chat request would (one
+user message holding the question); its ranked list is ``result.candidates`` mapped to turn ids.
+
+Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
+configuration (``RetrievalSettings()``), and the default over richer memories of the same conversation:
+``+context`` (each turn embedded together with its previous turn, a write-time technique the writer does not
+apply yet: ``context_vectors``), ``+observations`` (the dataset's ``observation`` facts, LLM-extracted per
+session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
+turns; this measures what write-time fact extraction adds without an LLM here), and both.
+
+Neutralised for every variant (the dataset cannot exercise them): recency (every record has the same
+``last_accessed_at``, equal to the retrieval clock, so recency is constant across candidates; importance is
+the store's default 5 for all), the 14-day window of past turns (``turn_window_days=None``: the dataset spans
+months), and the parts that never change the ranking (``recent_messages=0``, ``max_insights=0``, arm
+timeouts of 60 s so that a busy machine does not degrade an arm).
+
+Numbers are tuned on conversations 0-4 ("tune") and reported on 5-9 ("test") and all ten. Each question's
+embedding is computed once and reused by every variant; embeddings are cached on disk by text (``--cache``).
+Prints a table and writes ``bench/results/locomo.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from proxy.memory.embedders import Embedder, EmbedderSettings, Vectors, build_embedder
+from proxy.memory.fusion import Candidate
+from proxy.memory.read_cache import ReadCache
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.retrieval import retrieve
+from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.store import MemoryStore, StoreSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("LOCOMO_DATA", ROOT.parent / "shared" / "data" / "locomo" / "locomo10.json"))
+RESULTS = ROOT / "bench" / "results" / "locomo.json"
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "memproxy" / "locomo-embeddings"
+CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
+TUNE, TEST = range(5), range(5, 10)
+TURN_SPACING = timedelta(seconds=30)
+ID_NAMESPACE = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
+CONTEXT_WEIGHT = 0.5
+# The product's model; two threads and small batches (sorted by length, so they pad little) embed the corpus
+# fastest here. Only bulk embedding uses them: the store gets vectors, and questions are embedded up front.
+EMBEDDER = EmbedderSettings(threads=os.cpu_count() or 1, batch_size=16)
+HARNESS = {"turn_window_days": None, "recent_messages": 0, "max_insights": 0, "arm_timeout_ms": 60_000.0}
+METRICS = ("evidence_recall@5", "evidence_recall@10", "hit@1", "hit@5", "hit@10", "all@10", "mrr")
+
+
+# --- the dataset ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One dialog turn: its id (``D<session>:<turn>``), speaker, text, image caption and time."""
+
+    dia_id: str
+    speaker: str
+    text: str
+    caption: str | None
+    at: datetime
+    session: int
+
+    @property
+    def memory_text(self) -> str:
+        """What the user's memory holds: ``"Speaker: text"``, the image caption appended."""
+        shared = f" [shared an image: {self.caption}]" if self.caption else ""
+        return f"{self.speaker}: {self.text}{shared}"
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """An LLM-extracted fact of one session, about one speaker, linked to the turns it came from."""
+
+    text: str
+    speaker: str
+    dia_ids: tuple[str, ...]
+    at: datetime
+    session: int
+
+
+@dataclass(frozen=True, slots=True)
+class Question:
+    """A category 1-4 question and its (normalised, non-empty) evidence turns."""
+
+    text: str
+    category: int
+    evidence: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Conversation:
+    """One LoCoMo sample (``index``: its position in the file): its turns, observations and questions."""
+
+    index: int
+    sample_id: str
+    turns: tuple[Turn, ...]
+    observations: tuple[Observation, ...]
+    questions: tuple[Question, ...]
+
+
+_SESSION = re.compile(r"^session_(\d+)$")
+_DIA = re.compile(r"D:?(\d+):(\d+)")
+
+
+def session_date(text: str) -> datetime:
+    """A session's ``"1:56 pm on 8 May, 2023"`` as a UTC datetime."""
+    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC)
+
+
+def dia_ids(raw: object, existing: Iterable[str]) -> tuple[str, ...]:
+    """Turn ids named in an evidence value (a string or list), normalised, existing ones only, de-duplicated."""
+    known = set(existing)
+    values = raw if isinstance(raw, list) else [raw]
+    found = (f"D{int(s)}:{int(t)}" for value in values for s, t in _DIA.findall(str(value)))
+    return tuple(dict.fromkeys(d for d in found if d in known))
+
+
+def _sessions(conversation: Mapping[str, Any]) -> list[int]:
+    """Session numbers that have turns, in numeric order."""
+    return sorted(int(m.group(1)) for key in conversation if (m := _SESSION.match(key)))
+
+
+def _turns(conversation: Mapping[str, Any]) -> list[Turn]:
+    """Every turn, in order, timed from its session's date."""
+    out = []
+    for n in _sessions(conversation):
+        start = session_date(conversation[f"session_{n}_date_time"])
+        for i, raw in enumerate(conversation[f"session_{n}"]):
+            caption = raw.get("blip_caption") or None
+            out.append(Turn(raw["dia_id"], raw["speaker"], raw["text"], caption, start + i * TURN_SPACING, n))
+    return out
+
+
+def _observations(sample: Mapping[str, Any], turns: Sequence[Turn]) -> list[Observation]:
+    """The sample's observation facts that link to at least one existing turn."""
+    starts = {t.session: t.at for t in turns if t.dia_id.endswith(":1")}
+    existing = [t.dia_id for t in turns]
+    out = []
+    for key, by_speaker in sample.get("observation", {}).items():
+        session = int(re.findall(r"\d+", key)[0])
+        for speaker, facts in by_speaker.items():
+            for text, raw_ids in facts:
+                linked = dia_ids(raw_ids, existing)
+                if linked and session in starts:
+                    out.append(Observation(text, speaker, linked, starts[session], session))
+    return out
+
+
+def _questions(sample: Mapping[str, Any], turns: Sequence[Turn]) -> list[Question]:
+    """Category 1-4 questions with at least one valid evidence turn."""
+    existing = [t.dia_id for t in turns]
+    out = []
+    for qa in sample["qa"]:
+        if qa["category"] in CATEGORIES:
+            evidence = dia_ids(qa.get("evidence", []), existing)
+            if evidence:
+                out.append(Question(qa["question"], int(qa["category"]), evidence))
+    return out
+
+
+def load_conversations(path: Path) -> list[Conversation]:
+    """Every sample of a file in LoCoMo's layout."""
+    samples = json.loads(path.read_text())
+    out = []
+    for index, sample in enumerate(samples):
+        turns = _turns(sample["conversation"])
+        obs, questions = _observations(sample, turns), _questions(sample, turns)
+        out.append(Conversation(index, sample["sample_id"], tuple(turns), tuple(obs), tuple(questions)))
+    return out
+
+
+# --- metrics (pure) ---------------------------------------------------------------------------------------
+
+
+def ranked_turns(candidates: Sequence[Candidate], turns_of: Mapping[str, Sequence[str]]) -> list[str]:
+    """A question's ranking as turn ids: each candidate's turns (a fact's linked turns), first occurrence kept."""
+    ranked: dict[str, None] = {}
+    for candidate in candidates:
+        ranked.update(dict.fromkeys(d for d in turns_of.get(candidate.id, ()) if d not in ranked))
+    return list(ranked)
+
+
+def question_metrics(ranked: Sequence[str], gold: Sequence[str]) -> dict[str, float]:
+    """Evidence recall@5/@10, hit@1/5/10, all@10 and reciprocal rank of the first gold turn (0 if none)."""
+    wanted = set(gold)
+    position = {d: i for i, d in enumerate(ranked)}
+    first = min((position[d] for d in wanted if d in position), default=None)
+
+    def found(k: int) -> int:
+        return len(wanted & set(ranked[:k]))
+
+    return {
+        "evidence_recall@5": found(5) / len(wanted),
+        "evidence_recall@10": found(10) / len(wanted),
+        "hit@1": float(found(1) > 0),
+        "hit@5": float(found(5) > 0),
+        "hit@10": float(found(10) > 0),
+        "all@10": float(found(10) == len(wanted)),
+        "mrr": 0.0 if first is None else 1.0 / (first + 1),
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One question's metrics under one variant, with where it came from."""
+
+    conversation: int
+    category: int
+    metrics: Mapping[str, float]
+
+
+def mean_metrics(rows: Sequence[Row]) -> dict[str, float]:
+    """Per-question averages of every metric (4 decimals) and the number of questions ``n``."""
+    out: dict[str, float] = {m: round(statistics.fmean(r.metrics[m] for r in rows), 4) if rows else 0.0
+                             for m in METRICS}
+    out["n"] = len(rows)
+    return out
+
+
+def summarise(rows: Sequence[Row]) -> dict[str, Any]:
+    """Overall, by category, tune (conversations 0-4) and test (5-9) averages of one variant's rows."""
+    by_category = {
+        f"{c} {name}": mean_metrics([r for r in rows if r.category == c])
+        for c, name in CATEGORIES.items()
+        if any(r.category == c for r in rows)
+    }
+    return {
+        "overall": mean_metrics(rows),
+        "by_category": by_category,
+        "tune": mean_metrics([r for r in rows if r.conversation in TUNE]),
+        "test": mean_metrics([r for r in rows if r.conversation in TEST]),
+    }
+
+
+# --- variants ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A named read-path configuration and the memories it searches (turns only, or turns and facts)."""
+
+    name: str
+    settings: RetrievalSettings
+    corpus: str = "turns"
+
+
+_OFF = {"entity_k": 0, "gating": False, "subject_weight": 0.0, "neighbour_weight": 0.0, "date_weight": 0.0,
+        "day_weight": 0.0}
+
+
+def harness_settings(**changes: Any) -> RetrievalSettings:
+    """``RetrievalSettings()`` with the harness's neutralisations (``HARNESS``) and ``changes``."""
+    return RetrievalSettings().model_copy(update={**HARNESS, **changes})
+
+
+def variants() -> list[Variant]:
+    """Every variant of one run: arms alone, the ablation chain to the default, and the default over richer memories.
+
+    The chain adds one step at a time to the default fusion weights: the entity arm, subject fusion,
+    neighbour smoothing, then the date boosts (= the default). ``+gating`` is a branch (the entity step
+    with keyword gating on), since the default leaves gating off. ``+context``, ``+observations`` and
+    ``+context+observations`` run the default over other memories of the same conversation (see ``corpora``).
+    """
+    base = RetrievalSettings()
+    entity = {**_OFF, "entity_k": base.entity_k}
+    subjects = {**entity, "subject_weight": base.subject_weight}
+    steps = [
+        ("bm25", {**_OFF, "dense_weight": 0.0, "bm25_weight": 1.0}),
+        ("dense", {**_OFF, "dense_weight": 1.0, "bm25_weight": 0.0}),
+        ("rrf", {**_OFF, "fusion": "rrf"}),
+        ("weighted 0.8/0.1", {**_OFF, "dense_weight": 0.8, "bm25_weight": 0.1}),
+        ("weighted", _OFF),
+        ("weighted+entity", entity),
+        ("+gating", {**entity, "gating": True}),
+        ("+subjects", subjects),
+        ("+neighbours", {**subjects, "neighbour_weight": base.neighbour_weight}),
+        ("default", {}),
+    ]
+    out = [Variant(name, harness_settings(**changes)) for name, changes in steps]
+    out += [Variant(f"+{corpus}", harness_settings(), corpus=corpus) for corpus in CORPORA[1:]]
+    return out
+
+
+# --- memories ---------------------------------------------------------------------------------------------
+
+
+def record_id(user_id: str, key: str) -> str:
+    """A stable record id for one turn or fact of one harness user."""
+    return uuid.uuid5(ID_NAMESPACE, f"{user_id}/{key}").hex
+
+
+@dataclass(frozen=True, slots=True)
+class Corpus:
+    """One harness user's records (vectors set) and the turns each record stands for."""
+
+    user_id: str
+    records: list[MemoryRecord]
+    turns_of: dict[str, tuple[str, ...]]
+
+
+def turn_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime) -> list[MemoryRecord]:
+    """The conversation's turns as one user's turn records (speaker A as ``user``, B as ``assistant``)."""
+    first = conv.turns[0].speaker if conv.turns else ""
+    return [
+        MemoryRecord(user_id=user_id, kind=Kind.TURN, text=t.memory_text, id=record_id(user_id, t.dia_id),
+                     created_at=t.at, last_accessed_at=accessed, embedding=vectors[i],
+                     conversation_id=f"{conv.sample_id}:session_{t.session}",
+                     role="user" if t.speaker == first else "assistant")
+        for i, t in enumerate(conv.turns)
+    ]  # fmt: skip
+
+
+def fact_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime) -> list[MemoryRecord]:
+    """The conversation's observations as facts: the speaker as entity, the linked turn ids as sources."""
+    return [
+        MemoryRecord(user_id=user_id, kind=Kind.FACT, text=o.text, id=record_id(user_id, f"fact{i}"),
+                     created_at=o.at + timedelta(microseconds=i), last_accessed_at=accessed,
+                     embedding=vectors[i], conversation_id=f"{conv.sample_id}:session_{o.session}",
+                     entities=(o.speaker,), source_ids=o.dia_ids)
+        for i, o in enumerate(conv.observations)
+    ]  # fmt: skip
+
+
+CORPORA = ("turns", "context", "observations", "context+observations")
+
+
+def corpora(
+    conv: Conversation, vectors: Mapping[str, Vectors], accessed: datetime, names: Iterable[str] = CORPORA
+) -> dict[str, Corpus]:
+    """The harness users of one conversation, one per memory layout (``CORPORA``).
+
+    ``turns``: the turns, each embedded alone (what the writer stores today). ``context``: the same turns
+    embedded with their previous turn as context (``context_vectors``). ``observations``: the turns and the
+    dataset's observation facts. ``context+observations``: both.
+    """
+    out = {}
+    for name in names:
+        user_id = f"{conv.sample_id}-{name.replace('+', '-')}"
+        turn_vectors = vectors["context" if name.startswith("context") else "turns"]
+        turns = turn_records(user_id, conv, turn_vectors, accessed)
+        turns_of = {r.id: (t.dia_id,) for r, t in zip(turns, conv.turns, strict=True)}
+        facts = fact_records(user_id, conv, vectors["facts"], accessed) if name.endswith("observations") else []
+        turns_of.update({r.id: r.source_ids for r in facts})
+        out[name] = Corpus(user_id, turns + facts, turns_of)
+    return out
+
+
+def context_texts(turns: Sequence[Turn]) -> list[str]:
+    """Each turn's text with the previous turn of its session before it (a session's first turn: alone)."""
+    out = []
+    for i, turn in enumerate(turns):
+        previous = turns[i - 1] if i > 0 and turns[i - 1].session == turn.session else None
+        out.append(f"{previous.memory_text}\n{turn.memory_text}" if previous else turn.memory_text)
+    return out
+
+
+def context_vectors(own: Vectors, with_previous: Vectors, weight: float = CONTEXT_WEIGHT) -> Vectors:
+    """Turn vectors that carry their context: unit ``(1 - weight) * own + weight * with_previous``.
+
+    A write-time technique (the writer would store these instead of ``own``): it needs only the previous
+    turn, which every chat request carries, so a live writer can compute it when it stores a turn.
+    """
+    mixed = (1.0 - weight) * own + weight * with_previous
+    norms = np.linalg.norm(mixed, axis=1, keepdims=True)
+    return (mixed / np.where(norms == 0.0, 1.0, norms)).astype(np.float32)
+
+
+# --- embeddings -------------------------------------------------------------------------------------------
+
+
+class VectorCache:
+    """Embeddings by text, persisted per model under ``directory`` (None: memory only)."""
+
+    def __init__(self, embedder: Embedder, directory: Path | None) -> None:
+        self._embedder = embedder
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", embedder.model_id)
+        self._path = directory / f"{slug}.npz" if directory else None
+        self._vectors: dict[str, npt.NDArray[np.float32]] = {}
+        if self._path is not None and self._path.exists():
+            with np.load(self._path) as saved:
+                self._vectors = dict(zip(saved["keys"].tolist(), saved["vectors"], strict=True))
+        self.computed = 0
+
+    @staticmethod
+    def _key(text: str) -> str:
+        return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+    async def embed(self, texts: Sequence[str], progress: str) -> Vectors:
+        """One unit row per text: cached ones as stored, the rest embedded in batches (with a progress bar)."""
+        missing = list(dict.fromkeys(t for t in texts if self._key(t) not in self._vectors))
+        with tqdm(total=len(missing), desc=progress, unit="text", file=sys.stderr, disable=not missing) as bar:
+            for start in range(0, len(missing), 256):
+                chunk = missing[start : start + 256]
+                rows = await self._embedder.embed_documents(chunk)
+                self._vectors.update((self._key(t), row) for t, row in zip(chunk, rows, strict=True))
+                bar.update(len(chunk))
+        self.computed += len(missing)
+        if not texts:
+            return np.zeros((0, self._embedder.dim), dtype=np.float32)
+        return np.stack([self._vectors[self._key(t)] for t in texts])
+
+    def save(self) -> None:
+        """Write the cache (when it has a directory and something new was computed)."""
+        if self._path is None or not self.computed:
+            return
+        self._path.parent.mkdir(parents=True, exist_ok=True)
+        keys = np.array(list(self._vectors), dtype=str)
+        tmp = self._path.with_suffix(".tmp.npz")
+        np.savez(tmp, keys=keys, vectors=np.stack(list(self._vectors.values())))
+        os.replace(tmp, self._path)
+
+
+class PrecomputedQueries:
+    """An ``Embedder`` whose ``embed_query`` answers from precomputed vectors (else asks the real one)."""
+
+    def __init__(self, embedder: Embedder, queries: Mapping[str, npt.NDArray[np.float32]]) -> None:
+        self._embedder = embedder
+        self._queries = dict(queries)
+
+    @property
+    def model_id(self) -> str:
+        return self._embedder.model_id
+
+    @property
+    def dim(self) -> int:
+        return self._embedder.dim
+
+    async def embed_documents(self, texts: Sequence[str]) -> Vectors:
+        return await self._embedder.embed_documents(texts)
+
+    async def embed_query(self, text: str) -> Vectors:
+        found = self._queries.get(text)
+        return found if found is not None else await self._embedder.embed_query(text)
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """Per-variant rows, degraded-arm counts and timings of one benchmark run."""
+
+    rows: dict[str, list[Row]] = field(default_factory=dict)
+    degraded: dict[str, int] = field(default_factory=dict)
+    retrieve_ms: dict[str, list[float]] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+
+
+async def _embed_all(
+    conversations: Sequence[Conversation], cache: VectorCache, corpora_needed: set[str]
+) -> tuple[list[dict[str, Vectors]], dict[str, npt.NDArray[np.float32]]]:
+    """Vectors of every turn (alone and with context, if needed), observation (if needed) and question."""
+    turns = [t.memory_text for c in conversations for t in c.turns]
+    want_context = any(name.startswith("context") for name in corpora_needed)
+    want_facts = any(name.endswith("observations") for name in corpora_needed)
+    with_previous = [text for c in conversations for text in context_texts(c.turns)] if want_context else []
+    facts = [o.text for c in conversations for o in c.observations] if want_facts else []
+    questions = list(dict.fromkeys(q.text for c in conversations for q in c.questions))
+    turn_vectors = await cache.embed(turns, "embed turns")
+    previous_vectors = await cache.embed(with_previous, "embed turns with context")
+    fact_vectors = await cache.embed(facts, "embed observations")
+    question_vectors = await cache.embed(questions, "embed questions")
+    out, t0, f0 = [], 0, 0
+    for c in conversations:
+        t1, f1 = t0 + len(c.turns), f0 + (len(c.observations) if want_facts else 0)
+        own = turn_vectors[t0:t1]
+        context = context_vectors(own, previous_vectors[t0:t1]) if want_context else own
+        out.append({"turns": own, "context": context, "facts": fact_vectors[f0:f1]})
+        t0, f0 = t1, f1
+    return out, dict(zip(questions, question_vectors, strict=True))
+
+
+async def _ask(
+    store: MemoryStore, embedder: Embedder, corpus: Corpus, question: Question, variant: Variant, now: datetime,
+    cache: ReadCache, run: Run,
+) -> list[str]:
+    """One question through the proxy's read path under one variant: its ranked turn ids."""
+    messages = [{"role": "user", "content": question.text}]
+    started = time.perf_counter()
+    result = await retrieve(store, embedder, messages, corpus.user_id, variant.settings, now, names=cache)
+    run.retrieve_ms.setdefault(variant.name, []).append((time.perf_counter() - started) * 1000)
+    if result.degraded:
+        run.degraded[variant.name] = run.degraded.get(variant.name, 0) + 1
+    return ranked_turns(result.candidates, corpus.turns_of)
+
+
+async def _conversation(
+    store: MemoryStore, embedder: Embedder, conv: Conversation, users: Mapping[str, Corpus],
+    chosen: Sequence[Variant], now: datetime, run: Run, bar: tqdm,
+) -> None:
+    """Ingest one conversation's users, then ask every question under every variant."""
+    needed = {v.corpus for v in chosen}
+    for name in needed:
+        await store.add(users[name].records)
+    cache = ReadCache(ttl_s=1e9, recent_ttl_s=1e9)
+    for question in conv.questions:
+        for variant in chosen:
+            ranked = await _ask(store, embedder, users[variant.corpus], question, variant, now, cache, run)
+            row = Row(conv.index, question.category, question_metrics(ranked, question.evidence))
+            run.rows.setdefault(variant.name, []).append(row)
+        bar.update(1)
+
+
+async def run_benchmark(
+    conversations: Sequence[Conversation], embedder: Embedder, chosen: Sequence[Variant], workdir: Path,
+    cache_dir: Path | None = None,
+) -> Run:
+    """Embed, ingest and ask everything; the per-variant rows of every question."""
+    run = Run()
+    started = time.perf_counter()
+    vectors = VectorCache(embedder, cache_dir)
+    per_conversation, queries = await _embed_all(conversations, vectors, {v.corpus for v in chosen})
+    vectors.save()
+    run.seconds["embed"] = round(time.perf_counter() - started, 1)
+    run.seconds["texts_embedded"] = vectors.computed
+    asking = PrecomputedQueries(embedder, queries)
+    last = max((t.at for c in conversations for t in c.turns), default=datetime(2024, 1, 1, tzinfo=UTC))
+    now = last + timedelta(days=1)
+    total = sum(len(c.questions) for c in conversations)
+    started = time.perf_counter()
+    async with MemoryStore(StoreSettings(path=workdir / "store"), embedder) as store:
+        with tqdm(total=total, desc="questions", unit="q", file=sys.stderr) as bar:
+            for i, conv in enumerate(conversations):
+                users = corpora(conv, per_conversation[i], now, {v.corpus for v in chosen})
+                await _conversation(store, asking, conv, users, chosen, now, run, bar)
+    run.seconds["ingest_and_retrieve"] = round(time.perf_counter() - started, 1)
+    return run
+
+
+# --- report -----------------------------------------------------------------------------------------------
+
+
+def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``locomo.json`` document."""
+    out: dict[str, Any] = {"default_variant": "default", "variants": {}, "meta": dict(meta)}
+    for variant in chosen:
+        summary = summarise(run.rows.get(variant.name, []))
+        timings = run.retrieve_ms.get(variant.name, [0.0])
+        summary["retrieve_ms_p50"] = round(statistics.median(timings), 2)
+        summary["degraded_questions"] = run.degraded.get(variant.name, 0)
+        summary["corpus"] = variant.corpus
+        summary["settings"] = variant.settings.model_dump(mode="json")
+        out["variants"][variant.name] = summary
+    return out
+
+
+def table(document: Mapping[str, Any]) -> str:
+    """The printed table: per variant, all ten conversations, then R@10 / MRR on tune and test."""
+    head = (f"{'variant':<18}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
+            f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}")
+    lines = [head, "-" * len(head)]
+    for name, v in document["variants"].items():
+        o, tu, te = v["overall"], v["tune"], v["test"]
+        cells = "".join(f"{o[m]:>7.3f}" for m in METRICS)
+        lines.append(f"{name:<18}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
+                     f"{te['evidence_recall@10']:>10.3f}{te['mrr']:>9.3f}")
+    default = document["variants"].get(document["default_variant"])
+    if default:
+        lines += ["", f"default by category ({', '.join(METRICS)}):"]
+        for name, c in default["by_category"].items():
+            lines.append(f"  {name:<14} n={c['n']:<4} " + " ".join(f"{c[m]:.3f}" for m in METRICS))
+    return "\n".join(lines)
+
+
+def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: Run, embedder: Embedder) -> dict[
+        str, Any]:
+    return {
+        "data": str(args.data),
+        "conversations": [c.sample_id for c in conversations],
+        "questions": sum(len(c.questions) for c in conversations),
+        "turns": sum(len(c.turns) for c in conversations),
+        "observations": sum(len(c.observations) for c in conversations),
+        "embedder": embedder.model_id,
+        "embedder_runtime": {"threads": EMBEDDER.threads, "batch_size": EMBEDDER.batch_size},
+        "context_weight": CONTEXT_WEIGHT,
+        "split": {"tune": list(TUNE), "test": list(TEST)},
+        "harness_overrides": HARNESS,
+        "recency": "neutralised: every record's last_accessed_at equals the retrieval clock (recency constant, "
+                   "so its min-max term is the same for all candidates); importance 5 for all",
+        "ranking": "result.candidates of proxy.memory.retrieval.retrieve, mapped to turn ids (a fact to its "
+                   "linked turns), first occurrence kept; MRR over that whole list (0 when no gold turn is in it)",
+        "seconds": run.seconds,
+        "python": platform.python_version(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
+    }
+
+
+async def _main(args: argparse.Namespace) -> dict[str, Any]:
+    conversations = load_conversations(args.data)
+    if args.conversations:
+        conversations = [conversations[i] for i in args.conversations]
+    chosen = [v for v in variants() if not args.variants or v.name in args.variants]
+    started = time.perf_counter()
+    async with build_embedder(EMBEDDER) as embedder:
+        with tempfile.TemporaryDirectory(prefix="locomo-") as tmp:
+            run = await run_benchmark(conversations, embedder, chosen, Path(tmp), None if args.no_cache else args.cache)
+        run.seconds["total"] = round(time.perf_counter() - started, 1)
+        return report(run, chosen, _meta(args, conversations, run, embedder))
+
+
+def main() -> None:
+    """Run the benchmark, print the table, write the results."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DATA, help="a JSON file in LoCoMo's layout")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results")
+    parser.add_argument("--cache", type=Path, default=CACHE, help="directory of the embedding cache")
+    parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
+    parser.add_argument("--conversations", type=int, nargs="*", help="only these conversation indexes")
+    parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
+    args = parser.parse_args()
+    document = asyncio.run(_main(args))
+    print(table(document))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"\nwrote {args.out} in {document['meta']['seconds']['total']:.0f} s", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
