@@ -301,6 +301,20 @@ async def test_name_index_cache_serves_until_invalidated(store: MemoryStore, emb
     assert {c.id: c.arm_scores.get(ENTITY) for c in fresh.candidates}[news.id] == 1.0
 
 
+async def test_subject_search_is_skipped_once_the_user_is_known_to_have_no_subjects(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """The first request searches subjects; once the cached name index shows none, requests skip that search."""
+    await store.add([_fact("maya", "Maya collects jazz records", entities=("Maya",))])
+    cache = ReadCache(ttl_s=3600)
+    question = _ask("Which records does Maya collect?")
+    first = await retrieve(store, embedder, question, "maya", _settings(), NOW, names=cache)
+    later = await retrieve(store, embedder, question, "maya", _settings(), NOW, names=cache)
+    assert "subjects" in first.timings_ms
+    assert "subjects" not in later.timings_ms
+    assert [c.id for c in later.candidates] == [c.id for c in first.candidates]
+
+
 async def test_read_cache_serves_insights_and_recent_turns_until_they_expire(
     store: MemoryStore, embedder: HashingEmbedder
 ) -> None:

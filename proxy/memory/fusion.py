@@ -95,27 +95,33 @@ def min_max(values: Sequence[float]) -> list[float]:
     return [(v - low) / (high - low) for v in values]
 
 
-def best_per_record(hits: Iterable[ScoredRecord]) -> dict[str, ScoredRecord]:
-    """Each record's best hit, in order of first appearance."""
-    best: dict[str, ScoredRecord] = {}
-    for hit in hits:
-        seen = best.get(hit.record.id)
-        if seen is None or hit.score > seen.score:
-            best[hit.record.id] = hit
-    return best
+@dataclass(frozen=True, slots=True)
+class _Union:
+    """The union of the arms: each record, its raw score in every arm that found it, and each arm's scores."""
+
+    records: dict[str, MemoryRecord]
+    scores: dict[str, dict[str, float]]
+    per_arm: dict[str, dict[str, float]]
 
 
-def _arm_scores(
-    arms: Mapping[str, Sequence[ScoredRecord]],
-) -> tuple[dict[str, MemoryRecord], dict[str, dict[str, float]]]:
-    """The union of the arms: each record, and its raw score in every arm that found it."""
+def _union(arms: Mapping[str, Sequence[ScoredRecord]]) -> _Union:
+    """One pass over the arms' hits (a record's best hit per arm counts)."""
     records: dict[str, MemoryRecord] = {}
     scores: dict[str, dict[str, float]] = {}
+    per_arm: dict[str, dict[str, float]] = {}
     for arm, hits in arms.items():
-        for rid, hit in best_per_record(hits).items():
-            records.setdefault(rid, hit.record)
-            scores.setdefault(rid, {})[arm] = float(hit.score)
-    return records, scores
+        best: dict[str, float] = {}
+        for hit in hits:
+            rid, score = hit.record.id, float(hit.score)
+            if rid not in best or score > best[rid]:
+                best[rid] = score
+                if rid not in records:
+                    records[rid] = hit.record
+                    scores[rid] = {}
+        for rid, score in best.items():
+            scores[rid][arm] = score
+        per_arm[arm] = best
+    return _Union(records, scores, per_arm)
 
 
 def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -143,16 +149,15 @@ def _built(
 
 def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]) -> list[Candidate]:
     """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
-    records, scores = _arm_scores(arms)
-    fused = dict.fromkeys(records, 0.0)
-    for arm in arms:
-        found = [(rid, arm_scores[arm]) for rid, arm_scores in scores.items() if arm in arm_scores]
-        values = [value for _, value in found]
+    union = _union(arms)
+    fused = dict.fromkeys(union.records, 0.0)
+    for arm, best in union.per_arm.items():
+        values = list(best.values())
         normalised = values if arm in RAW_SCORE_ARMS else min_max(values)
         weight = weights.get(arm, 0.0)
-        for (rid, _), value in zip(found, normalised, strict=True):
+        for rid, value in zip(best, normalised, strict=True):
             fused[rid] += weight * value
-    return _built(records, scores, fused)
+    return _built(union.records, union.scores, fused)
 
 
 def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 60) -> list[Candidate]:
@@ -161,17 +166,17 @@ def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 
     Ranks start at 1 and tied scores share a rank. The entity arm's term is scaled by its damped score, since
     its ties say nothing about order and a common name should count for less.
     """
-    records, scores = _arm_scores(arms)
-    fused = dict.fromkeys(records, 0.0)
-    for arm in arms:
-        ordered = sorted(((s[arm], rid) for rid, s in scores.items() if arm in s), key=lambda p: -p[0])
+    union = _union(arms)
+    fused = dict.fromkeys(union.records, 0.0)
+    for arm, best in union.per_arm.items():
+        ordered = sorted(((score, rid) for rid, score in best.items()), key=lambda p: -p[0])
         rank, previous = 0, math.inf
         for position, (score, rid) in enumerate(ordered, start=1):
             if score < previous:
                 rank, previous = position, score
             scale = score if arm in RAW_SCORE_ARMS else 1.0
             fused[rid] += scale / (k + rank)
-    return _built(records, scores, fused)
+    return _built(union.records, union.scores, fused)
 
 
 def keyword_gate(
@@ -206,12 +211,15 @@ class NameIndex:
     names: Mapping[str, tuple[str, ...]]
     max_words: int = 1
     cjk_names: tuple[str, ...] = ()  # matched as substrings: CJK text has no spaces between words
+    subjects: int = 0  # subject records seen (none: the subject search can be skipped)
 
     @classmethod
     def build(cls, records: Iterable[MemoryRecord]) -> NameIndex:
         """Index entity names of memories, and subject names linked to their memories' ids."""
         names: dict[str, dict[str, None]] = {}
+        subjects = 0
         for record in records:
+            subjects += record.kind is Kind.SUBJECT
             if record.kind is Kind.SUBJECT:
                 pairs = [(record.text, rid) for rid in record.source_ids]
             else:
@@ -222,7 +230,8 @@ class NameIndex:
                     names.setdefault(key, {})[rid] = None
         frozen = {key: tuple(ids) for key, ids in names.items()}
         longest = max((len(key.split()) for key in frozen), default=1)
-        return cls(names=frozen, max_words=longest, cjk_names=tuple(k for k in frozen if has_cjk(k)))
+        cjk = tuple(k for k in frozen if has_cjk(k))
+        return cls(names=frozen, max_words=longest, cjk_names=cjk, subjects=subjects)
 
 
 def _usable_name(key: str) -> bool:

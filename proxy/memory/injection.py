@@ -32,6 +32,8 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+
 from proxy.memory.query import message_text, stems, words
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import InjectionSettings
@@ -213,16 +215,15 @@ def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], t
 
 def _best_window(costs: Sequence[int], hits: Sequence[int], limit: int) -> tuple[int, int]:
     """The [start, end) chunk window within ``limit`` tokens holding most hits (earliest on ties)."""
-    best, best_hits, end, cost, held = (0, 0), -1, 0, 0, 0
-    for start in range(len(costs)):
-        end = max(end, start)
-        while end < len(costs) and cost + costs[end] <= limit:
-            cost, held, end = cost + costs[end], held + hits[end], end + 1
-        if held > best_hits and end > start:
-            best, best_hits = (start, end), held
-        if end > start:
-            cost, held = cost - costs[start], held - hits[start]
-    return best
+    if not costs:
+        return (0, 0)
+    spent = np.concatenate(([0], np.cumsum(costs)))
+    found = np.concatenate(([0], np.cumsum(hits)))
+    starts = np.arange(len(costs))
+    ends = np.searchsorted(spent, spent[:-1] + limit, side="right") - 1  # longest window from each start
+    held = np.where(ends > starts, found[ends] - found[starts], -1)
+    start = int(np.argmax(held))  # the first of the best
+    return (start, int(ends[start])) if held[start] >= 0 else (0, 0)
 
 
 def _prefix_within(text: str, limit: int) -> str:

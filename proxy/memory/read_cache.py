@@ -108,6 +108,11 @@ class ReadCache:
         """The user's name index (the original ``NameIndexCache`` call)."""
         return await self.names(store, user_id)
 
+    def cached_names(self, user_id: str) -> NameIndex | None:
+        """The user's name index if a fresh one is cached (never loads)."""
+        fresh = self._fresh(user_id, ("names",), self._ttl_s)
+        return cast(NameIndex, fresh[0]) if fresh is not None else None
+
     async def names(self, store: RetrievalStore, user_id: str) -> NameIndex:
         """The user's name index."""
         return await self._cached(user_id, ("names",), self._ttl_s, lambda: load_name_index(store, user_id))

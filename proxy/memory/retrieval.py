@@ -162,8 +162,9 @@ async def _dense_arm(
     settings: RetrievalSettings,
     since: datetime | None,
     report: _Report,
+    subjects_wanted: bool = True,
 ) -> _Dense | None:
-    """Embed the query, then search both pools and the subjects concurrently."""
+    """Embed the query, then search both pools and (when wanted) the subjects concurrently."""
     timeout_s = settings.arm_timeout_ms / 1000
     vector = await _guarded("embedder", embedder.embed_query(query.text), timeout_s, report)
     if vector is None:
@@ -173,10 +174,23 @@ async def _dense_arm(
     def search(**filters: Any) -> Awaitable[Sequence[ScoredRecord]]:
         return store.vector_search(user_id, vector, settings.dense_k, **filters)
 
-    subjects = _subjects(store, user_id, vector, settings, report)
+    subjects = _subjects(store, user_id, vector, settings, report) if subjects_wanted else _no_hits()
     hits, subject_hits = await asyncio.gather(_pools(search, since), subjects)
     kept = [h for h in hits if h.score >= settings.min_dense_score]
     return _Dense(hits=kept, subjects=subject_hits)
+
+
+async def _no_hits() -> list[ScoredRecord]:
+    """A search that is known to find nothing."""
+    return []
+
+
+def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
+    """False only when the user's known name index (given, or fresh in the cache) was built without subjects."""
+    known = names if isinstance(names, NameIndex) else None
+    if isinstance(names, ReadCache):
+        known = names.cached_names(user_id)
+    return known is None or known.subjects > 0
 
 
 async def _subjects(
@@ -247,6 +261,8 @@ def entity_hits(
     scores: Mapping[str, float], surfaced: Sequence[MemoryRecord], found: Sequence[Sequence[ScoredRecord]]
 ) -> list[ScoredRecord]:
     """The entity arm's hits: surfaced memories, and memories other arms ``found`` that carry a named name."""
+    if not scores:
+        return []
     records = {r.id: r for r in surfaced}
     for hits in found:
         records.update((h.record.id, h.record) for h in hits if h.record.id in scores)
@@ -412,7 +428,9 @@ async def _run_steps(
     found = await asyncio.gather(
         _step(
             DENSE,
-            lambda: _dense_arm(store, embedder, user_id, query, settings, since, report),
+            lambda: _dense_arm(
+                store, embedder, user_id, query, settings, since, report, _has_subjects(user_id, names)
+            ),
             True,
             2 * timeout_s,
             report,

@@ -28,7 +28,7 @@ class RetrievalSettings(BaseModel):
     bm25_k: int = Field(100, ge=1)  # hits asked of the keyword arm, per pool
     entity_k: int = Field(20, ge=0)  # most memories the entity arm may add; 0 turns the arm off
     entity_surface_max: int = Field(10, ge=0)  # a name on more memories only lifts what other arms found
-    entity_text_names: bool = True  # names written (capitalised) in hits' text count too, among those hits
+    entity_text_names: bool = False  # names written (capitalised) in hits' text count too, among those hits
     bm25_drop_stopwords: bool = True  # send only content words to BM25
     min_dense_score: float = -1.0  # dense hits below this cosine are ignored (-1 keeps all)
     arm_timeout_ms: float = Field(250.0, gt=0)  # each arm (and the query embedding) gets this long
