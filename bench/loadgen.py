@@ -7,12 +7,12 @@ latency is the time to the full body, a stream's TTFT is the time to the first S
 from __future__ import annotations
 
 import asyncio
-import os
 import dataclasses
+import os
 import statistics
 import time
-from pathlib import Path
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp

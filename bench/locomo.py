@@ -9,9 +9,9 @@ user message holding the question); its ranked list is ``result.candidates`` map
 
 Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
 configuration (``RetrievalSettings()``), and the default over richer memories of the same conversation:
-``+context`` (each turn embedded together with its previous turn, a write-time technique the writer does not
-apply yet: ``context_vectors``), ``+observations`` (the dataset's ``observation`` facts, LLM-extracted per
-session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
+``+turns`` (each turn embedded alone, as the writer did before it stored context vectors), ``+context`` when
+the writer's layout is another (``WRITER_CORPUS``), ``+observations`` (the dataset's ``observation`` facts,
+LLM-extracted per session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
 turns; this measures what write-time fact extraction adds without an LLM here), and both.
 
 Neutralised for every variant (the dataset cannot exercise them): recency (every record has the same
@@ -58,6 +58,7 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.writer import WriterSettings, context_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("LOCOMO_DATA", ROOT.parent / "shared" / "data" / "locomo" / "locomo10.json"))
@@ -67,7 +68,7 @@ CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 TUNE, TEST = range(5), range(5, 10)
 TURN_SPACING = timedelta(seconds=30)
 ID_NAMESPACE = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
-CONTEXT_WEIGHT = 0.5
+CONTEXT_WEIGHT = WriterSettings().context_weight
 # The product's model; two threads and small batches (sorted by length, so they pad little) embed the corpus
 # fastest here. Only bulk embedding uses them: the store gets vectors, and questions are embedded up front.
 EMBEDDER = EmbedderSettings(threads=os.cpu_count() or 1, batch_size=16)
@@ -351,9 +352,9 @@ def fact_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: d
 
 
 CORPORA = ("turns", "context", "observations", "context+observations")
-# The memories as the product's writer stores them today: turns embedded alone. Make this "context" once the
-# writer stores context vectors (``context_vectors``), so that the default and the chain measure the product.
-WRITER_CORPUS = "turns"
+# The memories as the product's writer stores them: turns with context vectors (``WriterSettings.context_weight``),
+# so that the default and the chain measure the product.
+WRITER_CORPUS = "context"
 
 
 def corpora(
@@ -361,8 +362,8 @@ def corpora(
 ) -> dict[str, Corpus]:
     """The harness users of one conversation, one per memory layout (``CORPORA``).
 
-    ``turns``: the turns, each embedded alone (what the writer stores today). ``context``: the same turns
-    embedded with their previous turn as context (``context_vectors``). ``observations``: the turns and the
+    ``turns``: the turns, each embedded alone. ``context``: the same turns embedded with their previous turn as
+    context (``context_vectors``, what the writer stores). ``observations``: the turns and the
     dataset's observation facts. ``context+observations``: both.
     """
     out = {}
@@ -387,14 +388,8 @@ def context_texts(turns: Sequence[Turn]) -> list[str]:
 
 
 def context_vectors(own: Vectors, with_previous: Vectors, weight: float = CONTEXT_WEIGHT) -> Vectors:
-    """Turn vectors that carry their context: unit ``(1 - weight) * own + weight * with_previous``.
-
-    A write-time technique (the writer would store these instead of ``own``): it needs only the previous
-    turn, which every chat request carries, so a live writer can compute it when it stores a turn.
-    """
-    mixed = (1.0 - weight) * own + weight * with_previous
-    norms = np.linalg.norm(mixed, axis=1, keepdims=True)
-    return (mixed / np.where(norms == 0.0, 1.0, norms)).astype(np.float32)
+    """Turn vectors that carry their context, as the writer stores them (``writer.context_vector``)."""
+    return context_vector(own, with_previous, weight)
 
 
 # --- embeddings -------------------------------------------------------------------------------------------

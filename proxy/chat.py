@@ -60,6 +60,25 @@ def new_user_messages(messages: list[dict[str, Any]]) -> tuple[str, ...]:
     return tuple(reversed(trailing))
 
 
+def earlier_messages(messages: list[dict[str, Any]], limit: int = 4) -> tuple[tuple[str, str], ...]:
+    """(role, text) of the last ``limit`` user and assistant messages before this request's new user messages.
+
+    The write path's context: the turn a new message answers (its vector carries it) and what "yes, that one"
+    refers to (fact extraction). System messages never enter it.
+    """
+    last_reply = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=-1)
+    end = last_reply + 1  # everything after the last assistant message is what this request adds
+    earlier: list[tuple[str, str]] = []
+    for message in reversed(messages[:end]):
+        if len(earlier) >= limit:
+            break
+        role = message.get("role")
+        text = message_text(message) if role in ("user", "assistant") else ""
+        if text:
+            earlier.append((str(role), text))
+    return tuple(reversed(earlier))
+
+
 def system_prompt(messages: list[dict[str, Any]]) -> str | None:
     """The app's own system prompt, if any (the write path must never learn facts from it)."""
     for message in messages:

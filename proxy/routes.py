@@ -18,7 +18,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from proxy.chat import new_user_messages, parse_chat_request, system_prompt
+from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.identity import Identity, Mode, identify, log_user
 from proxy.memory.service import Exchange, Injection
@@ -182,7 +182,7 @@ class ChatCall:
             request_id=self.request_id, user_id=identity.user_id, conversation_id=identity.conversation_id,
             model=body["model"], route=self.route, user_messages=new_user_messages(messages),
             assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
-            system_prompt=system_prompt(messages),
+            system_prompt=system_prompt(messages), context=earlier_messages(messages),
         )
         try:
             await self.state.memory.record(exchange)

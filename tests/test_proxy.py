@@ -234,6 +234,24 @@ async def test_memory_seam_injects_and_records(make_proxy: ProxyFactory, fake: F
     assert memory.exchanges[-1].assistant_text == "echo: hello there"
 
 
+async def test_exchange_carries_the_turns_before_it(make_proxy: ProxyFactory) -> None:
+    """The write path gets the user and assistant messages just before the new ones (never the system prompt)."""
+    memory = RecordingMemory()
+    proxy = await make_proxy(memory_factory=_factory(memory))
+    messages = [
+        {"role": "system", "content": "Be terse."},
+        {"role": "user", "content": "Any tips for Kyoto?"},
+        {"role": "assistant", "content": "Visit Fushimi Inari early."},
+        {"role": "user", "content": "Which day is quietest?"},
+        {"role": "user", "content": [{"type": "text", "text": "And the cheapest?"}]},
+    ]
+    response = await proxy.post(CHAT, json={"model": "m", "messages": messages}, headers={"X-Memory-User": "al"})
+    assert response.status == 200
+    exchange = memory.exchanges[-1]
+    assert exchange.user_messages == ("Which day is quietest?", "And the cheapest?")
+    assert exchange.context == (("user", "Any tips for Kyoto?"), ("assistant", "Visit Fushimi Inari early."))
+
+
 async def test_stream_exchange_is_assembled(make_proxy: ProxyFactory) -> None:
     """The write path receives the full reply of a streamed answer, not marked partial."""
     memory = RecordingMemory()

@@ -13,6 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import structlog
 
@@ -22,7 +23,7 @@ from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.writer import Writer, WriterSettings
+from proxy.memory.writer import Writer, WriterSettings, context_vector
 from tests.support.embedder import HashingEmbedder
 from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload
 
@@ -46,7 +47,7 @@ class Harness:
             request_id=f"req-{self.sent}", user_id=user, conversation_id=conversation, model="chat-model",
             route="default", user_messages=(text,), assistant_text=reply,
             partial=extra.get("partial", False), finished_at=datetime.now(UTC),
-            system_prompt=extra.get("system_prompt"),
+            system_prompt=extra.get("system_prompt"), context=extra.get("context", ()),
         )  # fmt: skip
         return await self.writer.record(exchange)
 
@@ -122,6 +123,35 @@ async def test_exchange_becomes_searchable_turns(harness: Harness) -> None:
     ]
     assert {h.record.id for h in hits} == {t.id for t in turns}
     assert all(t.conversation_id == "c1" for t in turns)
+
+
+async def test_turn_vectors_carry_the_turn_they_answer(harness: Harness) -> None:
+    """Each turn's vector mixes its own text with its previous turn's (the context before the exchange for the
+    first), so that a question about either finds it; the keyword index keeps the turn's own words."""
+    context = (("user", "Any tips for Kyoto?"), ("assistant", "Visit Fushimi Inari early in the morning."))
+    await harness.chat("Which day is quietest there?", reply="Tuesdays are the quietest.", context=context)
+    await harness.settle()
+    user_turn, reply = await harness.records(Kind.TURN)
+    embed = harness.store.embedder.embed_documents
+    weight = harness.writer.settings.context_weight
+    for turn, previous in ((user_turn, context[-1][1]), (reply, user_turn.text)):
+        own, with_previous = await embed([turn.text, f"{previous}\n{turn.text}"])
+        stored = (await harness.store.get_many("u1", [turn.id]))[0].embedding
+        assert stored is not None
+        assert np.allclose(stored, context_vector(own, with_previous, weight), atol=1e-5)
+    hits = await harness.store.keyword_search("u1", "Fushimi", 5, kinds=[Kind.TURN])
+    assert hits == []  # the context's words are in the vector only, never in the turn's text
+
+
+async def test_context_weight_zero_embeds_each_turn_alone(tmp_path: Path, llm: FakeLLM) -> None:
+    """``context_weight = 0`` stores each turn's own vector, as before context vectors."""
+    async with running(tmp_path, llm, context_weight=0.0) as h:
+        await h.chat("Which day is quietest there?", context=(("assistant", "Kyoto is lovely."),))
+        await h.settle()
+        [turn, _] = await h.records(Kind.TURN)
+        [own] = await h.store.embedder.embed_documents([turn.text])
+        stored = (await h.store.get_many("u1", [turn.id]))[0].embedding
+        assert np.allclose(stored, own, atol=1e-5)
 
 
 async def test_cut_reply_is_stored_marked_partial(harness: Harness) -> None:

@@ -38,6 +38,7 @@ class Exchange:
     partial: bool
     finished_at: datetime
     system_prompt: str | None = None
+    context: tuple[tuple[str, str], ...] = ()  # (role, text) of the messages just before, oldest first
 
 
 class MemoryService(Protocol):

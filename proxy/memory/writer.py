@@ -29,9 +29,11 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+import numpy as np
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from proxy.memory.embedders import Vectors
 from proxy.memory.extraction import (
     ExchangeText,
     ExtractedFact,
@@ -68,6 +70,9 @@ class WriterSettings(BaseModel):
     insights_debounce_s: float = Field(default=900.0, ge=0)
     reconcile_neighbours: int = Field(default=5, ge=1, le=20)
     reconcile_min_similarity: float = Field(default=0.3, ge=-1.0, le=1.0)
+    # a turn's vector: unit (1 - w) * its own + w * (previous turn + it); 0 embeds each turn alone. 0.5 lifted
+    # LoCoMo evidence recall@10 from 0.718 to 0.730 (bench/locomo.py, "+context"), at twice the embedding work
+    context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
 
 
 class ExchangePayload(BaseModel):
@@ -96,7 +101,7 @@ def derived_id(job_id: str, *parts: object) -> str:
     return uuid.uuid5(ID_NAMESPACE, "/".join([job_id, *map(str, parts)])).hex
 
 
-def exchange_payload(exchange: Exchange, context: Sequence[tuple[str, str]] = ()) -> dict[str, Any]:
+def exchange_payload(exchange: Exchange) -> dict[str, Any]:
     """The job payload of a finished exchange (the system prompt is deliberately left out)."""
     payload = ExchangePayload(
         conversation_id=exchange.conversation_id,
@@ -106,7 +111,7 @@ def exchange_payload(exchange: Exchange, context: Sequence[tuple[str, str]] = ()
         partial=exchange.partial,
         finished_at=exchange.finished_at.timestamp(),
         request_id=exchange.request_id,
-        context=tuple(context),
+        context=tuple(exchange.context),
     )
     return payload.model_dump(mode="json")
 
@@ -132,6 +137,14 @@ def turn_records(job_id: str, user_id: str, p: ExchangePayload) -> list[MemoryRe
         )
         for i, (role, text, partial) in enumerate(texts)
     ]
+
+
+def context_vector(own: Vectors, with_previous: Vectors, weight: float) -> Vectors:
+    """Unit ``(1 - weight) * own + weight * with_previous`` (row-wise for matrices): a turn's vector that also
+    carries the turn it answers, so that a question about either finds it."""
+    mixed = ((1.0 - weight) * own + weight * with_previous).astype(np.float32)
+    norms = np.linalg.norm(mixed, axis=-1, keepdims=True)
+    return mixed / np.where(norms == 0.0, 1.0, norms)
 
 
 def fact_record(job_id: str, i: int, user_id: str, p: FactsPayload, screened: Screened, text: str) -> MemoryRecord:
@@ -178,9 +191,9 @@ class Writer:
         """The job kinds this writer handles, for the ``JobRunner``."""
         return {"exchange": self.handle_exchange, "facts": self.handle_facts, "summary": self.handle_summary}
 
-    async def record(self, exchange: Exchange, context: Sequence[tuple[str, str]] = ()) -> str:
+    async def record(self, exchange: Exchange) -> str:
         """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
-        return await self._queue.enqueue("exchange", exchange.user_id, exchange_payload(exchange, context))
+        return await self._queue.enqueue("exchange", exchange.user_id, exchange_payload(exchange))
 
     def _model(self, p: ExchangePayload) -> str:
         return self.settings.model or p.model
@@ -193,7 +206,7 @@ class Writer:
         turns = turn_records(job.id, job.user_id, p)
         if "turns" not in job.progress:
             async with job.timed("turns"):
-                await self._store.add(turns)
+                await self._store.add(await self._with_context(turns, p.context))
             job.queue.observe_step("reply_to_searchable", max(0.0, time.time() - p.finished_at))
             await job.checkpoint("turns")
         if turns:
@@ -202,6 +215,25 @@ class Writer:
         if user_turns:  # facts come only from what the user wrote
             facts = FactsPayload(**p.model_dump(), source_ids=user_turns).model_dump(mode="json")
             await self._queue.enqueue("facts", job.user_id, facts, job_id=f"{job.id}:facts")
+
+    async def _with_context(
+        self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
+    ) -> list[MemoryRecord]:
+        """The turns with context vectors (one batched embedding of each text alone and after its previous turn)."""
+        weight = self.settings.context_weight
+        if weight <= 0 or not turns:
+            return turns
+        previous = [context[-1][1] if context else None, *(t.text for t in turns[:-1])]
+        texts = [t.text for t in turns] + [f"{prev}\n{t.text}" for prev, t in zip(previous, turns, strict=True) if prev]
+        embedder = self._store.embedder
+        vectors = await embedder.embed_documents(texts)
+        own, with_previous = vectors[: len(turns)], iter(vectors[len(turns) :])
+        out = []
+        for turn, prev, vector in zip(turns, previous, own, strict=True):
+            if prev:
+                vector = context_vector(vector, next(with_previous), weight)
+            out.append(turn.replace(embedding=[float(x) for x in vector], model_id=embedder.model_id))
+        return out
 
     async def _schedule_summary(self, job: Job, p: ExchangePayload, turn_ids: Sequence[str]) -> None:
         key = f"summary:{p.conversation_id}"
