@@ -66,8 +66,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
     """Each memory component's own settings."""
     return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
                           jobs=settings.jobs_settings(), retrieval=settings.retrieval,
-                          injection=settings.injection, writer=settings.writer, extraction=settings.extraction,
-                          insights=settings.insights)
+                          injection=settings.injection, rerank=settings.rerank, writer=settings.writer,
+                          extraction=settings.extraction, insights=settings.insights)
 
 
 @contextlib.asynccontextmanager

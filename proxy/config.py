@@ -20,6 +20,7 @@ from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
+from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
 from proxy.memory.writer import WriterSettings
@@ -127,6 +128,7 @@ class Settings(_Frozen):
     store: StoreTuning = StoreTuning()
     retrieval: RetrievalSettings = RetrievalSettings()
     injection: InjectionSettings = InjectionSettings()
+    rerank: RerankSettings = RerankSettings()
     jobs: JobsTuning = JobsTuning()
     writer: WriterSettings = WriterSettings()
     extraction: ExtractionSettings = ExtractionSettings()

@@ -26,6 +26,7 @@ from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
 from proxy.memory.llm import LLMClient
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
@@ -44,6 +45,7 @@ class EngineSettings:
     jobs: JobQueueSettings
     retrieval: RetrievalSettings
     injection: InjectionSettings
+    rerank: RerankSettings
     writer: WriterSettings
     extraction: ExtractionSettings
     insights: InsightSettings
@@ -84,6 +86,7 @@ class MemoryEngine:
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
         self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model)
         self.names = NameIndexCache()
+        self.reranker = Reranker(settings.rerank)
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
         self._queue_snapshot: QueueMetrics | None = None
@@ -98,6 +101,7 @@ class MemoryEngine:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
+            await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
             handlers = {**self.writer.handlers(), **self.insight_jobs.handlers()}
             await stack.enter_async_context(JobRunner(self.jobs, handlers))
@@ -116,7 +120,7 @@ class MemoryEngine:
     async def _retrieve(self, user_id: str, conversation_id: str | None,
                         messages: list[dict[str, Any]]) -> RetrievalResult:
         return await retrieve(self.store, self.embedder, messages, user_id, self.settings.retrieval, utcnow(),
-                              conversation_id=conversation_id, names=self.names)
+                              conversation_id=conversation_id, names=self.names, reranker=self.reranker)
 
     async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
         """Retrieve the user's memories and merge the memory block into the request's messages."""

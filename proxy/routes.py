@@ -54,7 +54,9 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 async def _inject(state: AppState, identity: Identity, body: Mapping[str, Any]) -> Injection:
     if identity.user_id is None or identity.conversation_id is None or not identity.mode.reads:
         return Injection()
-    timeout = state.settings.memory.retrieval_timeout_ms / 1000
+    settings = state.settings
+    rerank_ms = settings.rerank.timeout_ms if settings.rerank.enabled else 0.0
+    timeout = (settings.memory.retrieval_timeout_ms + rerank_ms) / 1000
     started = time.perf_counter()
     try:
         async with asyncio.timeout(timeout):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from types import MappingProxyType
@@ -26,6 +25,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from proxy.lazy import import_litellm
 from proxy.sse import DONE_EVENT, data_event
 
 # Request headers a client may pass on to an OpenAI-compatible upstream (lower case).
@@ -176,14 +176,6 @@ class _LiteLLMReply:
         return self._result.model_dump_json(exclude_none=True).encode()  # type: ignore[no-any-return]
 
 
-def _import_litellm() -> Any:
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    litellm.telemetry = False
-    return litellm
-
-
 @contextlib.contextmanager
 def map_litellm_errors() -> Iterator[None]:
     """Turn litellm's exceptions into relayed upstream errors with their status."""
@@ -224,7 +216,7 @@ class LiteLLMUpstream:
     @contextlib.asynccontextmanager
     async def open(self, body: dict[str, Any], raw: bytes | None,
                    headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
-        litellm = await asyncio.to_thread(_import_litellm)
+        litellm = await asyncio.to_thread(import_litellm)
         started = time.perf_counter()
         with map_litellm_errors():
             result = await litellm.acompletion(**self._arguments(body))

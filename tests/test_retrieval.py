@@ -14,11 +14,13 @@ import pytest
 from proxy.memory.errors import EmbedderError, StoreError
 from proxy.memory.fusion import BM25, DENSE, ENTITY, ArmHit, Candidate, NameIndex
 from proxy.memory.injection import Section, inject
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.records import Kind, MemoryRecord, Pool
+from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import ReadCache, entity_hits, plan_items, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
 from tests.support.embedder import HashingEmbedder
+from tests.support.fake_rerank import FakeRerank, relevance
 
 NOW = datetime(2026, 3, 1, 12, tzinfo=UTC)
 
@@ -89,11 +91,26 @@ class BrokenKeywordStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
 
-    async def keyword_search(self, *args: Any, **kwargs: Any) -> Sequence[Any]:
+    async def keyword_search_pools(self, *args: Any, **kwargs: Any) -> Sequence[Any]:
         await asyncio.sleep(self._delay)
         if self._error is not None:
             raise self._error
-        return await self._store.keyword_search(*args, **kwargs)
+        return await self._store.keyword_search_pools(*args, **kwargs)
+
+
+class PoolSpy:
+    """The real store, noting the pools each dense search asks for."""
+
+    def __init__(self, store: MemoryStore) -> None:
+        self._store = store
+        self.vector_pools: list[Sequence[Pool]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    async def vector_search_pools(self, user_id: str, query: Any, pools: Sequence[Pool]) -> Sequence[Any]:
+        self.vector_pools.append(pools)
+        return await self._store.vector_search_pools(user_id, query, pools)
 
 
 async def test_fact_from_one_conversation_is_injected_in_another_and_never_for_another_user(
@@ -308,10 +325,12 @@ async def test_subject_search_is_skipped_once_the_user_is_known_to_have_no_subje
     await store.add([_fact("maya", "Maya collects jazz records", entities=("Maya",))])
     cache = ReadCache(ttl_s=3600)
     question = _ask("Which records does Maya collect?")
-    first = await retrieve(store, embedder, question, "maya", _settings(), NOW, names=cache)
-    later = await retrieve(store, embedder, question, "maya", _settings(), NOW, names=cache)
-    assert "subjects" in first.timings_ms
-    assert "subjects" not in later.timings_ms
+    spy = PoolSpy(store)
+    first = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
+    later = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
+    first_kinds, later_kinds = ({k for pool in pools for k in pool.kinds} for pools in spy.vector_pools)
+    assert Kind.SUBJECT in first_kinds
+    assert Kind.SUBJECT not in later_kinds
     assert [c.id for c in later.candidates] == [c.id for c in first.candidates]
 
 
@@ -398,3 +417,30 @@ def test_recent_message_that_is_also_relevant_is_listed_once() -> None:
     turn = _turn("maya", "Printer ink is so expensive", "c1", days_ago=0.5)
     items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings())
     assert [(i.section, i.score) for i in items] == [(Section.RECENT, pytest.approx(1.0))]
+
+
+async def test_gated_rerank_orders_the_head_when_the_arms_disagree(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """Dense and BM25 disagree on first place: the reranker's order wins and X-Memory-Arms says rerank; a slow
+    reranker leaves the fused order and says degraded=rerank:timeout."""
+    plan = _fact("maya", "what is the plan of the day")  # shares stop words with the question: dense's first
+    dog = _fact("maya", "Maya's dog is called Rex")  # shares "dog": BM25's first
+    await store.add([plan, dog, _fact("maya", "Maya's cat is called Tom")])
+    question = _ask("what is the name of the dog")
+    fused = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    async with FakeRerank() as fake:
+        settings = RerankSettings(enabled=True, api_base=fake.api_base, api_key="k")
+        async with Reranker(settings) as reranker:
+            reranked = await retrieve(store, embedder, question, "maya", _settings(), NOW, reranker=reranker)
+    wanted = [t for t, _ in sorted(((c.record.text, relevance("what is the name of the dog", c.record.text))
+                                    for c in fused.candidates), key=lambda p: -p[1])]
+    assert len(fake.calls) == 1
+    assert [c.record.text for c in reranked.candidates] == wanted
+    assert "rerank" in reranked.arms_header.split(",")
+    async with FakeRerank(delay_s=5) as slow:
+        settings = RerankSettings(enabled=True, api_base=slow.api_base, api_key="k", timeout_ms=200)
+        async with Reranker(settings) as reranker:
+            late = await retrieve(store, embedder, question, "maya", _settings(), NOW, reranker=reranker)
+    assert [c.id for c in late.candidates] == [c.id for c in fused.candidates]
+    assert "degraded=rerank:timeout" in late.arms_header.split(",")

@@ -21,6 +21,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError
 
 import proxy
+from proxy.lazy import import_litellm
 from proxy.memory.errors import EmbedderError
 
 __all__ = [
@@ -340,18 +341,6 @@ class LocalEmbedder(BaseEmbedder):
         self._executor.shutdown(wait=False)
 
 
-def _import_litellm() -> Any:
-    """litellm, imported on first use with the bundled cost map so that the import makes no request.
-
-    Imported here rather than at the top: it takes seconds, and only deployments using a remote
-    embedding model need it.
-    """
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    return litellm
-
-
 class LiteLLMEmbedder(BaseEmbedder):
     """Any remote embedding model litellm supports (``openai/text-embedding-3-small``, ``ollama/...``)."""
 
@@ -377,7 +366,7 @@ class LiteLLMEmbedder(BaseEmbedder):
             self._dim = int((await self._embed_batch(["dimension probe"])).shape[1])
 
     async def _embed_batch(self, texts: list[str]) -> Vectors:
-        litellm = _import_litellm()
+        litellm = import_litellm()
         import openai  # litellm's own dependency; its exceptions all derive from openai.OpenAIError
 
         key = self._settings.api_key

@@ -336,17 +336,29 @@ class KeywordIndex:
 
     async def search(self, user_id: str, text: str, k: int, where: KeywordFilter) -> list[tuple[str, float]]:
         """Top ``k`` (id, BM25 score) of the user's documents matching any term of ``text``."""
+        return (await self.search_pools(user_id, text, [(k, where)]))[0]
+
+    async def search_pools(
+        self, user_id: str, text: str, pools: Sequence[tuple[int, KeywordFilter]]
+    ) -> list[list[tuple[str, float]]]:
+        """Top (id, BM25 score) in each (k, filter) pool of the user's documents, in one trip to the worker."""
         gen = self._g
-        query = self.build_query(gen.schema, user_id, text, where)
-        if query is None or k <= 0:
-            return []
-        return await self._run(self._search, gen, query, k)
+        queries = [(self.build_query(gen.schema, user_id, text, where), k) for k, where in pools]
+        if all(query is None or k <= 0 for query, k in queries):
+            return [[] for _ in pools]
+        return await self._run(self._search_pools, gen, queries)
 
     @staticmethod
-    def _search(gen: _Generation, query: Query, k: int) -> list[tuple[str, float]]:
+    def _search_pools(gen: _Generation, queries: Sequence[tuple[Query | None, int]]) -> list[list[tuple[str, float]]]:
         searcher = gen.index.searcher()
-        result = searcher.search(query, k, count=False)
-        return [(searcher.doc(address)["id"][0], float(score)) for score, address in result.hits]
+        out: list[list[tuple[str, float]]] = []
+        for query, k in queries:
+            if query is None or k <= 0:
+                out.append([])
+                continue
+            hits = searcher.search(query, k, count=False).hits
+            out.append([(searcher.doc(address)["id"][0], float(score)) for score, address in hits])
+        return out
 
     def build_query(self, schema: tantivy.Schema, user_id: str, text: str, where: KeywordFilter) -> Query | None:
         """The query for ``text`` within one user's documents, or None when the text has no terms."""

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
 import json
-import os
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
@@ -28,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from proxy.lazy import import_litellm
 from proxy.memory.errors import MemoryLayerError
 
 JSON = dict[str, Any]
@@ -177,14 +176,6 @@ class LiteLLMSettings(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
 
 
-def _import_litellm() -> Any:
-    """litellm, imported on first use (5-8 s), with the local cost map so the import makes no request."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    module = importlib.import_module("litellm")
-    setattr(module, "telemetry", False)  # noqa: B010 - a module attribute mypy does not know
-    return module
-
-
 class LiteLLMClient:
     """``LLMClient`` over ``litellm.acompletion``; litellm is imported lazily, off the event loop."""
 
@@ -196,7 +187,7 @@ class LiteLLMClient:
     async def _module(self) -> Any:
         async with self._import_lock:
             if self._litellm is None:
-                self._litellm = await asyncio.to_thread(_import_litellm)
+                self._litellm = await asyncio.to_thread(import_litellm)
         return self._litellm
 
     def _arguments(self, model: str, messages: list[dict[str, Any]], schema: JSON, name: str) -> JSON:

@@ -16,14 +16,13 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import datetime
 from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.fusion import NameIndex, ScoredRecord
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.records import Kind, MemoryRecord, Pool
 
 _T = TypeVar("_T")
 
@@ -41,19 +40,13 @@ class Page(Protocol):
 class RetrievalStore(Protocol):
     """The part of ``MemoryStore`` the read path uses; every call is scoped to one user."""
 
-    async def vector_search(
-        self,
-        user_id: str,
-        query: npt.NDArray[np.float32],
-        k: int,
-        *,
-        kinds: Sequence[Kind] | None = None,
-        since: datetime | None = None,
-    ) -> Sequence[ScoredRecord]: ...
+    async def vector_search_pools(
+        self, user_id: str, query: npt.NDArray[np.float32], pools: Sequence[Pool]
+    ) -> Sequence[Sequence[ScoredRecord]]: ...
 
-    async def keyword_search(
-        self, user_id: str, query: str, k: int, *, kinds: Sequence[Kind] | None = None, since: datetime | None = None
-    ) -> Sequence[ScoredRecord]: ...
+    async def keyword_search_pools(
+        self, user_id: str, query: str, pools: Sequence[Pool]
+    ) -> Sequence[Sequence[ScoredRecord]]: ...
 
     async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
 

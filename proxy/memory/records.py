@@ -30,6 +30,17 @@ class Kind(StrEnum):
     SUBJECT = "subject"
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Pool:
+    """One filtered top-``k`` search among a user's records (several run over one query at once)."""
+
+    k: int
+    kinds: tuple[Kind, ...] = ()  # empty: every kind
+    since: datetime | None = None
+    until: datetime | None = None
+    include_invalid: bool = False
+
+
 def new_id() -> str:
     """A fresh, stable, URL-safe record id."""
     return uuid.uuid4().hex

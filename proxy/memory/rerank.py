@@ -16,7 +16,6 @@ query, the documents or the error message) and reports the reason for ``X-Memory
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType, TracebackType
@@ -25,6 +24,7 @@ from typing import Any, Self
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
+from proxy.lazy import import_litellm
 from proxy.memory.fusion import Candidate, ScoredRecord
 
 log = structlog.get_logger("memproxy.rerank")
@@ -91,14 +91,6 @@ def _with_fused(candidate: Candidate, fused: float) -> Candidate:
     return Candidate(candidate.record, candidate.arm_scores, fused, candidate.final, candidate.boosts)
 
 
-def _import_litellm() -> ModuleType:
-    """litellm with its bundled cost map, so that importing it makes no request (it takes seconds)."""
-    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-    import litellm
-
-    return litellm
-
-
 def _reason(error: BaseException) -> str:
     """``timeout`` for any timeout (asyncio's or litellm's), else the error's class name (never its message)."""
     timeout = isinstance(error, TimeoutError) or type(error).__name__ in {"Timeout", "APITimeoutError"}
@@ -120,7 +112,7 @@ class Reranker:
     async def __aenter__(self) -> Self:
         """Import litellm in a thread when enabled, so the first rerank does not stall the event loop."""
         if self._settings.enabled:
-            self._litellm = await asyncio.to_thread(_import_litellm)
+            self._litellm = await asyncio.to_thread(import_litellm)
         return self
 
     async def __aexit__(
@@ -152,7 +144,7 @@ class Reranker:
 
     async def _ranking(self, query_text: str, documents: list[str]) -> list[int]:
         """The documents' indices, most relevant first, as the rerank model orders them."""
-        litellm = self._litellm or _import_litellm()
+        litellm = self._litellm or import_litellm()
         key = self._settings.api_key
         response: Any = await litellm.arerank(
             model=self._settings.model,

@@ -27,9 +27,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-import numpy as np
-import numpy.typing as npt
-
 from proxy.memory.embedders import Embedder
 from proxy.memory.fusion import (
     BM25,
@@ -55,7 +52,9 @@ from proxy.memory.read_cache import (
     load_name_index,
     load_newest_turns,
 )
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.records import Kind, MemoryRecord, Pool
+from proxy.memory.rerank import ARM as RERANK
+from proxy.memory.rerank import Reranker
 from proxy.memory.retrieval_settings import RetrievalSettings
 from proxy.memory.scoring import recency, score_candidates
 
@@ -138,12 +137,14 @@ def _since(now: datetime, settings: RetrievalSettings) -> datetime | None:
     return None if days is None else now - timedelta(days=days)
 
 
-async def _pools(
-    search: Callable[..., Awaitable[Sequence[ScoredRecord]]], since: datetime | None
-) -> list[ScoredRecord]:
-    """One arm's hits over both pools: facts of all time, and turns and summaries since ``since``."""
-    facts, past = await asyncio.gather(search(kinds=[Kind.FACT]), search(kinds=list(PAST_KINDS), since=since))
-    return sorted([*facts, *past], key=lambda h: -h.score)
+def _pools(k: int, since: datetime | None) -> list[Pool]:
+    """One arm's two pools: facts of all time, and turns and summaries since ``since``."""
+    return [Pool(k, (Kind.FACT,)), Pool(k, PAST_KINDS, since)]
+
+
+def _by_score(found: Sequence[Sequence[ScoredRecord]]) -> list[ScoredRecord]:
+    """The hits of several pools as one list, best first."""
+    return sorted((hit for hits in found for hit in hits), key=lambda h: -h.score)
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,25 +165,19 @@ async def _dense_arm(
     report: _Report,
     subjects_wanted: bool = True,
 ) -> _Dense | None:
-    """Embed the query, then search both pools and (when wanted) the subjects concurrently."""
+    """Embed the query, then search both pools and (when wanted) the subjects in one pass over the vectors."""
     timeout_s = settings.arm_timeout_ms / 1000
     vector = await _guarded("embedder", embedder.embed_query(query.text), timeout_s, report)
     if vector is None:
         report.degraded[DENSE] = f"embedder-{report.degraded.pop('embedder')}"
         return None
 
-    def search(**filters: Any) -> Awaitable[Sequence[ScoredRecord]]:
-        return store.vector_search(user_id, vector, settings.dense_k, **filters)
-
-    subjects = _subjects(store, user_id, vector, settings, report) if subjects_wanted else _no_hits()
-    hits, subject_hits = await asyncio.gather(_pools(search, since), subjects)
-    kept = [h for h in hits if h.score >= settings.min_dense_score]
-    return _Dense(hits=kept, subjects=subject_hits)
-
-
-async def _no_hits() -> list[ScoredRecord]:
-    """A search that is known to find nothing."""
-    return []
+    pools = _pools(settings.dense_k, since)
+    if subjects_wanted and settings.subject_weight > 0:
+        pools.append(Pool(settings.subject_top_n, (Kind.SUBJECT,)))
+    found = await store.vector_search_pools(user_id, vector, pools)
+    kept = [h for h in _by_score(found[:2]) if h.score >= settings.min_dense_score]
+    return _Dense(hits=kept, subjects=list(found[2]) if len(found) > 2 else [])
 
 
 def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
@@ -193,30 +188,11 @@ def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
     return known is None or known.subjects > 0
 
 
-async def _subjects(
-    store: RetrievalStore,
-    user_id: str,
-    vector: npt.NDArray[np.float32],
-    settings: RetrievalSettings,
-    report: _Report,
-) -> list[ScoredRecord]:
-    """The query's top-N subjects, or nothing when subject fusion is off or the search fails."""
-    if settings.subject_weight <= 0:
-        return []
-    search = store.vector_search(user_id, vector, settings.subject_top_n, kinds=[Kind.SUBJECT])
-    found = await _guarded("subjects", search, settings.arm_timeout_ms / 1000, report)
-    return list(found or [])
-
-
 async def _keyword_arm(
     store: RetrievalStore, user_id: str, text: str, settings: RetrievalSettings, since: datetime | None
 ) -> list[ScoredRecord]:
     """BM25 hits over both pools."""
-
-    def search(**filters: Any) -> Awaitable[Sequence[ScoredRecord]]:
-        return store.keyword_search(user_id, text, settings.bm25_k, **filters)
-
-    return await _pools(search, since)
+    return _by_score(await store.keyword_search_pools(user_id, text, _pools(settings.bm25_k, since)))
 
 
 def _in_scope(record: MemoryRecord, since: datetime | None) -> bool:
@@ -477,11 +453,13 @@ async def retrieve(
     *,
     conversation_id: str | None = None,
     names: NameIndex | ReadCache | None = None,
+    reranker: Reranker | None = None,
 ) -> RetrievalResult:
     """Find, rank and choose the memories of ``user_id`` for a chat request (see the module docstring).
 
     ``names`` is the entity arm's name index: a prebuilt one, a cache, or None to load it from the store.
-    ``conversation_id`` keeps this conversation out of "recent activity".
+    ``conversation_id`` keeps this conversation out of "recent activity". ``reranker`` (enabled in its settings)
+    reorders the best fused candidates when the dense and BM25 arms disagree on first place.
     """
     started = time.perf_counter()
     query = build_query(messages, short_words=settings.short_query_words, expand=settings.expand_anaphoric)
@@ -492,7 +470,17 @@ async def retrieve(
     fusing = time.perf_counter()
     arms, gated = found.arms(query, settings)
     fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else (), gated=gated)
-    scored = score_candidates(fused.candidates[: settings.max_candidates], now, settings)
+    candidates = fused.candidates
+    if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):
+        reranking = time.perf_counter()
+        reranked = await reranker.rerank(query.text, candidates)
+        report.timings_ms[RERANK] = round((time.perf_counter() - reranking) * 1000, 3)
+        if reranked.candidates is None:
+            report.degraded[RERANK] = reranked.reason or "error"
+        else:
+            candidates = reranked.candidates
+            arms = {**arms, RERANK: []}
+    scored = score_candidates(candidates[: settings.max_candidates], now, settings)
     items = plan_items(scored, found.insights or [], found.recent or [], now, settings)
     report.timings_ms["fusion"] = round((time.perf_counter() - fusing) * 1000, 3)
     report.timings_ms["total"] = round((time.perf_counter() - started) * 1000, 3)

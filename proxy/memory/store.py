@@ -55,7 +55,7 @@ from proxy.memory.lance import (
     record_filter,
     valid_record_id,
 )
-from proxy.memory.records import Kind, MemoryRecord, arrow_schema, from_row, utcnow
+from proxy.memory.records import Kind, MemoryRecord, Pool, arrow_schema, from_row, utcnow
 from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes
 
 __all__ = ["Hit", "MemoryStore", "Page", "StoreSettings"]
@@ -353,10 +353,21 @@ class MemoryStore:
             await self._mark_synced()
 
     def _touched(self, record: MemoryRecord) -> MemoryRecord:
-        at = self._touches.get(record.user_id, {}).get(record.id)
-        if at is None or (record.last_accessed_at is not None and record.last_accessed_at >= at):
-            return record
-        return record.replace(last_accessed_at=at)
+        return self._toucher(record.user_id)(record)
+
+    def _toucher(self, user_id: str) -> Callable[[MemoryRecord], MemoryRecord]:
+        """Applies the user's pending (not yet written) access times to their records; identity when none."""
+        touches = self._touches.get(user_id)
+        if not touches:
+            return _same
+
+        def touched(record: MemoryRecord) -> MemoryRecord:
+            at = touches.get(record.id)
+            if at is None or (record.last_accessed_at is not None and record.last_accessed_at >= at):
+                return record
+            return record.replace(last_accessed_at=at)
+
+        return touched
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one record from both arms and the cache; False if the user has no such record."""
@@ -494,6 +505,13 @@ class MemoryStore:
         include_invalid: bool = False,
     ) -> builtins.list[Hit]:
         """The ``k`` records nearest to ``query`` (cosine), valid ones only by default."""
+        pool = Pool(k, tuple(kinds or ()), since, until, include_invalid)
+        return (await self.vector_search_pools(user_id, query, [pool]))[0]
+
+    async def vector_search_pools(
+        self, user_id: str, query: npt.NDArray[np.float32], pools: Sequence[Pool]
+    ) -> builtins.list[builtins.list[Hit]]:
+        """The records nearest to ``query`` (cosine) in each pool of the user's records, in one pass."""
         check_user_id(user_id)
         self._check_model()
         vector = np.asarray(query, dtype=np.float32).reshape(-1)
@@ -501,16 +519,24 @@ class MemoryStore:
             raise StoreError(f"query vector has shape {vector.shape}, expected ({self._embedder.dim},)")
         entry = await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
         if entry is None:
-            where = record_filter(user_id, kinds=kinds, since=since, until=until, include_invalid=include_invalid)
-            pairs = await self._lance.vector_search(user_id, vector, k, where)
-            return [Hit(self._touched(record), score) for record, score in pairs]
-        scored = await asyncio.to_thread(entry.search, vector, k, kinds, since, until, include_invalid)
-        records = entry.records([record_id for record_id, _ in scored])
-        return [
-            Hit(self._touched(record), score)
-            for record, (_, score) in zip(records, scored, strict=True)
-            if record is not None
-        ]
+            return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
+        found = await asyncio.to_thread(entry.search_pools, vector, pools)
+        touch = self._toucher(user_id)
+        out = []
+        for scored in found:
+            records = entry.records([record_id for record_id, _ in scored])
+            out.append([Hit(touch(r), score) for r, (_, score) in zip(records, scored, strict=True) if r is not None])
+        return out
+
+    async def _lance_vector_search(
+        self, user_id: str, vector: npt.NDArray[np.float32], pool: Pool
+    ) -> builtins.list[Hit]:
+        where = record_filter(
+            user_id, kinds=pool.kinds or None, since=pool.since, until=pool.until, include_invalid=pool.include_invalid
+        )
+        pairs = await self._lance.vector_search(user_id, vector, pool.k, where)
+        touch = self._toucher(user_id)
+        return [Hit(touch(record), score) for record, score in pairs]
 
     async def _load_user(self, user_id: str) -> UserVectors | None:
         rows = await self._lance.count(user_id)
@@ -531,25 +557,38 @@ class MemoryStore:
         include_invalid: bool = False,
     ) -> builtins.list[Hit]:
         """The ``k`` best BM25 matches of ``query`` among the user's records, valid ones only by default."""
+        pool = Pool(k, tuple(kinds or ()), since, until, include_invalid)
+        return (await self.keyword_search_pools(user_id, query, [pool]))[0]
+
+    async def keyword_search_pools(
+        self, user_id: str, query: str, pools: Sequence[Pool]
+    ) -> builtins.list[builtins.list[Hit]]:
+        """The best BM25 matches of ``query`` in each pool of the user's records, in one trip to the index."""
         check_user_id(user_id)
-        where = keyword_filter(kinds, since, until, include_invalid)
-        scored = await self._keyword.search(user_id, query, k, where)
-        if not scored:
-            return []
-        ids = [record_id for record_id, _ in scored]
+        searches = [(p.k, keyword_filter(p.kinds, p.since, p.until, p.include_invalid)) for p in pools]
+        found = await self._keyword.search_pools(user_id, query, searches)
+        ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
+        if not ids:
+            return [[] for _ in pools]
+        by_id = await self._records_by_id(user_id, ids)
+        touch = self._toucher(user_id)
+        return [
+            [
+                Hit(touch(record), score)
+                for record_id, score in scored
+                if (record := by_id.get(record_id)) is not None and _matches(record, user_id, pool)
+            ]
+            for pool, scored in zip(pools, found, strict=True)
+        ]
+
+    async def _records_by_id(self, user_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+        """The user's records with these ids, from the vector cache (loading the user) or LanceDB."""
         entry = (
             None if self._lance.mismatch else await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
         )
         if entry is not None:
-            records = entry.records(ids)
-        else:
-            by_id = {r.id: r for r in await self._lance.records(user_id, ids, embedding=False)}
-            records = [by_id.get(record_id) for record_id in ids]
-        return [
-            Hit(self._touched(record), score)
-            for record, (_, score) in zip(records, scored, strict=True)
-            if record is not None and _matches(record, user_id, kinds, since, until, include_invalid)
-        ]
+            return {r.id: r for r in entry.records(ids) if r is not None}
+        return {r.id: r for r in await self._lance.records(user_id, ids, embedding=False)}
 
     async def export(self, user_id: str) -> AsyncIterator[str]:
         """Every record of the user, history included, oldest first, as JSON lines (each ends in ``\\n``)."""
@@ -630,20 +669,18 @@ def _foreign_ids(submission: Submission[MemoryRecord], owners: dict[str, str]) -
     return None
 
 
-def _matches(
-    record: MemoryRecord,
-    user_id: str,
-    kinds: Sequence[Kind] | None,
-    since: datetime | None,
-    until: datetime | None,
-    include_invalid: bool,
-) -> bool:
+def _same(record: MemoryRecord) -> MemoryRecord:
+    return record
+
+
+def _matches(record: MemoryRecord, user_id: str, pool: Pool) -> bool:
+    """Whether a record found by the keyword index is in the pool (the cache may be newer than the index)."""
     return (
         record.user_id == user_id
-        and (include_invalid or record.valid)
-        and (not kinds or record.kind in {Kind(kind) for kind in kinds})
-        and (since is None or record.created_at >= since)
-        and (until is None or record.created_at <= until)
+        and (pool.include_invalid or record.valid)
+        and (not pool.kinds or record.kind in pool.kinds)
+        and (pool.since is None or record.created_at >= pool.since)
+        and (pool.until is None or record.created_at <= pool.until)
     )
 
 

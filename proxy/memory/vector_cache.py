@@ -21,13 +21,14 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from proxy.memory.records import Kind, MemoryRecord, from_row
+from proxy.memory.records import Kind, MemoryRecord, Pool, from_row
 
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
 _ID_OVERHEAD_BYTES = 120
 _PY_ROW_BYTES = 1_000  # the loaded columns as Python objects, per row, text aside (measured ~750 B)
 _MIN_CAPACITY = 64
+_GATHER_BELOW = 8  # a pool of under 1/8 of the rows gathers its vectors; a larger one scores every row once
 
 
 def micros(at: datetime) -> int:
@@ -183,17 +184,39 @@ class UserVectors:
         include_invalid: bool,
     ) -> list[tuple[str, float]]:
         """Top ``k`` (id, cosine) among live records matching the filters; safe to run in a worker thread."""
+        pool = Pool(k, tuple(kinds or ()), since, until, include_invalid)
+        return self.search_pools(query, [pool])[0]
+
+    def search_pools(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[list[tuple[str, float]]]:
+        """Top (id, cosine) of each pool; the query's scores against every row are computed at most once."""
         n, ids = self.n, self.ids
-        vectors, mask = self.vectors[:n], self.alive[:n].copy()
-        if not include_invalid:
+        vectors = self.vectors[:n]
+        everything: npt.NDArray[np.float32] | None = None
+        out = []
+        for pool in pools:
+            rows = np.flatnonzero(self._mask(n, pool))
+            if pool.k <= 0 or rows.size == 0:
+                out.append([])
+                continue
+            if everything is None and rows.size * _GATHER_BELOW < n:  # few rows: gather them
+                scores = _dot(vectors[rows], query)
+            else:
+                everything = _dot(vectors, query) if everything is None else everything
+                scores = everything[rows]
+            out.append(_top_k(scores, rows, pool.k, ids))
+        return out
+
+    def _mask(self, n: int, pool: Pool) -> npt.NDArray[np.bool_]:
+        mask = self.alive[:n].copy()
+        if not pool.include_invalid:
             mask &= self.valid[:n]
-        if kinds:
-            mask &= np.isin(self.kind[:n], [KIND_CODES[str(kind)] for kind in kinds])
-        if since is not None:
-            mask &= self.created[:n] >= micros(since)
-        if until is not None:
-            mask &= self.created[:n] <= micros(until)
-        return _top_k(vectors, mask, query, k, ids)
+        if pool.kinds:
+            mask &= np.isin(self.kind[:n], [KIND_CODES[str(kind)] for kind in pool.kinds])
+        if pool.since is not None:
+            mask &= self.created[:n] >= micros(pool.since)
+        if pool.until is not None:
+            mask &= self.created[:n] <= micros(pool.until)
+        return mask
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
@@ -226,21 +249,13 @@ def _dot(matrix: npt.NDArray[np.float32], query: npt.NDArray[np.float32]) -> npt
 
 
 def _top_k(
-    vectors: npt.NDArray[np.float32],
-    mask: npt.NDArray[np.bool_],
-    query: npt.NDArray[np.float32],
-    k: int,
-    ids: list[str],
+    scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int, ids: list[str]
 ) -> list[tuple[str, float]]:
-    candidates = np.flatnonzero(mask)
-    if k <= 0 or candidates.size == 0:
-        return []
-    sparse = candidates.size * 2 < mask.size  # few candidates: gather them rather than score everything
-    scores = _dot(vectors[candidates], query) if sparse else _dot(vectors, query)[candidates]
-    take = min(k, candidates.size)
+    """The ``k`` best (id, score), best first; ``scores[i]`` belongs to row ``rows[i]``."""
+    take = min(k, rows.size)
     top = np.argpartition(-scores, take - 1)[:take]
     top = top[np.argsort(-scores[top], kind="stable")]
-    return [(ids[int(candidates[i])], float(scores[i])) for i in top]
+    return [(ids[int(rows[i])], float(scores[i])) for i in top]
 
 
 class VectorCache:
