@@ -16,6 +16,7 @@ from proxy.memory.injection import (
     PREAMBLE,
     MemoryItem,
     Section,
+    _best_window,
     estimate_tokens,
     excerpt,
     inject,
@@ -280,3 +281,23 @@ def _reference_estimate(text: str) -> int:
 def test_token_estimate_matches_its_definition(text: str) -> None:
     """The fast estimate equals the piece-by-piece definition for any text, so budgets mean what they say."""
     assert estimate_tokens(text) == _reference_estimate(text)
+
+
+@given(
+    costs=st.lists(st.integers(min_value=0, max_value=12), max_size=40),
+    seed=st.lists(st.integers(min_value=0, max_value=3), min_size=40, max_size=40),
+    limit=st.integers(min_value=1, max_value=30),
+)
+def test_best_window_is_the_earliest_window_holding_most_query_terms(
+    costs: list[int], seed: list[int], limit: int
+) -> None:
+    """The excerpt window is the one a brute force picks: most hits within the limit, earliest on ties."""
+    hits = seed[: len(costs)]
+    best, best_held = (0, 0), -1
+    for start in range(len(costs)):
+        end = start
+        while end < len(costs) and sum(costs[start : end + 1]) <= limit:
+            end += 1
+        if end > start and sum(hits[start:end]) > best_held:
+            best, best_held = (start, end), sum(hits[start:end])
+    assert _best_window(costs, hits, limit) == best

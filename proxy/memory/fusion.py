@@ -310,32 +310,39 @@ def entity_scores(names: Iterable[str], index: NameIndex) -> dict[str, float]:
 # --- additive boosts --------------------------------------------------------------------------------------
 
 
-def apply_subject_boost(
-    candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float
-) -> list[Candidate]:
-    """Add ``weight * max cos(q, s)`` over each memory's subjects among ``subject_hits`` (never negative)."""
+Lifts = dict[str, float]  # memory id -> amount added to its fused score
+
+
+def subject_lifts(candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
+    """``weight * max cos(q, s)`` over each candidate's subjects among ``subject_hits``."""
     best: dict[str, float] = {}
     for hit in subject_hits:
         for rid in hit.record.source_ids:
             best[rid] = max(best.get(rid, 0.0), float(hit.score))
-    return [c.boosted("subject", weight * best.get(c.id, 0.0)) for c in candidates]
+    return {c.id: weight * best[c.id] for c in candidates if c.id in best}
 
 
-def smooth_neighbours(candidates: Sequence[Candidate], weight: float, window_s: float) -> list[Candidate]:
-    """Add ``weight`` x the best fused score of a candidate turn's adjacent turns (same conversation)."""
+def neighbour_lifts(
+    candidates: Sequence[Candidate], fused: Mapping[str, float], weight: float, window_s: float
+) -> Lifts:
+    """``weight`` x the best ``fused`` score of each candidate turn's adjacent turns (same conversation)."""
     by_conversation: dict[str, list[Candidate]] = {}
     for c in candidates:
         if c.record.kind is Kind.TURN and c.record.conversation_id is not None:
             by_conversation.setdefault(c.record.conversation_id, []).append(c)
     lift: dict[str, float] = {}
     for turns in by_conversation.values():
-        turns.sort(key=lambda c: (c.record.created_at, c.id))
+        if len(turns) < 2:
+            continue
+        turns.sort(key=_TURN_ORDER)
         for left, right in itertools.pairwise(turns):
-            gap = (right.record.created_at - left.record.created_at).total_seconds()
-            if gap <= window_s:
-                lift[left.id] = max(lift.get(left.id, 0.0), right.fused)
-                lift[right.id] = max(lift.get(right.id, 0.0), left.fused)
-    return [c.boosted("neighbour", weight * lift.get(c.id, 0.0)) for c in candidates]
+            if (right.record.created_at - left.record.created_at).total_seconds() <= window_s:
+                lift[left.id] = max(lift.get(left.id, 0.0), fused[right.id])
+                lift[right.id] = max(lift.get(right.id, 0.0), fused[left.id])
+    return {rid: weight * value for rid, value in lift.items()}
+
+
+_TURN_ORDER = operator.attrgetter("record.created_at", "record.id")
 
 
 def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:
@@ -355,15 +362,13 @@ def _on_named_day(record: MemoryRecord, days: Sequence[date]) -> bool:
 _ONE_DAY = timedelta(days=1)
 
 
-def apply_date_boost(
-    candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0
-) -> list[Candidate]:
-    """Add ``weight`` to memories dated in a month or year the query names, and ``day_weight`` more to those
+def date_lifts(candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
+    """``weight`` for memories dated in a month or year the query names, and ``day_weight`` more for those
     dated within a day of a whole day it names ("on May 3, 2023")."""
     wanted = query_dates(query_text)
     days = query_days(query_text) if day_weight > 0 else []
     if not wanted and not days:
-        return list(candidates)
+        return {}
 
     def matches(record: MemoryRecord) -> bool:
         return any(
@@ -375,7 +380,32 @@ def apply_date_boost(
     def lift(record: MemoryRecord) -> float:
         return (weight if matches(record) else 0.0) + (day_weight if days and _on_named_day(record, days) else 0.0)
 
-    return [c.boosted("date", lift(c.record)) for c in candidates]
+    return {c.id: lift(c.record) for c in candidates}
+
+
+def _boosted(candidates: Sequence[Candidate], name: str, lifts: Lifts) -> list[Candidate]:
+    return [c.boosted(name, lifts.get(c.id, 0.0)) for c in candidates]
+
+
+def apply_subject_boost(
+    candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float
+) -> list[Candidate]:
+    """Add ``weight * max cos(q, s)`` over each memory's subjects among ``subject_hits`` (never negative)."""
+    return _boosted(candidates, "subject", subject_lifts(candidates, subject_hits, weight))
+
+
+def smooth_neighbours(candidates: Sequence[Candidate], weight: float, window_s: float) -> list[Candidate]:
+    """Add ``weight`` x the best fused score of a candidate turn's adjacent turns (same conversation)."""
+    fused = {c.id: c.fused for c in candidates}
+    return _boosted(candidates, "neighbour", neighbour_lifts(candidates, fused, weight, window_s))
+
+
+def apply_date_boost(
+    candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0
+) -> list[Candidate]:
+    """Add ``weight`` to memories dated in a month or year the query names, and ``day_weight`` more to those
+    dated within a day of a whole day it names ("on May 3, 2023")."""
+    return _boosted(candidates, "date", date_lifts(candidates, query_text, weight, day_weight))
 
 
 # --- the whole fusion step --------------------------------------------------------------------------------
@@ -412,10 +442,23 @@ def fuse(
     else:
         weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
         candidates = weighted_fusion(used, weights)
+    fused = {c.id: c.fused for c in candidates}
+    boosts: dict[str, dict[str, float]] = {}
+
+    def add(name: str, lifts: Lifts) -> None:  # in order: a later boost sees the earlier ones in ``fused``
+        for rid, amount in lifts.items():
+            if amount > 0.0:
+                fused[rid] += amount
+                boosts.setdefault(rid, {})[name] = amount
+
     if settings.subject_weight > 0 and subject_hits:
-        candidates = apply_subject_boost(candidates, subject_hits, settings.subject_weight)
+        add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
     if settings.neighbour_weight > 0:
-        candidates = smooth_neighbours(candidates, settings.neighbour_weight, settings.neighbour_window_s)
+        add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
     if settings.date_weight > 0 or settings.day_weight > 0:
-        candidates = apply_date_boost(candidates, query.text, settings.date_weight, settings.day_weight)
-    return Fusion(candidates=_ranked(candidates), gated=gated)
+        add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
+    boosted = [
+        Candidate(c.record, c.arm_scores, fused[c.id], c.final, boosts[c.id]) if c.id in boosts else c
+        for c in candidates
+    ]
+    return Fusion(candidates=_ranked(boosted), gated=gated)

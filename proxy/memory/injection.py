@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -213,6 +213,12 @@ def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], t
     return spans, costs, tuple(stems(chunk) for chunk in chunks)
 
 
+@functools.lru_cache(maxsize=256)
+def _query_stems(query_terms: tuple[str, ...]) -> frozenset[str]:
+    """The stems of a query's terms (one query excerpts every item of its block)."""
+    return frozenset(stems(" ".join(query_terms)))
+
+
 def _best_window(costs: Sequence[int], hits: Sequence[int], limit: int) -> tuple[int, int]:
     """The [start, end) chunk window within ``limit`` tokens holding most hits (earliest on ties)."""
     if not costs:
@@ -243,13 +249,15 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     if _cost(text) <= max_tokens:
         return text
     spans, costs, chunk_stems = _chunked(text)
-    wanted = stems(" ".join(query_terms))
-    hits = [len(found & wanted) for found in chunk_stems]
+    wanted = _query_stems(tuple(query_terms))
+    hits = [len(found & wanted) for found in chunk_stems] if wanted else [0] * len(costs)
     start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
     if end <= start:
         return _prefix_within(text, max_tokens - 1) + "…"
     cut = text[spans[start][0] : spans[end - 1][1]]
     cut = ("…" if start > 0 else "") + cut + ("…" if end < len(spans) else "")
+    if cut.isprintable() and sum(costs[start:end]) + 4 <= max_tokens:
+        return cut  # spaces only between chunks (nothing quoting escapes): chunk costs + quotes + two "…" add up
     while _cost(cut) > max_tokens and " " in cut.strip():
         cut = cut.rstrip("…").rsplit(" ", 1)[0] + "…"
     return cut if _cost(cut) <= max_tokens else _prefix_within(cut, max_tokens)
@@ -296,20 +304,23 @@ def fit_budget(items: Sequence[MemoryItem], budget: int) -> list[MemoryItem]:
     """Drop the lowest-scored items until the block fits ``budget`` tokens.
 
     The estimate is additive over whitespace-separated parts, so the block's cost is the preamble's, plus
-    each used section header's, plus each item line's.
+    each used section header's, plus each item line's; the kept items are the longest best-first run that fits.
     """
-    kept = sorted(items, key=lambda i: -i.score)
-    costs = [line_cost(i) for i in kept]
-    sections: dict[Section, int] = {}
-    for item in kept:
-        sections[item.section] = sections.get(item.section, 0) + 1
-    total = _FIXED_COST + sum(_HEADER_COST[s] for s in sections) + sum(costs)
-    while kept and total > budget:
-        item = kept.pop()
-        total -= costs.pop()
-        sections[item.section] -= 1
-        if sections[item.section] == 0:
-            total -= _HEADER_COST[item.section]
+    return _fitting(sorted(items, key=lambda i: -i.score), budget)
+
+
+def _fitting(ranked: Iterable[MemoryItem], budget: int) -> list[MemoryItem]:
+    """The longest prefix of ``ranked`` (best first) whose block fits ``budget``; consumes no item past it."""
+    kept: list[MemoryItem] = []
+    sections: set[Section] = set()
+    total = _FIXED_COST
+    for item in ranked:
+        cost = line_cost(item) + (0 if item.section in sections else _HEADER_COST[item.section])
+        if total + cost > budget:
+            break
+        total += cost
+        sections.add(item.section)
+        kept.append(item)
     return kept
 
 
@@ -319,10 +330,14 @@ def select_items(
     conversation: Sequence[str],
     settings: InjectionSettings,
 ) -> list[MemoryItem]:
-    """The items that go in the block: not already present, excerpted, within the budget."""
+    """The items that go in the block: not already present, excerpted, within the budget.
+
+    Items are excerpted best first and only until the budget is full (an excerpt costs a scan of the text).
+    """
     fresh = drop_present(items, conversation) if settings.dedupe_against_conversation else list(items)
-    cut = [_with_text(i, excerpt(i.text, query_terms, settings.max_item_tokens)) for i in fresh]
-    return fit_budget(cut, settings.budget_tokens)
+    ranked = sorted(fresh, key=lambda i: -i.score)
+    cut = (_with_text(i, excerpt(i.text, query_terms, settings.max_item_tokens)) for i in ranked)
+    return _fitting(cut, settings.budget_tokens)
 
 
 def _with_text(item: MemoryItem, text: str) -> MemoryItem:

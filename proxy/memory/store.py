@@ -56,7 +56,7 @@ from proxy.memory.lance import (
     valid_record_id,
 )
 from proxy.memory.records import Kind, MemoryRecord, Pool, arrow_schema, from_row, utcnow
-from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes
+from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes, single_thread_blas
 
 __all__ = ["Hit", "MemoryStore", "Page", "StoreSettings"]
 
@@ -129,6 +129,7 @@ class MemoryStore:
     # lifecycle ------------------------------------------------------------------------------------------
 
     async def __aenter__(self) -> MemoryStore:
+        single_thread_blas()
         self.settings.path.mkdir(parents=True, exist_ok=True)
         async with AsyncExitStack() as stack:
             stack.enter_context(_owned(self.settings.path / "LOCK"))
@@ -332,9 +333,11 @@ class MemoryStore:
         check_user_id(user_id)
         when = at or utcnow()
         pending = self._touches.setdefault(user_id, {})
-        for record_id in ids:
-            if valid_record_id(record_id):
-                pending[record_id] = max(when, pending.get(record_id, when))
+        valid = [record_id for record_id in ids if valid_record_id(record_id)]
+        for record_id in valid:
+            pending[record_id] = max(when, pending.get(record_id, when))
+        # The cached records show it at once (reads then need no overlay); LanceDB gets it at the next flush.
+        self._cache.patch(user_id, valid, last_accessed_at=when)
 
     async def _flush_touches(self) -> None:
         if not self._touches:
