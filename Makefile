@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-load clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-load clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,12 @@ bench-store: install-test
 
 bench-locomo: install-test
 	$(BIN)/python bench/locomo.py
+
+bench-readpath: install-test
+	$(BIN)/python bench/readpath.py
+
+bench-scale: install-test
+	$(BIN)/python bench/scale.py
 
 # LiteLLM's proxy for the side-by-side load bench, in its own venv (never in the project's).
 bench/.venv-litellm/bin/litellm:

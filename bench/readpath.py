@@ -174,7 +174,9 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="readpath-") as tmp:
         retrieval = dict(pair.split("=", 1) for pair in args.retrieval)
-        settings = load_settings(None, environ={}, overrides={"storage": {"path": tmp}, "retrieval": retrieval})
+        embedder = dict(pair.split("=", 1) for pair in args.embedder)
+        overrides = {"storage": {"path": tmp}, "retrieval": retrieval, "embedder": embedder}
+        settings = load_settings(None, environ={}, overrides=overrides)
         async with MemoryEngine(engine_settings(settings), NoModel()) as engine:
             user, count = await _fill(engine, args)
             questions = _questions(args)
@@ -188,7 +190,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     return {"whole_read_path": whole, "stages_ms": stages, "whole_read_path_cold_cache": cold_path,
             "meta": {"user_memories": count, "background_users": args.background_users,
                      "memories_per_background_user": count,
-                     "retrieval_overrides": retrieval,
+                     "retrieval_overrides": retrieval, "embedder_overrides": embedder,
                      "retrieval": settings.retrieval.model_dump(mode="json"),
                      "embedder": settings.embedder.model_dump(mode="json"), "python": platform.python_version(),
                      "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
     parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",
                         help="override [retrieval] settings, e.g. dense_k=50 (default: the defaults)")
+    parser.add_argument("--embedder", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="override [embedder] settings, e.g. threads=2 (default: the defaults)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args()
     document = asyncio.run(_main(args))
