@@ -109,6 +109,44 @@ async def test_concurrent_queries_get_their_own_vectors(local: LocalEmbedder) ->
     np.testing.assert_allclose(np.stack(together), expected, atol=1e-5)
 
 
+class CountingLocal(LocalEmbedder):
+    """The shipped model, noting the texts of every model call in the order the model ran them."""
+
+    def __init__(self, settings: EmbedderSettings) -> None:
+        super().__init__(settings)
+        self.calls: list[list[str]] = []
+
+    def _embed_sync(self, texts: list[str]) -> np.ndarray:
+        self.calls.append(list(texts))
+        return super()._embed_sync(texts)
+
+
+async def test_concurrent_queries_share_model_calls_and_go_before_documents() -> None:
+    """Queries that arrive while the model is busy go together in one call, ahead of a queued document batch."""
+    async with CountingLocal(EmbedderSettings(batch_size=16, threads=1)) as embedder:
+        embedder.calls.clear()
+        first = asyncio.create_task(embedder.embed_documents(["a long document " * 40]))
+        await asyncio.sleep(0)  # the document batch holds the model
+        documents = asyncio.create_task(embedder.embed_documents(["another document"]))
+        await asyncio.sleep(0)
+        questions = [f"question number {i}" for i in range(6)]
+        vectors = await asyncio.gather(*(embedder.embed_query(q) for q in questions))
+        await asyncio.gather(first, documents)
+        expected = await embedder.embed_documents(questions)
+    assert embedder.calls[1:3] == [questions, ["another document"]]
+    np.testing.assert_allclose(np.stack(vectors), expected, atol=1e-5)
+
+
+async def test_a_cancelled_query_does_not_stall_the_others(local: LocalEmbedder) -> None:
+    """A caller that gives up (its request timed out) leaves the other queries served."""
+    waiting = asyncio.create_task(local.embed_query("a question nobody waits for"))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    answered = await asyncio.wait_for(local.embed_query("a question somebody waits for"), 30)
+    assert answered.shape == (local.dim,)
+    assert waiting.cancelled()
+
+
 async def test_cjk_and_emoji_input(local: LocalEmbedder) -> None:
     """Korean, Japanese, Chinese and emoji text embeds to distinct finite unit vectors."""
     texts = ["저는 서울에 살아요", "私は東京で働いています", "我喜欢爬山", "party 🎉🎂 on Saturday 🍕", ""]

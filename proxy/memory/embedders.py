@@ -8,10 +8,13 @@ embedding model litellm supports). Vectors are always L2-normalised so that a do
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import heapq
+import itertools
 import os
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Literal, Protocol, Self, TypeVar, runtime_checkable
@@ -175,6 +178,45 @@ def batches(texts: Sequence[str], size: int) -> list[list[str]]:
     return [list(texts[i : i + size]) for i in range(0, len(texts), size)]
 
 
+class Turns:
+    """One model call at a time, in order, except that waiting urgent calls (queries) go before the others.
+
+    A chat request's query must not wait behind a queue of document batches from the write path.
+    """
+
+    def __init__(self) -> None:
+        self._busy = False
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    @contextlib.asynccontextmanager
+    async def turn(self, *, urgent: bool) -> AsyncIterator[None]:
+        """Hold the one turn for the body of the ``async with``."""
+        if self._busy:
+            handed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._waiting, (0 if urgent else 1, next(self._order), handed))
+            try:
+                await handed
+            except asyncio.CancelledError:
+                if handed.done() and not handed.cancelled():  # the turn was ours: pass it on
+                    self._release()
+                raise
+        else:
+            self._busy = True
+        try:
+            yield
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self._waiting:
+            _, _, handed = heapq.heappop(self._waiting)
+            if not handed.done():
+                handed.set_result(None)  # the turn passes straight on; still busy
+                return
+        self._busy = False
+
+
 class BaseEmbedder(ABC):
     """Batching, the query cache and the start/close lifecycle shared by every embedder.
 
@@ -188,6 +230,8 @@ class BaseEmbedder(ABC):
         self.texts_embedded = 0  # texts that reached the model, cache hits excluded
         self._started = False
         self._start_lock = asyncio.Lock()
+        self._queries: list[tuple[str, asyncio.Future[Vectors]]] = []
+        self._query_batches: asyncio.Task[None] | None = None  # owned: stopped by ``__aexit__``
 
     @property
     @abstractmethod
@@ -202,8 +246,8 @@ class BaseEmbedder(ABC):
         """Make the model ready to embed."""
 
     @abstractmethod
-    async def _embed_batch(self, texts: list[str]) -> Vectors:
-        """Unit vectors for at most ``batch_size`` texts."""
+    async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        """Unit vectors for at most ``batch_size`` texts (``urgent``: queries, waiting on a chat request)."""
 
     async def start(self) -> None:
         """Load the model now rather than on first use; idempotent."""
@@ -221,6 +265,9 @@ class BaseEmbedder(ABC):
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
+        if self._query_batches is not None:
+            self._query_batches.cancel()
+            await asyncio.gather(self._query_batches, return_exceptions=True)
         await self.aclose()
 
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:
@@ -239,16 +286,50 @@ class BaseEmbedder(ABC):
         return vectors
 
     async def embed_query(self, text: str) -> Vectors:
-        """One unit vector, shape ``(dim,)``, from the cache when the same text was asked before."""
+        """One unit vector, shape ``(dim,)``, from the cache when the same text was asked before.
+
+        Concurrent queries share model calls: while one batch of queries runs, the next ones gather and go
+        together (a batch of 8 short queries costs about twice one), and queries go before document batches.
+        """
         cached = self.query_cache.get(text)
         if cached is not None:
             return cached
         await self.start()
-        vectors = await self._embed_counted([text])
-        return self.query_cache.put(text, vectors[0])
+        future: asyncio.Future[Vectors] = asyncio.get_running_loop().create_future()
+        self._queries.append((text, future))
+        if self._query_batches is None or self._query_batches.done():
+            self._query_batches = asyncio.create_task(self._run_queries())
+        return self.query_cache.put(text, await future)
 
-    async def _embed_counted(self, texts: list[str]) -> Vectors:
-        vectors = await self._embed_batch(texts)
+    async def _run_queries(self) -> None:
+        """Embed the waiting queries, ``batch_size`` at a time, until none wait (callers gone are skipped)."""
+        try:
+            await self._drain_queries()
+        finally:  # stopped (the embedder closes): nobody is left waiting forever
+            for _, future in self._queries:
+                if not future.done():
+                    future.set_exception(EmbedderError("the embedder is closed"))
+            self._queries = []
+
+    async def _drain_queries(self) -> None:
+        while self._queries:
+            waiting = [(text, future) for text, future in self._queries if not future.done()]
+            batch, self._queries = waiting[: self._settings.batch_size], waiting[self._settings.batch_size :]
+            if not batch:
+                continue
+            try:
+                vectors = await self._embed_counted([text for text, _ in batch], urgent=True)
+            except Exception as error:  # each caller gets the error (a cancelled caller is skipped)
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), vector in zip(batch, vectors, strict=True):
+                if not future.done():
+                    future.set_result(vector)
+
+    async def _embed_counted(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        vectors = await self._embed_batch(texts, urgent=urgent)
         self.texts_embedded += len(texts)
         if vectors.shape != (len(texts), self.dim):
             expected = (len(texts), self.dim)
@@ -286,7 +367,7 @@ class LocalEmbedder(BaseEmbedder):
             )
         self._model: Any = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
-        self._run_lock = asyncio.Lock()
+        self._turns = Turns()
         self._closed = False
 
     @property
@@ -316,8 +397,8 @@ class LocalEmbedder(BaseEmbedder):
         except Exception as exc:  # onnxruntime's errors derive from Exception only
             raise EmbedderError(f"cannot load the embedding model from {self.model_dir}: {exc}") from exc
 
-    async def _embed_batch(self, texts: list[str]) -> Vectors:
-        return await self._in_worker(self._embed_sync, texts)
+    async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        return await self._in_worker(self._embed_sync, texts, urgent=urgent)
 
     def _embed_sync(self, texts: list[str]) -> Vectors:
         try:
@@ -326,8 +407,8 @@ class LocalEmbedder(BaseEmbedder):
             raise EmbedderError(f"{self.model_id} failed to embed {len(texts)} texts: {exc}") from exc
         return l2_normalise(np.stack(rows))
 
-    async def _in_worker(self, func: Callable[..., T], *args: Any) -> T:
-        async with self._run_lock:
+    async def _in_worker(self, func: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        async with self._turns.turn(urgent=urgent):
             if self._closed:
                 raise EmbedderError("the embedder is closed")
             loop = asyncio.get_running_loop()
@@ -335,7 +416,7 @@ class LocalEmbedder(BaseEmbedder):
 
     async def aclose(self) -> None:
         """Wait for the batch in flight, then stop the worker thread."""
-        async with self._run_lock:
+        async with self._turns.turn(urgent=True):
             self._closed = True
             self._model = None
         self._executor.shutdown(wait=False)
@@ -365,7 +446,7 @@ class LiteLLMEmbedder(BaseEmbedder):
         if self._dim is None:
             self._dim = int((await self._embed_batch(["dimension probe"])).shape[1])
 
-    async def _embed_batch(self, texts: list[str]) -> Vectors:
+    async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
         litellm = import_litellm()
         import openai  # litellm's own dependency; its exceptions all derive from openai.OpenAIError
 

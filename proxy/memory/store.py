@@ -79,7 +79,7 @@ class StoreSettings(BaseModel):
     flush_interval_ms: int = Field(20, ge=0)
     optimize_interval_s: float = Field(300.0, gt=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
-    vector_cache_bytes: int = Field(256 * 2**20, ge=0)
+    vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
 
 
 @dataclass(frozen=True)
