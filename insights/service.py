@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from insights.clustering import Cluster, cluster_messages
 from insights.generation import InsightError, InsightRun, UserMessage, generate_insight
 from proxy.memory.llm import LLMClient, LLMUnavailable
-from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.records import Kind, MemoryRecord, new_id, newest_generation, utcnow
 from proxy.memory.store import MemoryStore
 
 log = structlog.get_logger("memproxy.insights")
@@ -212,15 +212,6 @@ async def valid_insights(store: MemoryStore, user_id: str) -> list[MemoryRecord]
         if page.next_cursor is None:
             return found
         cursor = page.next_cursor
-
-
-def newest_generation(records: list[MemoryRecord]) -> list[MemoryRecord]:
-    """The records of the most recently created generation, by confidence then size, highest first."""
-    if not records:
-        return []
-    newest = max(records, key=lambda r: (r.created_at, r.generation_id or ""))
-    same = [r for r in records if r.generation_id == newest.generation_id]
-    return sorted(same, key=lambda r: (-(r.confidence or 0.0), -(r.cluster_size or 0), r.id))
 
 
 async def current_insights(store: MemoryStore, user_id: str) -> list[MemoryRecord]:

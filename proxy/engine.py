@@ -101,6 +101,7 @@ class MemoryEngine:
         async with contextlib.AsyncExitStack() as stack:
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
+            stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
             handlers = {**self.writer.handlers(), **self.insight_jobs.handlers()}

@@ -444,3 +444,17 @@ async def test_gated_rerank_orders_the_head_when_the_arms_disagree(
             late = await retrieve(store, embedder, question, "maya", _settings(), NOW, reranker=reranker)
     assert [c.id for c in late.candidates] == [c.id for c in fused.candidates]
     assert "degraded=rerank:timeout" in late.arms_header.split(",")
+
+
+async def test_a_regeneration_in_progress_never_injects_two_insight_sets(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """While a new insight set is added and the old one not yet retired, only the new set is injected."""
+
+    def insight(text: str, generation: str, days_ago: float) -> MemoryRecord:
+        return MemoryRecord(user_id="maya", kind=Kind.INSIGHT, text=text, generation_id=generation, confidence=0.8,
+                            created_at=NOW - timedelta(days=days_ago))  # fmt: skip
+
+    await store.add([insight("Maya cooks Italian food", "old", 30), insight("Maya trains for a marathon", "new", 0)])
+    result = await retrieve(store, embedder, _ask("Any plans?"), "maya", _settings(), NOW)
+    assert [item.text for item in result.items if item.section is Section.INSIGHTS] == ["Maya trains for a marathon"]

@@ -162,3 +162,24 @@ def test_writes_apply_only_to_cached_users() -> None:
     cache.remove("ghost", ["ghost-0"])
     assert "ghost" not in cache
     assert cache.nbytes == 0
+
+
+async def test_closing_stops_a_load_whose_caller_gave_up() -> None:
+    """A load keeps running when its caller's deadline passes (so it gets cached), and closing stops it."""
+    cache = VectorCache(max_bytes=10**9)
+    started, stopped = asyncio.Event(), asyncio.Event()
+
+    async def slow_load() -> None:
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        finally:
+            stopped.set()
+
+    caller = asyncio.create_task(cache.get_or_load("u1", slow_load))
+    await started.wait()
+    caller.cancel()
+    await asyncio.gather(caller, return_exceptions=True)
+    assert not stopped.is_set()  # the caller gave up; the load did not
+    await asyncio.wait_for(cache.aclose(), 5)
+    assert stopped.is_set()

@@ -22,7 +22,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.fusion import NameIndex, ScoredRecord
-from proxy.memory.records import Kind, MemoryRecord, Pool
+from proxy.memory.records import Kind, MemoryRecord, Pool, newest_generation
 
 _T = TypeVar("_T")
 
@@ -69,9 +69,9 @@ async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: i
 
 
 async def load_insights(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
-    """The user's current insights, newest first."""
+    """The user's current insights: the newest generation's, most confident first."""
     page = await store.list(user_id, [Kind.INSIGHT], limit=limit)
-    return [r for r in page.data if r.valid]
+    return newest_generation([r for r in page.data if r.valid])
 
 
 async def load_newest_turns(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
@@ -92,6 +92,13 @@ class ReadCache:
         # Loads run in their own tasks so that a request's deadline cannot cancel them: a load slower than
         # the deadline would otherwise never be cached, and the user would never get that part of memory.
         self._loads: dict[tuple[Any, ...], asyncio.Task[Any]] = {}
+
+    async def aclose(self) -> None:
+        """Stop the loads in flight (the engine closes; nothing would use them)."""
+        pending = list(self._loads.values())
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
     def invalidate(self, user_id: str) -> None:
         """Forget everything cached for a user."""

@@ -41,6 +41,18 @@ class Pool:
     include_invalid: bool = False
 
 
+def newest_generation(records: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+    """The insights of the most recently created generation, by confidence then size, highest first.
+
+    A regeneration adds the new set before it retires the old one, so a reader in between sees both.
+    """
+    if not records:
+        return []
+    newest = max(records, key=lambda r: (r.created_at, r.generation_id or ""))
+    same = [r for r in records if r.generation_id == newest.generation_id]
+    return sorted(same, key=lambda r: (-(r.confidence or 0.0), -(r.cluster_size or 0), r.id))
+
+
 def new_id() -> str:
     """A fresh, stable, URL-safe record id."""
     return uuid.uuid4().hex

@@ -136,6 +136,7 @@ class MemoryStore:
             await self._lance.open()
             stack.callback(self._lance.close)
             await stack.enter_async_context(self._keyword)
+            stack.push_async_callback(self._cache.aclose)  # loads in flight stop before the tables close
             await self._recover()
             stack.push_async_callback(self._close_writes)
             self._writer = BatchWriter(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -287,6 +287,10 @@ class VectorCache:
         """Bytes currently held, by the entries' own estimate."""
         return self._total
 
+    async def aclose(self) -> None:
+        """Stop the loads in flight (the store closes; nothing would use them)."""
+        await _cancel_all(self._loads.values())
+
     def __contains__(self, user_id: object) -> bool:
         return user_id in self._entries
 
@@ -403,3 +407,11 @@ class VectorCache:
     def _note_write(self, user_id: str) -> None:
         if user_id in self._loading:
             self._loading[user_id] = True
+
+
+async def _cancel_all(tasks: Iterable[asyncio.Task[Any]]) -> None:
+    """Cancel these tasks and wait until they have finished."""
+    pending = list(tasks)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
