@@ -57,15 +57,33 @@ async def _inject(state: AppState, identity: Identity, body: Mapping[str, Any]) 
     settings = state.settings
     rerank_ms = settings.rerank.timeout_ms if settings.rerank.enabled else 0.0
     timeout = (settings.memory.retrieval_timeout_ms + rerank_ms) / 1000
-    started = time.perf_counter()
-    try:
-        async with asyncio.timeout(timeout):
+    started, deadline = time.perf_counter(), asyncio.get_running_loop().time() + timeout
+    if not await _read_slot(state):  # more reads in flight than the machine serves in time: go on without
+        return _degraded(state, "busy", started)
+    try:  # the deadline counts from the request's arrival, the wait for a slot included
+        async with asyncio.timeout_at(deadline):
             return await state.memory.inject(identity.user_id, identity.conversation_id, body)
     except TimeoutError:
         reason = "timeout"
     except Exception as exc:  # the chat never pays for memory failures; the reason goes to the headers
         log.warning("memory.inject_failed", error=type(exc).__name__, detail=str(exc)[:200])
         reason = type(exc).__name__
+    finally:
+        state.read_slots.release()
+    return _degraded(state, reason, started)
+
+
+async def _read_slot(state: AppState) -> bool:
+    """Take one of the read path's slots, waiting at most ``memory.read_queue_ms``; False if none came free."""
+    try:
+        async with asyncio.timeout(state.settings.memory.read_queue_ms / 1000):
+            await state.read_slots.acquire()
+    except TimeoutError:
+        return False
+    return True
+
+
+def _degraded(state: AppState, reason: str, started: float) -> Injection:
     state.metrics.memory_degraded.labels("read").inc()
     return Injection(degraded={"memory": reason}, retrieval_ms=(time.perf_counter() - started) * 1000)
 

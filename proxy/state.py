@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from aiohttp import web
@@ -21,6 +22,10 @@ class AppState:
     memory: MemoryService
     router: Router = dataclasses.field(init=False)  # set at startup: it needs the running loop
     stopping: bool = False
+    read_slots: asyncio.Semaphore = dataclasses.field(init=False)  # memory.max_concurrent_reads
+
+    def __post_init__(self) -> None:
+        self.read_slots = asyncio.Semaphore(self.settings.memory.max_concurrent_reads)
 
 
 STATE: web.AppKey[AppState] = web.AppKey("memproxy_state", AppState)

@@ -35,7 +35,7 @@ async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFa
         # Generous read-path deadlines: tests check behaviour, not speed, on a shared 2-core machine
         # (speed is the benchmarks' job).
         tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)},
-                                "memory": {"retrieval_timeout_ms": 20_000},
+                                "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
                                 "retrieval": {"arm_timeout_ms": 20_000}}
         for section, values in overrides.items():
             tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values

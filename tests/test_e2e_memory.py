@@ -28,7 +28,8 @@ def _env(upstream: str, data: Path) -> dict[str, str]:
     return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
             "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream-e2e",
             # behaviour, not speed, is under test here (the machine is shared; benchmarks measure speed)
-            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000"}
+            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
+            "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000"}
 
 
 def _ask(client: openai.OpenAI, text: str, user: str, conversation: str) -> openai.types.chat.ChatCompletion:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -290,6 +291,34 @@ async def test_failing_memory_degrades_not_fails(make_proxy: ProxyFactory, fake:
     assert response.status == 200
     assert "degraded=memory:RuntimeError" in response.headers["X-Memory-Arms"]
     assert fake.requests[-1]["json"] == _body()
+
+
+class SlowMemory(RecordingMemory):
+    """A memory seam whose read path takes half a second."""
+
+    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+        await asyncio.sleep(0.5)
+        return await super().inject(user_id, conversation_id, body)
+
+
+async def test_reads_beyond_capacity_go_on_at_once_without_memory(make_proxy: ProxyFactory) -> None:
+    """With every read slot busy, a request waits at most read_queue_ms, then is served without memory."""
+    proxy = await make_proxy(memory_factory=_factory(SlowMemory()),
+                             memory={"max_concurrent_reads": 1, "read_queue_ms": 50})
+
+    async def ask() -> tuple[float, str]:
+        started = time.perf_counter()
+        response = await proxy.post(CHAT, json=_body(), headers={"X-Memory-User": "alice"})
+        assert response.status == 200
+        return time.perf_counter() - started, response.headers["X-Memory-Arms"]
+
+    first = asyncio.create_task(ask())
+    await asyncio.sleep(0.1)  # the first request holds the only slot
+    waited, arms = await ask()
+    served, first_arms = await first
+    assert first_arms == "dense,bm25"
+    assert arms == "degraded=memory:busy"
+    assert waited < 0.4 < served
 
 
 async def test_health_ready_and_metrics(make_proxy: ProxyFactory) -> None:
