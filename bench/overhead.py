@@ -26,7 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import OFF, ON, queries, seeded_store
+from bench.load import OFF, ON, degraded_reads, queries, seeded_store
 from bench.loadgen import Sample, cpu_seconds, merge, percentile, run
 from tests.support.processes import fake_upstream_process, memproxy_process
 
@@ -35,12 +35,14 @@ MODES = {"off": OFF, "read": ON}
 
 
 async def _cell(direct: str, proxied: str, pid: int, concurrency: int, args: argparse.Namespace, stream: bool,
-                texts: Iterator[str]) -> tuple[Sample, dict[str, Sample], dict[str, float]]:
-    """Direct and proxied runs of one cell, interleaved by round; the proxy's CPU ms per request by mode."""
+                texts: Iterator[str]) -> tuple[Sample, dict[str, Sample], dict[str, float], float]:
+    """Direct and proxied runs of one cell, interleaved by round; the proxy's CPU ms per request by mode, and
+    how many read-mode requests were served without memory (the read path missed its deadline)."""
     requests, rounds = args.requests, args.rounds
     direct_runs: list[Sample] = []
     proxy_runs: dict[str, list[Sample]] = {mode: [] for mode in MODES}
     cpu = dict.fromkeys(MODES, 0.0)
+    degraded = 0.0
     await run(direct, concurrency=concurrency, requests=50, stream=stream)  # warm every path
     for headers in MODES.values():
         await run(proxied, concurrency=concurrency, requests=50, stream=stream, headers=headers,
@@ -48,12 +50,13 @@ async def _cell(direct: str, proxied: str, pid: int, concurrency: int, args: arg
     for _ in range(rounds):
         direct_runs.append(await run(direct, concurrency=concurrency, requests=requests, stream=stream))
         for mode, headers in MODES.items():
-            before = cpu_seconds(pid)
+            before, degraded_before = cpu_seconds(pid), degraded_reads(proxied.removesuffix("/chat/completions"))
             proxy_runs[mode].append(await run(proxied, concurrency=concurrency, requests=requests, stream=stream,
                                               headers=headers, texts=[next(texts) for _ in range(requests)]))
             cpu[mode] += cpu_seconds(pid) - before
+            degraded += degraded_reads(proxied.removesuffix("/chat/completions")) - degraded_before
     per_request = {mode: total * 1000 / (requests * rounds) for mode, total in cpu.items()}
-    return merge(direct_runs), {mode: merge(runs) for mode, runs in proxy_runs.items()}, per_request
+    return merge(direct_runs), {mode: merge(runs) for mode, runs in proxy_runs.items()}, per_request, degraded
 
 
 def _row(concurrency: int, stream: bool, mode: str, direct: Sample, proxy: Sample, cpu_ms: float) -> dict[str, Any]:
@@ -72,12 +75,13 @@ def _row(concurrency: int, stream: bool, mode: str, direct: Sample, proxy: Sampl
 
 def _print(rows: list[dict[str, Any]]) -> None:
     head = f"{'kind':<12}{'mode':>5}{'conc':>5}{'direct p50':>12}{'proxy p50':>11}{'added p50':>11}{'added p95':>11}" \
-           f"{'added p99':>11}{'direct rps':>12}{'proxy rps':>11}{'cpu ms/req':>11}{'errors':>8}"
+           f"{'added p99':>11}{'direct rps':>12}{'proxy rps':>11}{'cpu ms/req':>11}{'errors':>8}{'no memory':>11}"
     print(head)
     for r in rows:
         print(f"{r['kind']:<12}{r['mode']:>5}{r['concurrency']:>5}{r['direct_p50_ms']:>12.3f}{r['proxy_p50_ms']:>11.3f}"
               f"{r['added_p50_ms']:>11.3f}{r['added_p95_ms']:>11.3f}{r['added_p99_ms']:>11.3f}"
-              f"{r['direct_rps']:>12.1f}{r['proxy_rps']:>11.1f}{r['proxy_cpu_ms_per_request']:>11.3f}{r['errors']:>8}")
+              f"{r['direct_rps']:>12.1f}{r['proxy_rps']:>11.1f}{r['proxy_cpu_ms_per_request']:>11.3f}{r['errors']:>8}"
+              f"{'-' if r['served_without_memory'] is None else r['served_without_memory']:>11}")
 
 
 async def _measure(direct: str, proxied: str, pid: int, args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -86,8 +90,10 @@ async def _measure(direct: str, proxied: str, pid: int, args: argparse.Namespace
     texts = iter(queries(random.Random(4), cells * len(MODES) * (50 + args.rounds * args.requests)))
     for concurrency in args.concurrency:
         for stream in (False, True):
-            d, proxied_samples, cpu = await _cell(direct, proxied, pid, concurrency, args, stream, texts)
-            rows += [_row(concurrency, stream, mode, d, p, cpu[mode]) for mode, p in proxied_samples.items()]
+            d, proxied_samples, cpu, degraded = await _cell(direct, proxied, pid, concurrency, args, stream, texts)
+            for mode, p in proxied_samples.items():
+                rows.append(_row(concurrency, stream, mode, d, p, cpu[mode]))
+                rows[-1]["served_without_memory"] = int(degraded) if mode == "read" else None
     return rows
 
 

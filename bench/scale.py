@@ -151,7 +151,7 @@ async def _measure(engine: MemoryEngine, user: str, questions: Sequence[str], wa
         wall.append(ms)
         cpu.append((time.process_time() - cpu_started) * 1000)
         injected += bool(result.injected_ids)
-        degraded.update(result.degraded)
+        degraded.update(f"{arm}:{reason}" for arm, reason in result.degraded.items())
     p, c = _percentiles(wall), _percentiles(cpu)
     return {
         "requests": len(wall),
