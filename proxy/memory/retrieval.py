@@ -470,7 +470,7 @@ async def retrieve(
     fusing = time.perf_counter()
     arms, gated = found.arms(query, settings)
     fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else (), gated=gated)
-    candidates = fused.candidates
+    candidates, ran = fused.candidates, list(arms)
     if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):
         reranking = time.perf_counter()
         reranked = await reranker.rerank(query.text, candidates)
@@ -478,8 +478,7 @@ async def retrieve(
         if reranked.candidates is None:
             report.degraded[RERANK] = reranked.reason or "error"
         else:
-            candidates = reranked.candidates
-            arms = {**arms, RERANK: []}
+            candidates, ran = reranked.candidates, [*ran, RERANK]
     scored = score_candidates(candidates[: settings.max_candidates], now, settings)
     items = plan_items(scored, found.insights or [], found.recent or [], now, settings)
     report.timings_ms["fusion"] = round((time.perf_counter() - fusing) * 1000, 3)
@@ -488,7 +487,7 @@ async def retrieve(
         query=query,
         candidates=scored,
         items=items,
-        arms_ran=list(arms),
+        arms_ran=ran,
         gated=fused.gated,
         degraded=report.degraded,
         timings_ms=report.timings_ms,
