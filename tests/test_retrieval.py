@@ -354,6 +354,23 @@ async def test_read_cache_serves_insights_and_recent_turns_until_they_expire(
     assert (Section.INSIGHTS, "Maya is training for a 10k") in {(i.section, i.text) for i in fresh.items}
 
 
+async def test_expired_insights_are_served_while_they_reload(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """Past its lifetime the cached insight set still serves (no request waits for the listing) and is replaced
+    by a reload in the background; the next request sees the new set."""
+    cache = ReadCache(ttl_s=0.0)
+    old = MemoryRecord(user_id="maya", kind=Kind.INSIGHT, text="Maya bakes on weekends", generation_id="g1")
+    await store.add([old])
+    settings = _settings()
+    await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, names=cache)
+    new = MemoryRecord(user_id="maya", kind=Kind.INSIGHT, text="Maya trains for a 10k", generation_id="g2")
+    await store.add([new])
+    stale = await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, names=cache)
+    await asyncio.wait_for(cache.wait_for_loads(), 10)
+    fresh = await retrieve(store, embedder, _ask("hi"), "maya", settings, NOW, names=cache)
+    assert [i.text for i in stale.items if i.section is Section.INSIGHTS] == ["Maya bakes on weekends"]
+    assert [i.text for i in fresh.items if i.section is Section.INSIGHTS] == ["Maya trains for a 10k"]
+
+
 async def test_prebuilt_name_index_is_used_as_given(store: MemoryStore, embedder: HashingEmbedder) -> None:
     """A caller-built index (as the LoCoMo harness builds one) drives the entity arm."""
     fact = _fact("maya", "Went to the pottery class")

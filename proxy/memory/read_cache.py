@@ -5,9 +5,11 @@ lookups do not depend on the query and cost a listing each: the user's name inde
 of subjects), their current insights, and their newest turns. ``ReadCache`` keeps them per user (names and
 insights ``ttl_s``, 5 minutes by default, newest turns ``recent_ttl_s``, 30 s), at most ``max_users`` users
 (LRU); ``invalidate`` drops a user at once, e.g. after their memories change or they are forgotten.
-Concurrent requests for one user share one load. The listings are what a request pays when the cache has
-expired (tens of milliseconds at 10k memories, ``bench/readpath.py``), so the lifetimes are minutes: a new
-fact is found by the dense and keyword arms at once, only its entity lift waits for the next load.
+Concurrent requests for one user share one load. An expired name index or insight set is still served while
+it reloads in the background, so only a user's first request after start (or after ``invalidate``) pays those
+listings (a few
+hundred milliseconds at 10k memories, ``bench/readpath.py``'s cold figure); a new fact is found by the dense
+and keyword arms at once, only its entity lift waits for the next load.
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ class ReadCache:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
+    async def wait_for_loads(self) -> None:
+        """Wait until the loads in flight (background reloads included) have finished."""
+        await asyncio.gather(*self._loads.values(), return_exceptions=True)
+
     def invalidate(self, user_id: str) -> None:
         """Forget everything cached for a user."""
         self._users.pop(user_id, None)
@@ -115,25 +121,35 @@ class ReadCache:
 
     async def names(self, store: RetrievalStore, user_id: str) -> NameIndex:
         """The user's name index."""
-        return await self._cached(user_id, ("names",), self._ttl_s, lambda: load_name_index(store, user_id))
+        return await self._cached(
+            user_id, ("names",), self._ttl_s, lambda: load_name_index(store, user_id), stale_ok=True
+        )
 
     async def insights(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
         """The user's current insights."""
         return await self._cached(
-            user_id, ("insights", limit), self._ttl_s, lambda: load_insights(store, user_id, limit)
+            user_id, ("insights", limit), self._ttl_s, lambda: load_insights(store, user_id, limit), stale_ok=True
         )
 
     async def newest_turns(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
         """The user's newest turns."""
         return await self._cached(
-            user_id, ("turns", limit), self._recent_ttl_s, lambda: load_newest_turns(store, user_id, limit)
+            user_id, ("turns", limit), self._recent_ttl_s, lambda: load_newest_turns(store, user_id, limit),
+            stale_ok=False,  # recent activity must show a message from another chat soon
         )
 
-    async def _cached(self, user_id: str, key: tuple[Any, ...], ttl_s: float, load: Callable[[], Awaitable[_T]]) -> _T:
-        """The fresh cached value for ``(user_id, key)``, or one load shared by concurrent callers."""
-        fresh = self._fresh(user_id, key, ttl_s)
-        if fresh is not None:
-            return cast(_T, fresh[0])
+    async def _cached(
+        self, user_id: str, key: tuple[Any, ...], ttl_s: float, load: Callable[[], Awaitable[_T]], *, stale_ok: bool
+    ) -> _T:
+        """The cached value for ``(user_id, key)``, or one load shared by concurrent callers. ``stale_ok``: an
+        expired value is still served while a reload runs in the background (a returning user's first request
+        must not pay the listings)."""
+        entry = self._users.get(user_id, {}).get(key)
+        if entry is not None and (stale_ok or time.monotonic() - entry[0] <= ttl_s):
+            self._users.move_to_end(user_id)
+            if time.monotonic() - entry[0] > ttl_s:
+                self._load_task(user_id, key, load)  # owned by the cache: ``aclose`` stops it
+            return cast(_T, entry[1])
         lock = self._locks.setdefault((user_id, *key), asyncio.Lock())
         async with lock:
             fresh = self._fresh(user_id, key, ttl_s)
