@@ -42,7 +42,7 @@ async def _cell(direct: str, proxied: str, pid: int, concurrency: int, args: arg
     direct_runs: list[Sample] = []
     proxy_runs: dict[str, list[Sample]] = {mode: [] for mode in MODES}
     cpu = dict.fromkeys(MODES, 0.0)
-    degraded = 0.0
+    degraded, base = 0.0, proxied.removesuffix("/chat/completions")
     await run(direct, concurrency=concurrency, requests=50, stream=stream)  # warm every path
     for headers in MODES.values():
         await run(proxied, concurrency=concurrency, requests=50, stream=stream, headers=headers,
@@ -50,11 +50,11 @@ async def _cell(direct: str, proxied: str, pid: int, concurrency: int, args: arg
     for _ in range(rounds):
         direct_runs.append(await run(direct, concurrency=concurrency, requests=requests, stream=stream))
         for mode, headers in MODES.items():
-            before, degraded_before = cpu_seconds(pid), degraded_reads(proxied.removesuffix("/chat/completions"))
+            before, degraded_before = cpu_seconds(pid), degraded_reads(base)
             proxy_runs[mode].append(await run(proxied, concurrency=concurrency, requests=requests, stream=stream,
                                               headers=headers, texts=[next(texts) for _ in range(requests)]))
             cpu[mode] += cpu_seconds(pid) - before
-            degraded += degraded_reads(proxied.removesuffix("/chat/completions")) - degraded_before
+            degraded += degraded_reads(base) - degraded_before
     per_request = {mode: total * 1000 / (requests * rounds) for mode, total in cpu.items()}
     return merge(direct_runs), {mode: merge(runs) for mode, runs in proxy_runs.items()}, per_request, degraded
 

@@ -1,4 +1,4 @@
-"""Shared fixtures: the fake upstream and an in-process proxy built by the real app factory."""
+"""Shared fixtures: the fake upstream, an in-process proxy built by the real app factory, the shipped model."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -14,9 +15,19 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from proxy.app import MemoryFactory, build_app
 from proxy.config import load_settings
+from proxy.memory.embedders import EmbedderSettings, LocalEmbedder, build_embedder
 from tests.fake_upstream import FakeUpstream
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def local() -> AsyncIterator[LocalEmbedder]:
+    """The shipped all-MiniLM-L6-v2 model, loaded once per test module."""
+    embedder = build_embedder(EmbedderSettings())
+    assert isinstance(embedder, LocalEmbedder)
+    async with embedder:
+        yield embedder
 
 
 @pytest.fixture

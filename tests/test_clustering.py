@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
-import pytest_asyncio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from insights.clustering import Cluster, cluster_messages, robust_threshold
-from proxy.memory.embedders import EmbedderSettings, LocalEmbedder, build_embedder
+from proxy.memory.embedders import LocalEmbedder
 from tests.support.embedder import HashingEmbedder
 from tests.support.insight_scenario import (
     TOPICS,
@@ -131,15 +130,6 @@ def test_clusters_are_disjoint_and_bounded_for_any_input(n: int, dim: int, seed:
 
 
 # ------------------------------------------------------------------------------- the real embedding model
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def local() -> AsyncIterator[LocalEmbedder]:
-    """The shipped all-MiniLM-L6-v2 model, loaded once for the module."""
-    embedder = build_embedder(EmbedderSettings())
-    assert isinstance(embedder, LocalEmbedder)
-    async with embedder:
-        yield embedder
 
 
 @pytest.mark.asyncio(loop_scope="module")

@@ -33,15 +33,6 @@ MODEL_DIR = default_model_dirs()[0]
 FAKE_DIM = 8
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def local() -> AsyncIterator[LocalEmbedder]:
-    """The shipped model, loaded once for the module."""
-    embedder = build_embedder(EmbedderSettings())
-    assert isinstance(embedder, LocalEmbedder)
-    async with embedder:
-        yield embedder
-
-
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.dot(a, b))
 

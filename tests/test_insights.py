@@ -23,7 +23,7 @@ import pytest_asyncio
 from insights.generation import SCHEMA_NAME, confidence, date_range
 from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, request_insights
 from insights.service import InsightSettings, current_insights, regenerate
-from proxy.memory.embedders import EmbedderSettings, LocalEmbedder, build_embedder
+from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.injection import inject
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
 from proxy.memory.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
@@ -40,15 +40,6 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the embedder fixtur
 USER, OTHER = "maya", "other-user"
 SETTINGS = InsightSettings(model="insight-model")
 SECRET = "My neighbour's sourdough starter recipe is secret and mine alone"
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def local() -> AsyncIterator[LocalEmbedder]:
-    """The shipped all-MiniLM-L6-v2 model, loaded once for the module."""
-    embedder = build_embedder(EmbedderSettings())
-    assert isinstance(embedder, LocalEmbedder)
-    async with embedder:
-        yield embedder
 
 
 def scenario_records() -> list[MemoryRecord]:

@@ -97,10 +97,9 @@ class ReadCache:
 
     async def aclose(self) -> None:
         """Stop the loads in flight (the engine closes; nothing would use them)."""
-        pending = list(self._loads.values())
-        for task in pending:
+        for task in self._loads.values():
             task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await self.wait_for_loads()
 
     async def wait_for_loads(self) -> None:
         """Wait until the loads in flight (background reloads included) have finished."""
