@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-load clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,11 @@ bench-readpath: install-test
 
 bench-scale: install-test
 	$(BIN)/python bench/scale.py
+
+# py-spy on memproxy under load (ARGS="--mode off --concurrency 1" for the proxy alone).
+bench-profile: install-test
+	$(PIP) install --quiet -c $(CONSTRAINTS) -e '.[test,bench]'
+	$(BIN)/python bench/profile.py $(ARGS)
 
 # LiteLLM's proxy for the side-by-side load bench, in its own venv (never in the project's).
 bench/.venv-litellm/bin/litellm:

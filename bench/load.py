@@ -343,6 +343,7 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         base |= {"MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": str(args.read_timeout_ms),
                  "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": str(args.read_timeout_ms),
                  "MEMPROXY_MEMORY__READ_QUEUE_MS": str(args.read_timeout_ms)}
+    base |= dict(pair.split("=", 1) for pair in args.env)
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
     _progress(f"memproxy up on {proxy}")
     targets = [Target("direct", f"{upstream}/chat/completions", {}, None),
@@ -369,6 +370,8 @@ def main() -> None:
     parser.add_argument("--read-timeout-ms", type=float, default=0.0,
                         help="memproxy's retrieval and arm timeouts (default: the product's 250 ms); with 10k memories "
                              "the cold load of the user outlasts 250 ms and is cancelled on every request")
+    parser.add_argument("--env", nargs="*", default=[], metavar="MEMPROXY_KEY=VALUE",
+                        help="more memproxy settings for the run, e.g. MEMPROXY_MEMORY__READ_QUEUE_MS=50")
     parser.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -396,7 +399,7 @@ def main() -> None:
     meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
             "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "upstream_latency_ms": args.latency_ms,
             "rounds": args.rounds, "memories": args.memories, "memproxy_log_level": args.log_level,
-            "memproxy_read_timeout_ms": args.read_timeout_ms or "default (250)",
+            "memproxy_read_timeout_ms": args.read_timeout_ms or "default (250)", "memproxy_env": args.env,
             "wall_s": round(time.perf_counter() - started, 1), "memproxy_on_probe_headers": memory_headers,
             "memproxy_degraded_reads": degraded,
             "checks": [{"pass": p, "check": line} for p, line in results]}

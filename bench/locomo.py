@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import hashlib
 import json
 import os
@@ -602,6 +603,7 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "context_weight": CONTEXT_WEIGHT,
         "split": {"tune": list(TUNE), "test": list(TEST)},
         "harness_overrides": HARNESS,
+        "retrieval_overrides": dict(pair.split("=", 1) for pair in args.retrieval),
         "recency": "neutralised: every record's last_accessed_at equals the retrieval clock (recency constant, "
                    "so its min-max term is the same for all candidates); importance 5 for all",
         "ranking": "result.candidates of proxy.memory.retrieval.retrieve, mapped to turn ids (a fact to its "
@@ -617,6 +619,12 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     if args.conversations:
         conversations = [conversations[i] for i in args.conversations]
     chosen = [v for v in variants() if not args.variants or v.name in args.variants]
+    if args.retrieval:  # the same [retrieval] overrides on every chosen variant (e.g. candidate depth)
+        overrides = dict(pair.split("=", 1) for pair in args.retrieval)
+        chosen = [
+            dataclasses.replace(v, settings=RetrievalSettings.model_validate({**v.settings.model_dump(), **overrides}))
+            for v in chosen
+        ]
     started = time.perf_counter()
     async with build_embedder(EMBEDDER) as embedder:
         with tempfile.TemporaryDirectory(prefix="locomo-") as tmp:
@@ -634,6 +642,8 @@ def main() -> None:
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
     parser.add_argument("--conversations", type=int, nargs="*", help="only these conversation indexes")
     parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
+    parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="override [retrieval] settings in every variant, e.g. dense_k=50 bm25_k=50")
     args = parser.parse_args()
     document = asyncio.run(_main(args))
     print(table(document))
