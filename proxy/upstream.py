@@ -26,6 +26,7 @@ from proxy.errors import (
     UpstreamUnreachable,
 )
 from proxy.lazy import import_litellm
+from proxy.memory.routing import route_index
 from proxy.sse import DONE_EVENT, data_event
 
 # Request headers a client may pass on to an OpenAI-compatible upstream (lower case).
@@ -230,19 +231,18 @@ class LiteLLMUpstream:
 
 
 class Router:
-    """Chooses the upstream for a model: the first route whose prefix matches, else the default."""
+    """Chooses the upstream for a model by the one routing rule (``route_index``), else the default."""
 
     def __init__(self, default: OpenAICompatibleUpstream,
                  routes: list[tuple[RouteSettings, Upstream]]) -> None:
         self.default = default
         self._routes = routes
+        self._prefixes = tuple(route.prefix for route, _ in routes)
 
     def pick(self, model: str) -> Upstream:
         """The upstream that serves ``model``."""
-        for route, upstream in self._routes:
-            if model.startswith(route.prefix):
-                return upstream
-        return self.default
+        index = route_index(self._prefixes, model)
+        return self.default if index is None else self._routes[index][1]
 
 
 def build_session(settings: UpstreamSettings) -> aiohttp.ClientSession:

@@ -11,7 +11,7 @@ errors onto them:
 
 ``OpenAICompatibleLLM`` posts to ``{base_url}/chat/completions`` with aiohttp (the cheap path);
 ``LiteLLMClient`` goes through litellm for providers that need translation; ``PrefixRouter`` picks one by
-model-name prefix, the same way the chat itself was routed.
+model-name prefix with the chat's own rule (``proxy.memory.routing``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from proxy.lazy import import_litellm
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.routing import route_index
 
 JSON = dict[str, Any]
 _UNAVAILABLE_STATUSES = frozenset({401, 403, 408, 409, 425, 429})
@@ -233,18 +234,20 @@ class Route:
 
 
 class PrefixRouter:
-    """``LLMClient`` that sends each model to the route of its longest matching prefix, else ``default``."""
+    """``LLMClient`` that sends each model where the chat sends it (``route_index``), else to ``default``."""
 
     def __init__(self, default: LLMClient, routes: Sequence[Route] = ()) -> None:
         self._default = default
-        self._routes = sorted(routes, key=lambda route: len(route.prefix), reverse=True)
+        self._routes = tuple(routes)
+        self._prefixes = tuple(route.prefix for route in self._routes)
 
     def resolve(self, model: str) -> tuple[LLMClient, str]:
         """The client and the model name to send it."""
-        for route in self._routes:
-            if model.startswith(route.prefix):
-                return route.client, model[len(route.prefix) :] if route.strip_prefix else model
-        return self._default, model
+        index = route_index(self._prefixes, model)
+        if index is None:
+            return self._default, model
+        route = self._routes[index]
+        return route.client, model[len(route.prefix) :] if route.strip_prefix else model
 
     async def complete_json(
         self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
