@@ -29,7 +29,7 @@ import structlog
 
 from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
+from proxy.memory.jobs import Handler, Job, JobQueue, RetryLater, WaitForConfig
 from proxy.memory.llm import LLMClient, LLMUnavailable
 from proxy.memory.records import Kind
 from proxy.memory.store import MemoryStore
@@ -71,24 +71,34 @@ class InsightJobs:
         settings: InsightSettings,
         *,
         default_model: str | None = None,
+        latest_model: Callable[[str], str | None] | None = None,
         clock: Callable[[], datetime] | None = None,
     ) -> None:
         self._store = store
         self._llm = llm
         self._settings = settings
         self._default_model = default_model
+        self._latest_model = latest_model or (lambda _user_id: None)
         self._clock = clock or (lambda: datetime.now(UTC))
 
     def handlers(self) -> dict[str, Handler]:
         """``{"insights": handle}``, to merge into the job runner's handlers."""
         return {JOB_KIND: self.handle}
 
+    def model_for(self, user_id: str, payload: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
+        """``[insights] model``, else the configured memory model, else the user's latest chat model, else the
+        model the trigger or the last run named."""
+        return (self._settings.model or self._default_model or self._latest_model(user_id)
+                or payload.get("model") or state.get("model"))
+
     async def handle(self, job: Job) -> None:
-        """Regenerate the job's user's insights (waits, without spending an attempt, while the LLM is down)."""
+        """Regenerate the job's user's insights (waits, without spending an attempt, while the LLM is down or
+        while no model is known: after a restart, until the user's next chat)."""
         state = await job.queue.get_state(job.user_id, STATE_KEY) or {}
-        model = self._settings.model or job.payload.get("model") or state.get("model") or self._default_model
+        model = self.model_for(job.user_id, job.payload, state)
         if not model:
-            raise GiveUp("no model for insights: set [insights] model (or a default memory model)")
+            raise WaitForConfig("no_model", "no model for insights yet: the user's next chat brings one "
+                                "(or set [insights] model)")
         now = self._clock()
         try:
             current = await regenerate(self._store, self._llm, job.user_id, self._settings, now, model=model)

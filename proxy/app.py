@@ -16,8 +16,12 @@ from pydantic import SecretStr
 from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
+from proxy.feature_report import FeatureCollector, report_features
 from proxy.management import add_management_routes
+from proxy.memory.features import FeatureBoard, ReportingLLM
+from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import (
+    KeySource,
     LiteLLMClient,
     LiteLLMSettings,
     LLMClient,
@@ -41,20 +45,32 @@ async def null_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
     yield NullMemory()
 
 
-def memory_llm(settings: Settings) -> tuple[PrefixRouter, list[LLMClient]]:
+def keyed_routes(settings: Settings) -> set[str]:
+    """The chat routes that pass the client's own key upstream (OpenAI-compatible, no key configured)."""
+    routes = {"default"} if not settings.upstream.api_key.get_secret_value() else set()
+    return routes | {f"openai:{r.prefix}" for r in settings.routes
+                     if r.provider == "openai" and not (r.api_key and r.api_key.get_secret_value())}
+
+
+def memory_llm(settings: Settings, keys: KeySource | None = None) -> tuple[PrefixRouter, list[LLMClient]]:
     """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
-    the clients behind it (to open and close)."""
+    the clients behind it (to open and close). ``keys`` gives each user's held chat key, used only where
+    the chat itself sends the client's key (the same route, the same base URL)."""
     key = settings.memory_llm.api_key or settings.upstream.api_key
+    base_url = settings.memory_llm.base_url or settings.upstream.base_url
+    same_server = base_url.rstrip("/") == settings.upstream.base_url
     default = OpenAICompatibleLLM(OpenAICompatibleSettings(
-        base_url=settings.memory_llm.base_url or settings.upstream.base_url, api_key=key,
-        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+        base_url=base_url, api_key=key,
+        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
+        route="default", keys=keys if same_server else None)
     routes = []
     for route in settings.routes:
         client: LLMClient
         if route.provider == "openai":
             client = OpenAICompatibleLLM(OpenAICompatibleSettings(
                 base_url=route.base_url or settings.upstream.base_url, api_key=route.api_key or SecretStr(""),
-                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
+                route=f"openai:{route.prefix}", keys=keys)
         else:
             client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
                                                    timeout_s=settings.memory_llm.timeout_s))
@@ -63,23 +79,35 @@ def memory_llm(settings: Settings) -> tuple[PrefixRouter, list[LLMClient]]:
 
 
 def engine_settings(settings: Settings) -> EngineSettings:
-    """Each memory component's own settings."""
+    """Each memory component's own settings (``[memory_llm] model`` is the default memory model)."""
+    writer = settings.writer
+    if writer.model is None and settings.memory_llm.model:
+        writer = writer.model_copy(update={"model": settings.memory_llm.model})
     return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
                           jobs=settings.jobs_settings(), retrieval=settings.retrieval,
-                          injection=settings.injection, rerank=settings.rerank, writer=settings.writer,
+                          injection=settings.injection, rerank=settings.rerank, writer=writer,
                           extraction=settings.extraction, insights=settings.insights)
+
+
+def latest_chats(settings: Settings) -> LatestChats:
+    """Each user's latest chat model, route and (where the chat passes it on) key, in memory only."""
+    return LatestChats(keyed_routes(settings), key_ttl_s=settings.memory_llm.client_key_ttl_s,
+                       hold_keys=settings.memory_llm.hold_client_keys)
 
 
 @contextlib.asynccontextmanager
 async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
     """The real memory engine, its LLM clients opened first and closed last."""
-    router, clients = memory_llm(settings)
+    latest, board = latest_chats(settings), FeatureBoard()
+    router, clients = memory_llm(settings, latest)
     async with contextlib.AsyncExitStack() as stack:
         for client in clients:
             if isinstance(client, contextlib.AbstractAsyncContextManager):
                 await stack.enter_async_context(client)
-        engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), router))
+        llm = ReportingLLM(router, board)
+        engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), llm, latest, board))
         metrics.add_gauges("memproxy_jobs", engine.gauges, refresh=engine.refresh_metrics)
+        metrics.registry.register(FeatureCollector(board, engine.waiting))
         yield engine
 
 
@@ -101,6 +129,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
             session = await stack.enter_async_context(build_session(settings.upstream))
             state.router = build_router(settings.upstream, settings.routes, session)
             state.memory = await stack.enter_async_context(factory(settings, metrics))
+            await report_features(settings, getattr(state.memory, "features", None))
             yield
             state.stopping = True
 

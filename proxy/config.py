@@ -101,10 +101,18 @@ class MemorySettings(_Frozen):
 
 
 class MemoryLLMSettings(_Frozen):
-    """Where memory-side model calls (facts, summaries, insights) go; empty values reuse [upstream]."""
+    """Where memory-side model calls (facts, summaries, insights) go; empty values reuse [upstream].
 
+    Without a model here (or in [writer] / [insights]), memory-side calls use each user's own latest chat
+    model and route; without a key for that route, the key the user's client sent with that chat (held in
+    process memory only, for ``client_key_ttl_s``; ``hold_client_keys = false`` turns that off).
+    """
+
+    model: str | None = None
     base_url: str | None = None
     api_key: SecretStr | None = None
+    hold_client_keys: bool = True
+    client_key_ttl_s: float = Field(default=7200.0, gt=0)
     timeout_s: float = Field(default=60.0, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
 

@@ -21,9 +21,11 @@ from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
+from proxy.memory.features import FeatureBoard, guard_handlers
 from proxy.memory.fusion import Candidate
 from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
+from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import LLMClient
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.rerank import Reranker, RerankSettings
@@ -77,14 +79,18 @@ _PUBLIC_FIELDS = ("id", "kind", "text", "created_at", "category", "importance", 
 class MemoryEngine:
     """Read path, write path and memory management over one store, one queue and one embedder."""
 
-    def __init__(self, settings: EngineSettings, llm: LLMClient) -> None:
+    def __init__(self, settings: EngineSettings, llm: LLMClient, latest: LatestChats | None = None,
+                 features: FeatureBoard | None = None) -> None:
         self.settings = settings
         self._llm = llm
+        self.latest = latest or LatestChats(())
+        self.features = features or FeatureBoard()
         self.embedder = build_embedder(settings.embedder)
         self.store = MemoryStore(settings.store, self.embedder)
         self.jobs = JobQueue(settings.jobs)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
-        self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model)
+        self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model,
+                                        latest_model=self.latest.model)
         self.names = NameIndexCache()
         self.reranker = Reranker(settings.rerank)
         self._stack = contextlib.AsyncExitStack()
@@ -104,7 +110,7 @@ class MemoryEngine:
             stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
-            handlers = {**self.writer.handlers(), **self.insight_jobs.handlers()}
+            handlers = guard_handlers({**self.writer.handlers(), **self.insight_jobs.handlers()}, self.features)
             await stack.enter_async_context(JobRunner(self.jobs, handlers))
             await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
             self._stack = stack.pop_all()
@@ -152,7 +158,10 @@ class MemoryEngine:
     # ----------------------------------------------------------------------------------------- write path
 
     async def record(self, exchange: Exchange) -> None:
-        """Commit the finished exchange to the durable queue (the write path runs after)."""
+        """Commit the finished exchange to the durable queue (the write path runs after); note the chat's model,
+        route and key for memory-side calls, and wake the user's waiting jobs when it brought something new."""
+        if self.latest.remember(exchange.user_id, exchange.model, exchange.route, exchange.client_key):
+            await self.jobs.resume_waiting(exchange.user_id)
         await self.writer.record(exchange)
 
     # ------------------------------------------------------------------------------------------ management
@@ -192,6 +201,7 @@ class MemoryEngine:
     async def forget_user(self, user_id: str) -> dict[str, int]:
         """Every trace of the user: queued jobs first (so none writes after), then the store and caches."""
         jobs = await self.jobs.forget_user(user_id)
+        self.latest.forget(user_id)
         counts = await self.store.forget_user(user_id)
         self.names.invalidate(user_id)
         return {**counts, "jobs": jobs}
@@ -206,6 +216,11 @@ class MemoryEngine:
         """Take a fresh snapshot of the queue's numbers (called before each /metrics scrape)."""
         with contextlib.suppress(Exception):  # a scrape never fails because the queue is busy
             self._queue_snapshot = await asyncio.wait_for(self.jobs.metrics(), timeout=2.0)
+
+    def waiting(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Jobs waiting for a key or configuration now, and times jobs started waiting, by reason."""
+        snap = self._queue_snapshot
+        return (dict(snap.waiting), dict(snap.waits_total)) if snap is not None else ({}, {})
 
     def gauges(self) -> dict[str, float]:
         """Queue depth, oldest job age, failures and per-step latency, as plain numbers."""

@@ -17,9 +17,11 @@ from typing import Any
 import orjson
 import structlog
 from aiohttp import web
+from pydantic import SecretStr
 
 from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
+from proxy.feature_report import readiness
 from proxy.identity import Identity, Mode, identify, log_user
 from proxy.memory.service import Exchange, Injection
 from proxy.sse import ReplyAssembler, reply_from_completion
@@ -203,6 +205,7 @@ class ChatCall:
             model=body["model"], route=self.route, user_messages=new_user_messages(messages),
             assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
             system_prompt=system_prompt(messages), context=earlier_messages(messages),
+            client_key=bearer_key(self.request.headers),
         )
         try:
             await self.state.memory.record(exchange)
@@ -218,6 +221,12 @@ class ChatCall:
                  retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),
                  bytes_in=bytes_in, bytes_out=self.bytes_out, partial=self.partial,
                  degraded=dict(injection.degraded) or None)
+
+
+def bearer_key(headers: Mapping[str, str]) -> SecretStr | None:
+    """The client's ``Authorization: Bearer`` key, masked, or None."""
+    scheme, _, key = headers.get("Authorization", "").partition(" ")
+    return SecretStr(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
 
 
 def _loads_or_none(data: bytes) -> Any:
@@ -256,11 +265,12 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """``GET /readyz``: every component has loaded."""
+    """``GET /readyz``: ready when the chat path is; every memory feature listed as live or off, with why."""
     state = request.app[STATE]
-    ready = state.memory.ready and not state.stopping
-    return web.json_response({"status": "ready" if ready else "not ready", "memory": state.memory.ready},
-                             status=200 if ready else 503)
+    ready = not state.stopping
+    features = readiness(getattr(state.memory, "features", None), state.settings)
+    body = {"status": "ready" if ready else "not ready", "memory": state.memory.ready, "features": features}
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -13,6 +13,10 @@ Vocabulary:
   updates that job (new ``run_after`` and payload) instead of adding one, never later than
   ``debounce_max_delay_s`` after its first trigger. Debounced jobs do not hold up the FIFO order of their
   lane.
+- A *waiting* job is a pending job whose handler raised ``WaitForConfig`` (no key, a rejected key, no model):
+  retrying cannot help until something changes, so it spends no attempt, is never dead-lettered for it, is
+  counted per reason in the metrics, looks again every ``waiting_recheck_s``, and runs at once when
+  ``resume_waiting(user_id)`` says that user's situation changed (e.g. a chat brought a key).
 
 Durability: ``enqueue`` returns only once its commit is on disk (``synchronous=FULL``); every other write uses
 ``synchronous=NORMAL`` (safe against a killed process; a power cut can at worst replay a finished job, and
@@ -69,6 +73,7 @@ class JobQueueSettings(BaseModel):
     drain_timeout_s: float = Field(default=10.0, ge=0)
     debounce_max_delay_s: float = Field(default=3600.0, gt=0)
     done_retention_s: float = Field(default=86400.0, ge=0)
+    waiting_recheck_s: float = Field(default=900.0, gt=0)  # a job waiting for a key/configuration looks again
 
 
 class JobError(MemoryLayerError):
@@ -85,6 +90,14 @@ class RetryLater(JobError):
 
 class GiveUp(JobError):
     """Raised by a handler when retrying cannot help: the job goes to the dead letters at once."""
+
+
+class WaitForConfig(JobError):
+    """Raised by a handler when only a key or configuration change can help: the job waits (see the module doc)."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
 
 
 class JobState(StrEnum):
@@ -137,6 +150,8 @@ class QueueMetrics:
     deferred_total: int
     dead_total: int
     step_latency: Mapping[str, StepLatency]
+    waiting: Mapping[str, int] = dataclasses.field(default_factory=dict)  # pending jobs waiting, by reason
+    waits_total: Mapping[str, int] = dataclasses.field(default_factory=dict)  # times jobs started waiting
 
     @property
     def depth(self) -> int:
@@ -263,6 +278,8 @@ class _Db:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(_SCHEMA)
+        if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:
+            conn.execute("ALTER TABLE jobs ADD COLUMN waiting TEXT")  # queues made before waiting jobs existed
         self.conn = conn
 
     def close(self) -> None:
@@ -340,7 +357,7 @@ class _Db:
             for row in picked:
                 c.execute(
                     "UPDATE jobs SET state = 'running', attempts = attempts + 1, lease_owner = ?,"
-                    " lease_until = ?, updated_at = ? WHERE seq = ?",
+                    " lease_until = ?, updated_at = ?, waiting = NULL WHERE seq = ?",
                     (owner, lease_until, now, row["seq"]),
                 )
             marks = ",".join("?" * len(limits))
@@ -398,6 +415,20 @@ class _Db:
             "SELECT kind, COUNT(*) FROM jobs WHERE state IN ('pending', 'running') GROUP BY kind"
         ).fetchall()
         return totals, {str(kind): int(n) for kind, n in by_kind}
+
+    def waiting_counts(self) -> dict[str, int]:
+        rows = self.c.execute(
+            "SELECT waiting, COUNT(*) FROM jobs WHERE state = 'pending' AND waiting IS NOT NULL GROUP BY waiting"
+        ).fetchall()
+        return {str(reason): int(n) for reason, n in rows}
+
+    def resume_waiting(self, user_id: str, now: float) -> int:
+        with self.txn() as c:
+            return c.execute(
+                "UPDATE jobs SET run_after = ?, updated_at = ? WHERE user_id = ? AND state = 'pending'"
+                " AND waiting IS NOT NULL AND run_after > ?",
+                (now, now, user_id, now),
+            ).rowcount
 
     def dead_letters(self, limit: int) -> list[JSON]:
         rows = self.c.execute(
@@ -466,6 +497,7 @@ class JobQueue:
         self._forget_hooks: list[Callable[[str], Awaitable[None]]] = []
         self._steps: dict[str, StepLatency] = {}
         self._totals = {"completed": 0, "failed": 0, "deferred": 0, "dead": 0}
+        self._waits: Counter[str] = Counter()
 
     async def __aenter__(self) -> JobQueue:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memproxy-jobs")
@@ -596,6 +628,21 @@ class JobQueue:
         self._totals["deferred"] += 1
         return delay
 
+    async def wait_for_config(self, job: Job, reason: str, detail: str) -> None:
+        """Park a job that only a key or configuration change can help: no attempt spent, never dead."""
+        now = time.time()
+        changes = {"state": "pending", "attempts": job.attempt - 1, "run_after": now + self.settings.waiting_recheck_s,
+                   "updated_at": now, "last_error": f"waiting ({reason}): {detail}"[:1000], "waiting": reason}
+        await self._finish(job, changes)
+        self._waits[reason] += 1
+
+    async def resume_waiting(self, user_id: str) -> int:
+        """Make the user's waiting jobs due now (something they waited for may have arrived); returns how many."""
+        count = await self._call(self._db.resume_waiting, user_id, time.time())
+        if count:
+            self.wakeup.set()
+        return count
+
     async def release(self, job: Job) -> None:
         """Hand an interrupted job back, due now, without spending an attempt (used at shutdown)."""
         now = time.time()
@@ -656,6 +703,7 @@ class JobQueue:
         """Queue depth, age of the oldest due job, totals since start and per-step latency."""
         now = time.time()
         (ready, scheduled, running, dead, oldest), by_kind = await self._call(self._db.gauges, now)
+        waiting = await self._call(self._db.waiting_counts)
         return QueueMetrics(
             ready=int(ready),
             scheduled=int(scheduled),
@@ -668,6 +716,8 @@ class JobQueue:
             deferred_total=self._totals["deferred"],
             dead_total=self._totals["dead"],
             step_latency={name: dataclasses.replace(s, buckets=list(s.buckets)) for name, s in self._steps.items()},
+            waiting=waiting,
+            waits_total=dict(self._waits),
         )
 
 
@@ -799,6 +849,10 @@ class JobRunner:
         except GiveUp as error:
             await self._queue.fail(job, str(error), permanent=True)
             log.error("job.dead", attempt=job.attempt, error=str(error))
+        except WaitForConfig as error:
+            await self._queue.wait_for_config(job, error.reason, str(error))
+            log.warning("job.waiting", reason=error.reason, detail=str(error)[:300],
+                        recheck_in_s=self._settings.waiting_recheck_s)
         except Exception as error:  # the worker's boundary: no handler error may stop it
             await self._record_failure(job, error)
         else:

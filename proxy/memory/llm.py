@@ -4,10 +4,15 @@
 parsed JSON object. Two kinds of failure matter to the write path, and every implementation maps its own
 errors onto them:
 
-- ``LLMUnavailable``: the upstream could not be asked (connection refused, timeout, 401/403/408/429/5xx).
+- ``LLMUnavailable``: the upstream could not be asked (connection refused, timeout, 408/429/5xx).
   The job waits with backoff and tries again later; nothing is lost.
 - ``LLMBadOutput``: the upstream answered, but not with a usable object (invalid JSON, a refusal, an empty
   answer, another 4xx). The caller retries once, then gives up on that step.
+- ``LLMConfigError`` (401/403): no key, or a key the upstream rejects. Retrying cannot help until the
+  configuration or the key changes: the job waits, visibly, for a usable key (``proxy.memory.latest_chat``).
+
+Keys: a configured key wins; without one, an OpenAI-compatible client asks its ``KeySource`` for the key of
+the user whose job is running (the key of that user's latest chat on the same route, held in memory only).
 
 ``OpenAICompatibleLLM`` posts to ``{base_url}/chat/completions`` with aiohttp (the cheap path);
 ``LiteLLMClient`` goes through litellm for providers that need translation; ``PrefixRouter`` picks one by
@@ -31,7 +36,8 @@ from proxy.memory.errors import MemoryLayerError
 from proxy.memory.routing import route_index
 
 JSON = dict[str, Any]
-_UNAVAILABLE_STATUSES = frozenset({401, 403, 408, 409, 425, 429})
+_UNAVAILABLE_STATUSES = frozenset({408, 409, 425, 429})
+_CONFIG_STATUSES = frozenset({401, 403})
 
 
 class LLMError(MemoryLayerError):
@@ -44,6 +50,29 @@ class LLMUnavailable(LLMError):
 
 class LLMBadOutput(LLMError):
     """The upstream answered with something other than the requested JSON object."""
+
+
+class LLMConfigError(LLMError):
+    """No key, or a key the upstream rejects (401/403): only a new key or configuration helps.
+
+    ``reason`` is ``"no_key"`` when the call had no key at all, else ``"key_rejected"``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class KeySource(Protocol):
+    """The held key for memory-side calls of the user whose job is running (see ``latest_chat``)."""
+
+    def key(self, route: str) -> str | None:
+        """The key to send on ``route``, or None."""
+        ...
+
+    def rejected(self, route: str, key: str) -> None:
+        """``key`` got 401/403 on ``route``: stop using it."""
+        ...
 
 
 @runtime_checkable
@@ -94,8 +123,13 @@ def parse_json_object(content: Any) -> JSON:
     return value
 
 
-def status_error(status: int, body: str) -> LLMError:
-    """The error for a non-200 answer: ``LLMUnavailable`` for statuses worth waiting out, else bad output."""
+def status_error(status: int, body: str, *, sent_key: bool = True) -> LLMError:
+    """The error for a non-200 answer: ``LLMConfigError`` for 401/403, ``LLMUnavailable`` for statuses worth
+    waiting out, else bad output."""
+    if status in _CONFIG_STATUSES:  # the body is left out: providers quote (part of) the rejected key
+        what = "rejected the key" if sent_key else "wants a key and none was sent"
+        reason = "key_rejected" if sent_key else "no_key"
+        return LLMConfigError(reason, f"upstream status {status}: the upstream {what}")
     detail = f"upstream status {status}: {body[:300]}"
     if status >= 500 or status in _UNAVAILABLE_STATUSES:
         return LLMUnavailable(detail)
@@ -117,10 +151,13 @@ class OpenAICompatibleSettings(BaseModel):
 class OpenAICompatibleLLM:
     """``LLMClient`` over a raw aiohttp POST to ``/chat/completions``; owns one pooled session."""
 
-    def __init__(self, settings: OpenAICompatibleSettings) -> None:
+    def __init__(self, settings: OpenAICompatibleSettings, *, route: str = "default",
+                 keys: KeySource | None = None) -> None:
         self._settings = settings
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
         self._session: aiohttp.ClientSession | None = None
+        self._route = route
+        self._keys = keys  # None: never a held key (another base_url than the chat's, or holding is off)
 
     async def __aenter__(self) -> OpenAICompatibleLLM:
         self._session = aiohttp.ClientSession(
@@ -136,9 +173,13 @@ class OpenAICompatibleLLM:
             await self._session.close()
             self._session = None
 
-    def _headers(self) -> dict[str, str]:
-        key = self._settings.api_key.get_secret_value()
-        return {"Authorization": f"Bearer {key}"} if key else {}
+    def _key(self) -> tuple[str, bool]:
+        """The key to send and whether it is a held client key."""
+        configured = self._settings.api_key.get_secret_value()
+        if configured or self._keys is None:
+            return configured, False
+        held = self._keys.key(self._route)
+        return held or "", held is not None
 
     async def complete_json(
         self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
@@ -152,14 +193,18 @@ class OpenAICompatibleLLM:
             "temperature": self._settings.temperature,
             "response_format": response_format(schema, schema_name),
         }
+        key, held = self._key()
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
         try:
-            async with self._session.post(self._url, json=body, headers=self._headers()) as response:
+            async with self._session.post(self._url, json=body, headers=headers) as response:
                 text = await response.text()
                 status = response.status
         except (aiohttp.ClientError, TimeoutError) as error:
             raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
         if status != 200:
-            raise status_error(status, text)
+            if held and status in _CONFIG_STATUSES and self._keys is not None:
+                self._keys.rejected(self._route, key)
+            raise status_error(status, text, sent_key=bool(key))
         try:
             return parse_completion(json.loads(text))
         except json.JSONDecodeError:

@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any, Protocol
 
+from pydantic import SecretStr
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Injection:
@@ -39,6 +41,7 @@ class Exchange:
     finished_at: datetime
     system_prompt: str | None = None
     context: tuple[tuple[str, str], ...] = ()  # (role, text) of the messages just before, oldest first
+    client_key: SecretStr | None = None  # the client's own key: held in memory for memory-side calls, never stored
 
 
 class MemoryService(Protocol):
