@@ -21,9 +21,9 @@ MEMPROXY = Path(sys.executable).with_name("memproxy")
 class Process:
     """A child process whose output goes to a temporary file (no reader thread in the caller)."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, args: list[str], env: Mapping[str, str], cwd: Path = ROOT) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="memproxy-proc-", suffix=".log", delete=False)  # noqa: SIM115
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=ROOT)
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd)
 
     @property
     def lines(self) -> list[str]:
@@ -89,9 +89,9 @@ def fake_upstream_process(latency_ms: float = 0.0) -> Iterator[tuple[Process, st
 
 @contextmanager
 def memproxy_process(env: Mapping[str, str], args: list[str] | None = None,
-                     timeout: float = 120.0) -> Iterator[tuple[Process, str]]:
-    """``memproxy serve --port 0`` with ``env``; yields it and its base URL (ending in /v1)."""
-    proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env))
+                     timeout: float = 120.0, cwd: Path = ROOT) -> Iterator[tuple[Process, str]]:
+    """``memproxy serve --port 0`` with ``env`` in ``cwd``; yields it and its base URL (ending in /v1)."""
+    proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env), cwd)
     try:
         line = proc.wait_for(r'"event":\s*"server.started"', timeout=timeout).string
         port = json.loads(line)["port"]
