@@ -24,8 +24,9 @@ from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_e
 from proxy.feature_report import readiness
 from proxy.identity import Identity, Mode, identify, log_user
 from proxy.memory.service import Exchange, Injection
-from proxy.sse import ReplyAssembler, reply_from_completion
+from proxy.sse import reply_from_completion
 from proxy.state import STATE, AppState
+from proxy.tool_history import ToolReplyAssembler, new_tool_results, reply_tool_calls
 from proxy.upstream import relayed_headers
 
 log = structlog.get_logger("memproxy.request")
@@ -157,8 +158,9 @@ class ChatCall:
         await response.write(data)
         self.status, self.bytes_out = reply.status, len(data)
         if identity.mode.writes:
-            text = reply_from_completion(_loads_or_none(data))
-            await self._record(body, identity, text, partial=False)
+            completion = _loads_or_none(data)
+            await self._record(body, identity, reply_from_completion(completion), partial=False,
+                               tool_calls=reply_tool_calls(completion))
         await response.write_eof()
         return response
 
@@ -167,20 +169,22 @@ class ChatCall:
         response = web.StreamResponse(status=reply.status, headers=headers)
         await response.prepare(self.request)
         self.status = reply.status
-        assembler = ReplyAssembler()
+        assembler = ToolReplyAssembler()
         try:
             await self._pump(reply, response, assembler)
         except (asyncio.CancelledError, ConnectionResetError):
             self.partial = True
-            if identity.mode.writes and assembler.text:
-                await asyncio.shield(self._record(body, identity, assembler.text, partial=True))
+            if identity.mode.writes and (assembler.text or assembler.tool_texts):
+                await asyncio.shield(self._record(body, identity, assembler.text, partial=True,
+                                                  tool_calls=assembler.tool_texts))
             raise
-        if identity.mode.writes and assembler.text:
-            await self._record(body, identity, assembler.text, partial=not assembler.complete)
+        if identity.mode.writes and (assembler.text or assembler.tool_texts):
+            await self._record(body, identity, assembler.text, partial=not assembler.complete,
+                               tool_calls=assembler.tool_texts)
         await response.write_eof()
         return response
 
-    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ReplyAssembler) -> None:
+    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ToolReplyAssembler) -> None:
         first = True
         try:
             async for chunk in reply.chunks():
@@ -196,7 +200,8 @@ class ChatCall:
             self.partial = True
             await response.write(sse_error_event(exc))
 
-    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool) -> None:
+    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool,
+                      tool_calls: tuple[str, ...] = ()) -> None:
         if identity.user_id is None or identity.conversation_id is None:
             return
         messages = body["messages"]
@@ -206,6 +211,7 @@ class ChatCall:
             assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
             system_prompt=system_prompt(messages), context=earlier_messages(messages),
             client_key=bearer_key(self.request.headers),
+            tool_calls=tool_calls, tool_results=new_tool_results(messages),
         )
         try:
             await self.state.memory.record(exchange)

@@ -156,8 +156,7 @@ def record_date(record: MemoryRecord) -> str:
 def record_label(record: MemoryRecord) -> str:
     """Who or what an item is: "user said", "assistant said", "conversation summary", a confidence."""
     if record.kind is Kind.TURN:
-        role = "assistant" if record.role == "assistant" else "user"
-        return f"{role} said"
+        return {"assistant": "assistant said", "tool": "a tool returned"}.get(record.role or "", "user said")
     if record.kind is Kind.SUMMARY:
         return "conversation summary"
     if record.kind is Kind.INSIGHT and record.confidence is not None:

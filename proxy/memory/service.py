@@ -41,6 +41,8 @@ class Exchange:
     finished_at: datetime
     system_prompt: str | None = None
     context: tuple[tuple[str, str], ...] = ()  # (role, text) of the messages just before, oldest first
+    tool_calls: tuple[str, ...] = ()  # the reply's tool calls, as bounded turn texts (proxy.tool_history)
+    tool_results: tuple[str, ...] = ()  # the request's new tool results, as bounded turn texts
     client_key: SecretStr | None = None  # the client's own key: held in memory for memory-side calls, never stored
 
 

@@ -51,6 +51,7 @@ from proxy.memory.llm import LLMUnavailable
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
+from proxy.memory.tool_turns import tool_turn_texts
 
 log = structlog.get_logger("memproxy.writer")
 
@@ -88,6 +89,8 @@ class ExchangePayload(BaseModel):
     finished_at: float
     request_id: str | None = None
     context: tuple[tuple[str, str], ...] = ()
+    tool_results: tuple[str, ...] = ()  # stored as turns of role "tool"; never a source of facts
+    tool_calls: tuple[str, ...] = ()  # the reply's tool calls, stored as assistant turns
 
 
 class FactsPayload(ExchangePayload):
@@ -112,6 +115,8 @@ def exchange_payload(exchange: Exchange) -> dict[str, Any]:
         finished_at=exchange.finished_at.timestamp(),
         request_id=exchange.request_id,
         context=tuple(exchange.context),
+        tool_results=exchange.tool_results,
+        tool_calls=exchange.tool_calls,
     )
     return payload.model_dump(mode="json")
 
@@ -121,8 +126,7 @@ def turn_records(job_id: str, user_id: str, p: ExchangePayload) -> list[MemoryRe
     end = datetime.fromtimestamp(p.finished_at, UTC)
     meta = json.dumps({"job_id": job_id, "model": p.model})
     texts = [("user", text, False) for text in p.user_messages if text.strip()]
-    if p.reply.strip():
-        texts.append(("assistant", p.reply, p.partial))
+    texts += tool_turn_texts(p.tool_results, p.reply, p.partial, p.tool_calls)
     return [
         MemoryRecord(
             user_id=user_id,
