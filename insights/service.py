@@ -53,7 +53,7 @@ class InsightSettings(BaseModel):
     min_message_words: int = Field(default=3, ge=1)  # "thanks", "ok!" say nothing about the user
     schedule_interval_s: float = Field(default=WEEK_S, gt=0)
     schedule_check_s: float = Field(default=3600.0, gt=0)  # how often the scheduler looks for due users
-    model: str | None = None  # None: the model the trigger names (the chat's), else the app's default
+    model: str | None = None  # None: [writer]/[memory_llm] model, else the user's latest chat model (scheduler)
     prompt_token_budget: int = Field(default=1000, ge=50)  # representative messages per call
     seed: int = 0
 
