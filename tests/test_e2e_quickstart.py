@@ -183,3 +183,30 @@ def test_memory_calls_impossible_are_named_and_jobs_wait(tmp_path: Path) -> None
             assert memories(url, "alice", "turn")  # the chat and its turns are unharmed
             assert '"job.dead"' not in proc.output
             assert APP_KEY not in {key for _, key, _ in memory_api.calls}  # the app's key never went elsewhere
+
+
+def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
+    """Through the proxy with the openai SDK: the tool call and the tool's result are turns, found by search."""
+    tools: Any = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    with hosted_upstream() as fake, memproxy_process(quick_start_env(fake.base_url), cwd=tmp_path) as (_, url):
+        client = openai.OpenAI(base_url=url, api_key=APP_KEY, max_retries=0)
+        headers = {"X-Memory-User": "bob", "X-Memory-Conversation": "trip"}
+        asked: Any = [{"role": "user", "content": "What's the weather in Paris today?"}]
+        first = client.chat.completions.create(model="fake-tools", messages=asked, tools=tools, extra_headers=headers)
+        [call] = first.choices[0].message.tool_calls or []
+        answered = [*asked, first.choices[0].message.model_dump(exclude_none=True),
+                    {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "temp_c": 18}'}]
+        client.chat.completions.create(model="gpt-4o-mini", messages=answered, tools=tools, extra_headers=headers)
+        wanted = {("assistant", 'tool call get_weather({"city": "Paris"})'),
+                  ("tool", 'tool result get_weather: {"sky": "sunny", "temp_c": 18}')}
+        eventually(lambda: wanted <= {(m["role"], m["text"]) for m in memories(url, "bob", "turn")})
+        request = urllib.request.Request(url.removesuffix("/v1") + "/v1/memory/users/bob/search", method="POST",  # noqa: S310
+                                         data=json.dumps({"query": "was it sunny in Paris"}).encode(),
+                                         headers={"Authorization": f"Bearer {ADMIN}",
+                                                  "Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
+            found = [row["text"] for row in json.loads(response.read())["results"]]
+        assert 'tool result get_weather: {"sky": "sunny", "temp_c": 18}' in found
+        said = [text for body in fake.structured_calls if "user_messages" in body["messages"][-1]["content"]
+                for text in json.loads(body["messages"][-1]["content"])["user_messages"]]
+        assert said == ["What's the weather in Paris today?"]  # facts only from the user's own words
