@@ -157,10 +157,10 @@ class ChatCall:
         await response.prepare(self.request)
         await response.write(data)
         self.status, self.bytes_out = reply.status, len(data)
-        if identity.mode.writes:
+        if identity.mode.writes:  # shielded: a client that hangs up once it has the body must not cancel it
             completion = _loads_or_none(data)
-            await self._record(body, identity, reply_from_completion(completion), partial=False,
-                               tool_calls=reply_tool_calls(completion))
+            await asyncio.shield(self._record(body, identity, reply_from_completion(completion), partial=False,
+                                              tool_calls=reply_tool_calls(completion)))
         await response.write_eof()
         return response
 
@@ -179,8 +179,8 @@ class ChatCall:
                                                   tool_calls=assembler.tool_texts))
             raise
         if identity.mode.writes and (assembler.text or assembler.tool_texts):
-            await self._record(body, identity, assembler.text, partial=not assembler.complete,
-                               tool_calls=assembler.tool_texts)
+            await asyncio.shield(self._record(body, identity, assembler.text, partial=not assembler.complete,
+                                              tool_calls=assembler.tool_texts))
         await response.write_eof()
         return response
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from typing import Any
@@ -115,3 +116,25 @@ def test_tool_texts_are_bounded() -> None:
     for _ in range(100):
         assembler.feed(chunk("m", {"tool_calls": [{"index": 0, "function": {"arguments": "y" * 1000}}]}))
     assert len(assembler.tool_texts[0]) == MAX_TOOL_CHARS
+
+
+async def test_a_client_that_hangs_up_after_the_body_loses_nothing(make_proxy: ProxyFactory) -> None:
+    """Clients that close the connection as soon as they have the answer (curl, urllib) still get it stored."""
+    proxy = await make_proxy(admin={"api_key": ADMIN})
+    port = proxy.server.port
+    for n in range(5):
+        body = json.dumps({"model": "fake-echo", "messages": [{"role": "user", "content": f"note number {n}"}]})
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Memory-User: hal\r\n"
+                      f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+        length = int(lengths[0])
+        assert b"note number" in await reader.readexactly(length)
+        writer.close()  # at once, like urllib
+
+    async def all_stored() -> bool:
+        return sum(role == "user" for role, _ in await _turns(proxy, "hal")) == 5
+
+    await eventually(all_stored, within_s=60)
