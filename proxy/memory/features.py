@@ -64,8 +64,9 @@ class FeatureBoard:
                                                       reason=state.reason)
 
     def succeeded(self, feature: str) -> None:
-        """A memory-side call of ``feature`` worked: back to its configured state."""
-        self._set(feature, self._configured[feature])
+        """A memory-side call of ``feature`` worked: live (with its configured reason, if that was live)."""
+        configured = self._configured[feature]
+        self._set(feature, configured if configured.live else FeatureState(True, "memory-side calls answer"))
 
     def waiting(self, feature: str, reason: str, detail: str) -> None:
         """Jobs of ``feature`` wait for a key or configuration: it is off until one works."""
