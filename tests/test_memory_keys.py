@@ -143,3 +143,19 @@ def test_a_held_key_expires_and_goes_only_to_its_own_route() -> None:
     assert latest.model("ann") == "gpt-4o-mini"
 
 
+
+
+async def test_each_routes_key_goes_only_to_that_route(make_proxy: ProxyFactory, fake: HostedUpstream) -> None:
+    """A user's key for the default upstream never reaches a route's server, and the reverse."""
+    async with HostedUpstream() as team:
+        proxy = await make_proxy(routes=[{"prefix": "team/", "provider": "openai", "base_url": team.base_url}])
+        headers = {"X-Memory-User": "ann", "Authorization": "Bearer sk-default"}
+        body = {"model": "fake-echo", "messages": [{"role": "user", "content": "My bike is red."}]}
+        assert (await proxy.post(CHAT, json=body, headers=headers)).status == 200
+        headers["Authorization"] = "Bearer sk-team"
+        body = {"model": "team/echo", "messages": [{"role": "user", "content": "My car is blue."}]}
+        assert (await proxy.post(CHAT, json=body, headers=headers)).status == 200
+        await eventually(lambda: _has(proxy, "blue"), within_s=60)
+        await eventually(lambda: _has(proxy, "red"), within_s=60)
+        assert set(fake.memory_keys("memory_facts")) == {"sk-default"}
+        assert set(team.memory_keys("memory_facts")) == {"sk-team"}
