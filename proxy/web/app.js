@@ -235,6 +235,11 @@ function actions(record, editable) {
 function textCell(record) {
   const cell = el("td", { class: "text" }, record.text);
   if (record.sensitive) cell.append(" ", badge("sensitive", "warn"));
+  if (record.flagged) {
+    const flag = badge("flagged: never injected", "warn");
+    flag.title = record.flagged;
+    cell.append(" ", flag);
+  }
   if (record.valid === false) cell.append(" ", badge(record.superseded_by ? "replaced" : "history", "muted"));
   return cell;
 }
