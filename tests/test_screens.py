@@ -47,7 +47,8 @@ DIABETES = "I was diagnosed with diabetes last year."
 def test_card_and_pin_are_redacted() -> None:
     """The PIN and the Luhn-valid card number are replaced by markers; the rest of the sentence stays."""
     text, kinds = redact_identifiers(CARD)
-    assert "4921" not in text and "4111" not in text
+    assert "4921" not in text
+    assert "4111" not in text
     assert text.startswith("My bank PIN is [redacted:")
     assert "card_number" in kinds
 
@@ -168,7 +169,8 @@ def test_fact_with_redaction_marker_is_dropped() -> None:
 def test_explicit_request_keeps_the_secret() -> None:
     """When the user asked to remember, the text is stored as written (not redacted) and not flagged."""
     screened = screen_text("Remember my locker PIN is 4921.", explicit=True)
-    assert "4921" in screened.text and screened.flagged is None
+    assert "4921" in screened.text
+    assert screened.flagged is None
 
 
 def test_fold_maps_lookalikes() -> None:
@@ -202,7 +204,8 @@ async def test_table_without_flag_column_opens_and_reads_unflagged(tmp_path: Pat
     await table.open()
     try:
         [old] = await table.records("u", [record.id])
-        assert old.flagged is None and old.text == "old turn"
+        assert old.flagged is None
+        assert old.text == "old turn"
         new = MemoryRecord(user_id="u", kind=Kind.TURN, text="new", embedding=[0.0, 1.0, 0.0, 0.0],
                            flagged="instruction_like:memory_tag")  # fmt: skip
         await table.add(to_arrow([new], 4))
@@ -257,10 +260,12 @@ async def test_secrets_and_planted_text_never_come_back(make_proxy: ProxyFactory
             assert secret not in sent
     records = await _memories(proxy, "mallory")
     texts = " ".join(r["text"] for r in records)
-    assert "4921" not in texts and "4111 1111" not in texts
+    assert "4921" not in texts
+    assert "4111 1111" not in texts
     assert "[redacted:card_number]" in texts
     planted = [r for r in records if "evil.example" in r["text"] or "leak secrets" in r["text"]]
-    assert planted and all(r["flagged"] and r["flagged"].startswith("instruction_like:") for r in planted)
+    assert planted
+    assert all(r["flagged"] and r["flagged"].startswith("instruction_like:") for r in planted)
 
 
 async def test_diabetes_turn_is_marked_sensitive(make_proxy: ProxyFactory) -> None:
@@ -270,4 +275,5 @@ async def test_diabetes_turn_is_marked_sensitive(make_proxy: ProxyFactory) -> No
     await _settled(proxy)
     records = await _memories(proxy, "hana")
     user_turns = [r for r in records if r["role"] == "user"]
-    assert user_turns and all(r["sensitive"] for r in user_turns)
+    assert user_turns
+    assert all(r["sensitive"] for r in user_turns)
