@@ -57,7 +57,8 @@ def memory_llm(settings: Settings) -> tuple[PrefixRouter, list[LLMClient]]:
                 timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
         else:
             client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
-                                                   timeout_s=settings.memory_llm.timeout_s))
+                                                   timeout_s=settings.memory_llm.timeout_s,
+                                                   provider=route.pinned_provider))
         routes.append(Route(route.prefix, client, route.strip_prefix))
     return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
 

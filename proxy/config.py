@@ -14,7 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings
@@ -59,13 +68,38 @@ class UpstreamSettings(_Frozen):
 
 
 class RouteSettings(_Frozen):
-    """Models whose name starts with ``prefix`` go to this route instead of the default upstream."""
+    """Models whose name starts with ``prefix`` go to this route instead of the default upstream.
+
+    A litellm route fixes its litellm provider (``litellm_provider``, else the first segment of a prefix such
+    as ``anthropic/``), so that no model name can choose another provider, address or key.
+    """
 
     prefix: str = Field(min_length=1)
     provider: Literal["openai", "litellm"] = "litellm"
     base_url: str | None = None
     api_key: SecretStr | None = None
     strip_prefix: bool = False
+    litellm_provider: str | None = Field(default=None, pattern=r"^[a-z0-9_]+$")
+
+    @model_validator(mode="after")
+    def _provider_is_fixed(self) -> RouteSettings:
+        if self.provider == "litellm" and self.pinned_provider is None:
+            raise ValueError(
+                f"route {self.prefix!r}: set litellm_provider (e.g. \"anthropic\", or \"openai\" for an "
+                "OpenAI-compatible base_url): with strip_prefix or a prefix that names no provider, the model "
+                "name would choose the provider"
+            )
+        return self
+
+    @property
+    def pinned_provider(self) -> str | None:
+        """The litellm provider every call of this route goes to (None for an ``openai`` route)."""
+        if self.provider != "litellm":
+            return None
+        if self.litellm_provider:
+            return self.litellm_provider
+        head, slash, _ = self.prefix.partition("/")
+        return head if slash and head and not self.strip_prefix else None
 
 
 class StorageSettings(_Frozen):
