@@ -119,8 +119,9 @@ async def test_other_litellm_kwargs_are_dropped(field: str, make_proxy: ProxyFac
 
 
 @pytest.mark.parametrize("model", ["r/ollama/llama3", "r/anthropic/claude-3", "r/openai/fake-echo"])
-async def test_provider_prefix_in_model_cannot_change_provider(model: str, make_proxy: ProxyFactory,
-                                                                fake: FakeUpstream, canary: Canary) -> None:  # fmt: skip
+async def test_provider_prefix_in_model_cannot_change_provider(
+    model: str, make_proxy: ProxyFactory, fake: FakeUpstream, canary: Canary
+) -> None:
     """A provider prefix in the model name stays part of the name: the route's own server answers, its key used."""
     proxy = await make_proxy(routes=[_route(fake)])
     response = await proxy.post(CHAT, json=_body(model=model))
