@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from pydantic import SecretStr
 
+from proxy.access import install_access
 from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
@@ -106,6 +107,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
             state.stopping = True
 
     app.cleanup_ctx.append(lifecycle)
+    install_access(app)
     add_routes(app)
     add_management_routes(app)
     return app

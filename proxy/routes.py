@@ -18,6 +18,7 @@ import orjson
 import structlog
 from aiohttp import web
 
+from proxy.access import NAMESPACE, scoped
 from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.identity import Identity, Mode, identify, log_user
@@ -107,7 +108,7 @@ class ChatCall:
         raw = await _read_body(self.request, settings.server.max_body_bytes)
         body = parse_chat_request(raw)
         default_mode = Mode(settings.memory.default_mode) if settings.memory.enabled else Mode.OFF
-        identity = identify(self.request.headers, body, default_mode)
+        identity = scoped(identify(self.request.headers, body, default_mode), self.request.get(NAMESPACE))
         if not settings.memory.enabled:
             identity = Identity(identity.user_id, identity.conversation_id, Mode.OFF)
         self.state.metrics.observe("parse", time.perf_counter() - self.started)
