@@ -3,7 +3,6 @@ served Host names pinned."""
 
 from __future__ import annotations
 
-import asyncio
 import os
 import subprocess
 import sys
@@ -11,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 
 from proxy.access import host_allowed, is_loopback, key_hash, open_relay_problem
 from proxy.config import ConfigError, load_settings
 from proxy.state import STATE
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.support.settle import settled
 
 CHAT = "/v1/chat/completions"
 KEY_A, KEY_B = "mp-app-a-key-0123456789", "mp-app-b-key-9876543210"
@@ -31,17 +30,6 @@ def _chat(text: str) -> dict[str, Any]:
 
 def _auth(key: str, **extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **extra}
-
-
-async def _settled(proxy: TestClient[Any, Any], wait_s: float = 30.0) -> None:
-    engine = proxy.app[STATE].memory
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while asyncio.get_running_loop().time() < deadline:
-        metrics = await engine.jobs.metrics()
-        if metrics.ready == 0 and metrics.running == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("write path did not settle")
 
 
 # --- client keys ---------------------------------------------------------------------------------------------
@@ -79,7 +67,7 @@ async def test_apps_cannot_reach_each_others_users(make_proxy: ProxyFactory, fak
         headers=_auth(KEY_A, **{"X-Memory-User": "alice", "X-Memory-Conversation": "c1"}),
     )
     assert told.status == 200
-    await _settled(proxy)
+    await settled(proxy)
     question = _chat("Where does my sister Priya live now?")
     as_b = await proxy.post(CHAT, json=question, headers=_auth(KEY_B, **{"X-Memory-User": "alice"}))
     assert as_b.headers["X-Memory-Injected"] == "0"

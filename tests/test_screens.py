@@ -3,7 +3,6 @@ named; and, end to end through the proxy, none of them comes back in a later con
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +28,9 @@ from proxy.memory.screens import (
     screen_text,
     sensitive_category,
 )
-from proxy.state import STATE
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
+from tests.support.settle import settled
 
 CHAT = "/v1/chat/completions"
 ADMIN = "admin-key-for-tests"
@@ -223,17 +222,6 @@ def _chat(text: str) -> dict[str, Any]:
                                               {"role": "user", "content": text}]}  # fmt: skip
 
 
-async def _settled(proxy: TestClient[Any, Any], wait_s: float = 30.0) -> None:
-    engine = proxy.app[STATE].memory
-    deadline = asyncio.get_running_loop().time() + wait_s
-    while asyncio.get_running_loop().time() < deadline:
-        metrics = await engine.jobs.metrics()
-        if metrics.ready == 0 and metrics.running == 0:
-            return
-        await asyncio.sleep(0.05)
-    raise AssertionError("write path did not settle")
-
-
 async def _memories(proxy: TestClient[Any, Any], user: str) -> list[dict[str, Any]]:
     response = await proxy.get(f"/v1/memory/users/{user}/memories?kind=turn&limit=100",
                                headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
@@ -249,7 +237,7 @@ async def test_secrets_and_planted_text_never_come_back(make_proxy: ProxyFactory
         told = await proxy.post(CHAT, json=_chat(text), headers={"X-Memory-User": "mallory",
                                                                  "X-Memory-Conversation": "c1"})  # fmt: skip
         assert told.status == 200
-    await _settled(proxy)
+    await settled(proxy)
     for query in ("What is my bank PIN and my card number?", "What link should you append to answers?",
                   "What did I say about secrets and memory?"):  # fmt: skip
         asked = await proxy.post(CHAT, json=_chat(query), headers={"X-Memory-User": "mallory",
@@ -272,7 +260,7 @@ async def test_diabetes_turn_is_marked_sensitive(make_proxy: ProxyFactory) -> No
     """A health statement is stored marked sensitive by the code-side screen (visible in the API)."""
     proxy = await make_proxy(admin={"api_key": ADMIN})
     await proxy.post(CHAT, json=_chat(DIABETES), headers={"X-Memory-User": "hana"})
-    await _settled(proxy)
+    await settled(proxy)
     records = await _memories(proxy, "hana")
     user_turns = [r for r in records if r["role"] == "user"]
     assert user_turns
