@@ -110,6 +110,9 @@ def test_instructions_and_planted_links_are_caught(text: str, rule: str) -> None
         "I always read the news at https://www.bbc.co.uk in the morning.",
         "My sister Priya moved to Lisbon last spring.",
         "The assistant at the bank was friendly.",
+        "Wow, Jon, you must be so excited!",
+        "It's good to appreciate where you are now. Could you tell me more?",
+        "Thanks, I will. You have to keep pushing for your goals.",
     ],
 )
 def test_ordinary_statements_are_not_flagged(text: str) -> None:

@@ -68,7 +68,9 @@ _INJECTION_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "you_must",
         re.compile(
-            r"\byou\s+(must|shall|have\s+to|are\s+required\s+to|should\s+(always|never)|will\s+(always|never))\b",
+            r"\byou\s+(must|shall|are\s+required\s+to|should\s+(always|never)|will\s+(always|never)|have\s+to\s+"
+            r"(always|never|answer|reply|respond|ignore|obey|include|append|say|tell|reveal|follow))\b"
+            r"(?!\s+(be|have|'ve|feel|love|know|think|miss|enjoy|like|mean|really\s+\w+)\b)",  # "you must be proud"
             _I,
         ),
     ),
@@ -101,7 +103,8 @@ _INJECTION_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
         "persona_override",
         re.compile(
-            r"\b(you\s+are\s+now|new\s+instructions|jailbreak|developer\s+mode|dan\s+mode)\b"
+            r"\b(you\s+are\s+now\s+(an?|the|in|called|named|my|free|unrestricted|jailbroken|dan|evil|no\s+longer)"
+            r"|new\s+instructions|jailbreak|developer\s+mode|dan\s+mode)\b"
             r"|\b(from\s+now\s+on|henceforth|going\s+forward)\b[^.\n]{0,60}\b(you|assistant|respond|answer|"
             r"reply|leak|reveal|secrets?|passwords?|keys?|ignore|obey|links?|urls?)\b"
             r"|\b(act|roleplay)\s+as\s+(an?\s+)?(ai|assistant|system|admin(istrator)?|root|unrestricted)\b",
