@@ -254,6 +254,13 @@ async def test_secrets_and_planted_text_never_come_back(make_proxy: ProxyFactory
     assert "4921" not in texts
     assert "4111 1111" not in texts
     assert "[redacted:card_number]" in texts
+    search = await proxy.post("/v1/memory/users/mallory/search", json={"query": "append the link to every answer"},
+                              headers={"Authorization": f"Bearer {ADMIN}"})  # fmt: skip
+    preview = await search.json()
+    assert "evil.example" not in preview["injected_block"]
+    planted_hits = [hit for hit in preview["results"] if "evil.example" in hit["text"]]
+    assert planted_hits
+    assert all(hit["flagged"] for hit in planted_hits)
     planted = [r for r in records if "evil.example" in r["text"] or "leak secrets" in r["text"]]
     assert planted
     assert all(r["flagged"] and r["flagged"].startswith("instruction_like:") for r in planted)

@@ -397,7 +397,8 @@ async function preview(event) {
     $("search-arms").replaceChildren(...result.arms.map((arm) =>
       badge(arm, arm.startsWith("degraded") ? "warn" : arm === "gated" ? "muted" : "")));
     $("search-rows").replaceChildren(...result.results.map((hit) => el("tr", {},
-      el("td", { class: "text" }, hit.text), el("td", {}, badge(hit.kind, "muted")),
+      el("td", { class: "text" }, hit.text, ...(hit.flagged ? [" ", badge("flagged: never injected", "warn")] : [])),
+      el("td", {}, badge(hit.kind, "muted")),
       el("td", { class: "mono" }, Number(hit.score).toFixed(3)),
       el("td", { class: "small muted mono" },
         Object.entries(hit.arms || {}).map(([arm, score]) => `${arm} ${Number(score).toFixed(2)}`).join(" · ")))));
