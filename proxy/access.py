@@ -99,7 +99,8 @@ def is_loopback(host: str) -> bool:
 
 def holds_upstream_key(settings: Settings) -> bool:
     """Whether memproxy holds a key of its own for some upstream (which anyone reaching it would spend)."""
-    keys = [settings.upstream.api_key, settings.memory_llm.api_key, *(r.api_key for r in settings.routes)]
+    keys = [settings.upstream.api_key, settings.memory_llm.api_key, settings.embedder.api_key,
+            settings.rerank.api_key, *(r.api_key for r in settings.routes)]  # fmt: skip
     return any(key is not None and key.get_secret_value() for key in keys)
 
 
