@@ -124,10 +124,14 @@ def host_allowed(host: str, allowed: Sequence[str]) -> bool:
     return host in allowed or name in allowed
 
 
-def _check_browser(request: web.Request, origins: Sequence[str]) -> None:
+def _check_origin(request: web.Request, origins: Sequence[str]) -> None:
     origin = request.headers.get("Origin")
     if origin is not None and origin not in origins:
         raise Forbidden(f"cross-origin request from {origin[:100]} refused: allow it in server.allowed_origins")
+
+
+def _check_browser(request: web.Request, origins: Sequence[str]) -> None:
+    _check_origin(request, origins)
     media = request.content_type if "Content-Type" in request.headers else ""
     if media != "application/json":
         raise UnsupportedMediaType(
@@ -187,8 +191,8 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
         return _preflight(request)
     if request.path in CHAT_PATHS and request.method == "POST":
         _check_browser(request, server.allowed_origins)
-    elif origin is not None and origin not in server.allowed_origins:
-        raise Forbidden(f"cross-origin request from {origin[:100]} refused: allow it in server.allowed_origins")
+    else:
+        _check_origin(request, server.allowed_origins)
     if settings.clients:
         request = _authenticated(request, settings)
     return await handler(request)
