@@ -3,6 +3,7 @@ named; and, end to end through the proxy, none of them comes back in a later con
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -275,3 +276,12 @@ async def test_diabetes_turn_is_marked_sensitive(make_proxy: ProxyFactory) -> No
     user_turns = [r for r in records if r["role"] == "user"]
     assert user_turns
     assert all(r["sensitive"] for r in user_turns)
+
+
+@pytest.mark.parametrize("text", ["a-" * 50_000, "1 " * 50_000, "card " + "1 " * 50_000, "from now on " * 10_000,
+                                  "<" * 100_000, "passport " + "A1" * 50_000])  # fmt: skip
+def test_hostile_text_is_screened_in_linear_time(text: str) -> None:
+    """100 kB crafted to make regexes backtrack is screened in seconds at most (the "a-" case took 157 s before)."""
+    started = time.perf_counter()
+    screen_text(text)
+    assert time.perf_counter() - started < 10.0

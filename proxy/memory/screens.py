@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import unicodedata
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 _I = re.IGNORECASE
 REDACTION = "[redacted:{kind}]"
@@ -53,7 +53,7 @@ def fold(text: str) -> str:
 
 # --- instructions and planted links -----------------------------------------------------------------------
 
-_URL = r"(?:https?://|www\.|\b[a-z0-9-]+\.(?:com|net|org|io|example|xyz|ru|cn|top|info|biz|link|click)\b)"
+_URL = r"(?:https?://|www\.|\b[a-z0-9-]{1,63}\.(?:com|net|org|io|example|xyz|ru|cn|top|info|biz|link|click)\b)"
 _ANSWERS = r"(?:answers?|repl(?:y|ies)|responses?|messages?|outputs?|emails?|posts?|texts?|suggestions?)"
 _INJECTION_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     (
@@ -125,11 +125,43 @@ _INJECTION_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 )
 
 
+# Cheap prefilters: a rule can only match text (lower-cased) holding one of its needles.
+_NEEDLES: dict[str, tuple[str, ...]] = {
+    "ignore_instructions": ("ignore", "disregard", "override", "forget"),
+    "you_must": ("must", "shall", "required", "should", "will", "have"),
+    "model_directive": ("must", "shall", "should", "required", "will"),
+    "system_prompt": ("system", "developer"),
+    "memory_tag": ("<",),
+    "role_syntax": (":", "<", "[", "inst"),
+    "tool_call": ('"', "<function", "functions."),
+    "persona_override": ("now", "instructions", "jailbreak", "developer", "dan", "henceforth", "forward", "act",
+                         "roleplay"),
+    "link_planting": ("answer", "repl", "respons", "message", "output", "email", "post", "text", "suggestion",
+                      "link", "http", "www.", ".com", ".net", ".org", ".io", ".example", ".xyz", ".ru", ".cn",
+                      ".top", ".info", ".biz", ".click"),
+    "private_key": ("-----begin",),
+    "api_key": ("sk", "pk-", "rk-", "akia", "gh", "github_pat", "xox", "aiza", "glpat", "eyj"),
+    "token": ("bearer",),
+    "credential": ("pass", "pin", "cvv", "cvc", "security", "api", "secret", "token", "2fa", "otp", "mot de",
+                   "contrase", "密码", "密碼", "口令", "パスワード", "暗証番号", "비밀번호"),
+    "pin": ("pin",),
+    "account_number": ("account", "acct", "routing", "sort", "passport", "licen", "national", "id", "tax",
+                       "social", "insurance", "policy", "member", "card", "身份证", "マイナンバー", "주민등록번호"),
+    "national_id": ("passport", "national", "id", "licen", "tax"),
+}  # fmt: skip
+
+
+def _may_match(name: str, lowered: str) -> bool:
+    needles = _NEEDLES.get(name)
+    return needles is None or any(needle in lowered for needle in needles)
+
+
 def injection_reason(text: str, extra: Sequence[str] = ()) -> str | None:
     """The name of the first instruction or link-planting rule ``text`` matches, or None."""
     folded = fold(text)
+    lowered = folded.lower()
     for name, pattern in _INJECTION_RULES:
-        if pattern.search(folded):
+        if _may_match(name, lowered) and pattern.search(folded):
             return name
     for pattern_text in extra:
         if re.search(pattern_text, folded, _I):
@@ -239,11 +271,46 @@ def _checksum_spans(text: str) -> list[Span]:
     return spans + [span for span in ibans if span is not None]
 
 
+_DIGIT = re.compile(r"\d")
+_NEEDS_DIGITS = frozenset({"ssn", "national_insurance", "pin", "account_number", "national_id"})
+
+
+# Keyword rules can only match where one of these (lower case) starts: they are tried at those places only,
+# instead of at every position (a scan of 100 kB took ~60 ms per rule, ~1 ms this way).
+_ANCHORS: dict[str, tuple[str, ...]] = {
+    "token": ("bearer",),
+    "credential": ("pass", "pin", "cvv", "cvc", "security", "api", "secret", "access", "auth", "token", "2fa",
+                   "otp", "mot", "contrase", "密码", "密碼", "口令", "パスワード", "暗証番号", "비밀번호"),
+    "pin": ("pin",),
+    "account_number": ("account", "acct", "routing", "sort", "passport", "licen", "national", "id", "tax",
+                       "social", "insurance", "policy", "member", "card", "身份证", "マイナンバー", "주민등록번호"),
+    "national_id": ("passport", "national", "id", "licen", "tax"),
+}  # fmt: skip
+
+
+def _matches(name: str, pattern: re.Pattern[str], text: str, lowered: str) -> Iterator[re.Match[str]]:
+    anchors = _ANCHORS.get(name)
+    if anchors is None or len(lowered) != len(text):  # lower() moved indexes (rare letters): scan it all
+        yield from pattern.finditer(text)
+        return
+    for anchor in anchors:
+        at = lowered.find(anchor)
+        while at != -1:
+            match = pattern.match(text, at)
+            if match is not None:
+                yield match
+            at = lowered.find(anchor, at + 1)
+
+
 def identifier_spans(text: str, extra: Sequence[str] = ()) -> list[Span]:
     """Every identifier in ``text`` (positions in ``text`` itself), without overlaps, in order."""
-    spans = _checksum_spans(text)
+    digits = _DIGIT.search(text) is not None
+    lowered = text.lower()
+    spans = _checksum_spans(text) if digits else []
     for name, pattern in _IDENTIFIER_RULES:
-        for match in pattern.finditer(text):
+        if (not digits and name in _NEEDS_DIGITS) or not _may_match(name, lowered):
+            continue
+        for match in _matches(name, pattern, text, lowered):
             group = next((g for g in ("secret", "cjk") if g in pattern.groupindex and match.group(g)), 0)
             spans.append(Span(match.start(group), match.end(group), name))
     for pattern_text in extra:
@@ -318,7 +385,7 @@ _SENSITIVE_WORDS: dict[str, tuple[str, ...]] = {
     "religion": (
         r"religio\w*", r"christian\w*", r"catholic\w*", r"protestant\w*", r"muslim", r"islam\w*", r"jewish",
         r"judaism", r"hindu\w*", r"buddhis\w*", r"sikh\w*", r"atheis\w*", r"agnostic", r"church", r"mosque",
-        r"synagogue", r"pray(ed|ing|s)?", r"bible", r"quran|koran", r"converted\s+to", r"mormon\w*", r"jehovah",
+        r"synagogue", r"pray(ed|ing|s)?", r"bible", r"quran", r"koran", r"converted\s+to", r"mormon\w*", r"jehovah",
         "基督教", "天主教", "伊斯兰", "穆斯林", "佛教", "犹太", "教会", "キリスト教", "仏教", "イスラム",
         "기독교", "불교", "천주교", "이슬람", "교회",
     ),
@@ -344,29 +411,50 @@ _SENSITIVE_WORDS: dict[str, tuple[str, ...]] = {
         r"probation", r"parole", r"incarcerat\w*", "坐牢", "犯罪记录", "前科", "逮捕", "전과", "수감", "체포",
     ),
     "union_membership": (
-        r"(trade|labou?r)\s+union", r"union\s+(member|rep\w*|dues|steward)", r"unioni[sz]ed",
+        r"trade\s+union", r"labou?r\s+union", r"union\s+(member|rep\w*|dues|steward)", r"unioni[sz]ed",
         "工会", "労働組合", "노동조합", "노조",
     ),
 }  # fmt: skip
 
 
-def _category_pattern(words: Sequence[str]) -> re.Pattern[str]:
-    latin = [w for w in words if w.isascii()]
-    other = [re.escape(w.strip()) for w in words if not w.isascii()]
-    parts = [rf"\b(?:{'|'.join(latin)})\b"] if latin else []
-    parts += [f"(?:{'|'.join(other)})"] if other else []
-    return re.compile("|".join(parts), _I)
+_WORD = re.compile(r"[a-z][a-z']*")
+_HEAD = re.compile(r"[a-z']+")
 
 
-_SENSITIVE_RULES = tuple((name, _category_pattern(words)) for name, words in _SENSITIVE_WORDS.items())
+def _buckets() -> dict[str, list[tuple[str, re.Pattern[str]]]]:
+    """The ASCII sensitive patterns by the first four letters of their literal head (three or fewer when the
+    head is that short), so that a text is only matched against the patterns its words could start."""
+    buckets: dict[str, list[tuple[str, re.Pattern[str]]]] = {}
+    for name, words in _SENSITIVE_WORDS.items():
+        for word in words:
+            if word.isascii():
+                head = _HEAD.match(word)
+                if head is None or len(head.group()) < 2:
+                    raise ValueError(f"sensitive pattern {word!r} must start with at least two letters")
+                buckets.setdefault(head.group()[:4], []).append((name, re.compile(rf"\b(?:{word})\b")))
+    return buckets
+
+
+_SENSITIVE_BUCKETS = _buckets()
+_SENSITIVE_OTHER = re.compile(  # CJK and accented words: no word boundaries, one named group per category
+    "|".join(f"(?P<{name}>{'|'.join(re.escape(w) for w in words if not w.isascii())})"
+             for name, words in _SENSITIVE_WORDS.items() if any(not w.isascii() for w in words)),
+    _I,
+)  # fmt: skip
 
 
 def sensitive_category(text: str) -> str | None:
-    """The first sensitive category (health, religion, politics, ...) ``text`` speaks of, or None."""
-    folded = fold(text)
-    for name, pattern in _SENSITIVE_RULES:
-        if pattern.search(folded):
-            return name
+    """The sensitive category (health, religion, politics, ...) ``text`` first speaks of, or None."""
+    folded = fold(text).lower()
+    for token in dict.fromkeys(_WORD.findall(folded)):
+        for key in dict.fromkeys((token[:4], token[:3], token[:2])):
+            for name, pattern in _SENSITIVE_BUCKETS.get(key, ()):
+                if pattern.search(folded):
+                    return name
+    if not folded.isascii():
+        match = _SENSITIVE_OTHER.search(folded)
+        if match is not None:
+            return match.lastgroup
     return None
 
 
