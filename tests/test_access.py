@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 
 from proxy.access import host_allowed, is_loopback, key_hash, open_relay_problem
@@ -79,6 +80,20 @@ async def test_apps_cannot_reach_each_others_users(make_proxy: ProxyFactory, fak
     assert "Lisbon" in str(fake.requests[-1]["json"]["messages"][0]["content"])
     users = await (await proxy.get("/v1/memory/users", headers=_auth(ADMIN))).json()
     assert [u["user_id"] if isinstance(u, dict) else u for u in users["data"]] == ["appA:alice"]
+
+
+async def test_openai_sdk_sees_an_authentication_error(make_proxy: ProxyFactory) -> None:
+    """The real openai SDK raises AuthenticationError for a wrong client key and answers with the right one."""
+    proxy = await make_proxy(clients=CLIENTS)
+    base = str(proxy.make_url("/v1"))
+    wrong = openai.AsyncOpenAI(base_url=base, api_key="sk-not-a-client", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        await wrong.chat.completions.create(model="fake-echo", messages=[{"role": "user", "content": "hi"}])
+    right = openai.AsyncOpenAI(base_url=base, api_key=KEY_A, max_retries=0)
+    answer = await right.chat.completions.create(model="fake-echo", messages=[{"role": "user", "content": "hi"}])
+    assert answer.choices[0].message.content == "echo: hi"
+    await wrong.close()
+    await right.close()
 
 
 def test_client_entries_are_validated() -> None:
