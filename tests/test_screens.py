@@ -26,6 +26,7 @@ from proxy.memory.screens import (
     identifier_reason,
     injection_reason,
     redact_identifiers,
+    remembered_identifiers,
     screen_text,
     sensitive_category,
 )
@@ -285,3 +286,23 @@ def test_hostile_text_is_screened_in_linear_time(text: str) -> None:
     started = time.perf_counter()
     screen_text(text)
     assert time.perf_counter() - started < 10.0
+
+
+def test_only_the_secret_asked_to_remember_is_kept() -> None:
+    """In "Please remember my PIN is 4921. By the way my card is ...", the PIN stays and the card is redacted,
+    in the user's turn and in an assistant reply that repeats both."""
+    message = "Please remember my PIN is 4921. By the way my card is 4111 1111 1111 1111."
+    keep = remembered_identifiers([message])
+    assert keep == {"4921"}
+    stored, kinds = redact_identifiers(message, keep=keep)
+    assert "4921" in stored
+    assert "4111" not in stored
+    assert kinds == ("card_number",)
+    echoed, _ = redact_identifiers("Noted: PIN 4921, card 4111 1111 1111 1111.", keep=keep)
+    assert "4921" in echoed
+    assert "4111" not in echoed
+
+
+def test_nothing_is_kept_without_a_request() -> None:
+    """Without "remember", every identifier of the exchange is redacted."""
+    assert remembered_identifiers([CARD]) == frozenset()

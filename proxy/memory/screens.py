@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 _I = re.IGNORECASE
 REDACTION = "[redacted:{kind}]"
@@ -331,8 +331,9 @@ def identifier_reason(text: str, extra: Sequence[str] = ()) -> str | None:
     return None
 
 
-def redact_identifiers(text: str, extra: Sequence[str] = ()) -> tuple[str, tuple[str, ...]]:
-    """``text`` with every identifier replaced by ``[redacted:<kind>]``, and the kinds replaced.
+def redact_identifiers(text: str, extra: Sequence[str] = (), keep: Collection[str] = ()) -> tuple[str, tuple[str, ...]]:
+    """``text`` with every identifier replaced by ``[redacted:<kind>]`` (except those in ``keep``, the ones
+    the user asked to remember), and the kinds replaced.
 
     The original text is searched first; when only its folded form shows an identifier (fullwidth digits,
     zero-width characters inside a number), the folded form is what gets redacted and stored.
@@ -341,6 +342,7 @@ def redact_identifiers(text: str, extra: Sequence[str] = ()) -> tuple[str, tuple
     if not spans:
         source = fold(text)
         spans = identifier_spans(source, extra) if source != text else []
+    spans = [span for span in spans if source[span.start : span.end] not in keep]
     if not spans:
         return text, ()
     out, last = [], 0
@@ -365,6 +367,22 @@ _EXPLICIT = re.compile(
 def asked_to_remember(user_text: str) -> bool:
     """Whether the user explicitly asked to remember something, in their own words."""
     return _EXPLICIT.search(user_text) is not None
+
+
+_SENTENCE = re.compile(r"[^.!?\n]+(?:[.!?]+(?=\s|$)|\n|$)|[.!?]")
+
+
+def remembered_identifiers(user_messages: Sequence[str], extra: Sequence[str] = ()) -> frozenset[str]:
+    """The identifiers the user asked to remember: those in a sentence that asks for it ("Please remember my
+    PIN is 4921."), in the text as written. Every other identifier of the exchange is redacted."""
+    found: set[str] = set()
+    for message in user_messages:
+        if not asked_to_remember(message):
+            continue
+        for sentence in _SENTENCE.findall(message):
+            if asked_to_remember(sentence.strip()):
+                found.update(sentence[span.start : span.end] for span in identifier_spans(sentence, extra))
+    return frozenset(found)
 
 
 # --- sensitive categories ---------------------------------------------------------------------------------
@@ -475,13 +493,15 @@ def screen_text(
     text: str,
     *,
     explicit: bool = False,
+    keep: Collection[str] = (),
     extra_identifiers: Sequence[str] = (),
     extra_instructions: Sequence[str] = (),
 ) -> ScreenedText:
-    """Screen one text before it is stored: redact identifiers (unless ``explicit``), flag instructions."""
+    """Screen one text before it is stored: redact identifiers (all but ``keep``, none when ``explicit``),
+    flag instructions."""
     redacted: tuple[str, ...] = ()
     if not explicit:
-        text, redacted = redact_identifiers(text, extra_identifiers)
+        text, redacted = redact_identifiers(text, extra_identifiers, keep)
     reason = injection_reason(text, extra_instructions)
     flagged = f"instruction_like:{reason}" if reason is not None else None
     return ScreenedText(text, redacted, flagged, sensitive_category(text))

@@ -50,7 +50,7 @@ from proxy.memory.extraction import (
 from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
 from proxy.memory.llm import LLMUnavailable
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.screens import ScreenedText, asked_to_remember, redact_identifiers, screen_text
+from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
 
@@ -120,12 +120,11 @@ def exchange_payload(exchange: Exchange, screens: ExtractionSettings | None = No
 
 
 def redacted_payload(p: ExchangePayload, screens: ExtractionSettings) -> ExchangePayload:
-    """``p`` with identifiers redacted in every text, unless the user explicitly asked to remember."""
-    if asked_to_remember("\n".join(p.user_messages)):
-        return p
+    """``p`` with identifiers redacted in every text, except those the user asked to remember."""
+    keep = remembered_identifiers(p.user_messages, screens.extra_sensitive_patterns)
 
     def redact(text: str) -> str:
-        return redact_identifiers(text, screens.extra_sensitive_patterns)[0]
+        return redact_identifiers(text, screens.extra_sensitive_patterns, keep)[0]
 
     return p.model_copy(update={
         "user_messages": tuple(redact(t) for t in p.user_messages), "reply": redact(p.reply),
@@ -134,9 +133,9 @@ def redacted_payload(p: ExchangePayload, screens: ExtractionSettings) -> Exchang
 
 
 def screened_turn(text: str, p: ExchangePayload, screens: ExtractionSettings) -> ScreenedText:
-    """One turn's text as stored: identifiers redacted (unless asked to remember), instructions flagged."""
-    explicit = asked_to_remember("\n".join(p.user_messages))
-    return screen_text(text, explicit=explicit, extra_identifiers=screens.extra_sensitive_patterns,
+    """One turn's text as stored: identifiers redacted (but those asked to remember), instructions flagged."""
+    keep = remembered_identifiers(p.user_messages, screens.extra_sensitive_patterns)
+    return screen_text(text, keep=keep, extra_identifiers=screens.extra_sensitive_patterns,
                        extra_instructions=screens.extra_injection_patterns)  # fmt: skip
 
 
