@@ -52,6 +52,7 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             deadline = time.monotonic() + 60
             while len(turns(url)) < 4 and time.monotonic() < deadline:
                 time.sleep(0.2)
+            assert len(turns(url)) == 4, "the write path did not store the four turns"
             yield url
 
 
@@ -61,8 +62,9 @@ def test_flagged_and_redacted_turns_show_on_the_page(browser: WebDriver, base: s
     wait(browser).until(ec.visibility_of_element_located((By.ID, "key"))).send_keys(KEY)
     browser.find_element(By.ID, "unlock").click()
     wait(browser).until(ec.element_to_be_clickable((By.CSS_SELECTOR, f'#user-list [data-user="{USER}"]'))).click()
-    wait(browser).until(ec.element_to_be_clickable((By.CSS_SELECTOR, '[data-tab="turn"]'))).click()
-    wait(browser).until(lambda d: "evil.example" in d.find_element(By.ID, "tab-body").text)
+    wait(browser).until(lambda d: "No facts remembered" in d.find_element(By.ID, "tab-body").text)
+    browser.find_element(By.CSS_SELECTOR, '[data-tab="turn"]').click()
+    wait(browser, 30).until(lambda d: "evil.example" in d.find_element(By.ID, "tab-body").text)
     rows = browser.find_elements(By.CSS_SELECTOR, "#tab-body tbody tr[data-id]")
     planted = [r for r in rows if "evil.example" in r.text]
     assert planted
