@@ -412,7 +412,8 @@ class Writer:
                               extra_instructions=screens.extra_injection_patterns)  # fmt: skip
         record = MemoryRecord(
             user_id=job.user_id, kind=Kind.SUMMARY, text=summary.text, id=summary_id, flagged=summary.flagged,
-            conversation_id=conversation_id, entities=out.topics[:5], source_ids=tuple(t.id for t in turns),
+            conversation_id=conversation_id, source_ids=tuple(t.id for t in turns),
+            entities=tuple(redact_identifiers(topic, screens.extra_sensitive_patterns)[0] for topic in out.topics[:5]),
             start_at=previous.start_at if previous and previous.start_at else turns[0].created_at,
             end_at=turns[-1].created_at, meta=json.dumps({"job_id": job.id}),
         )  # fmt: skip
