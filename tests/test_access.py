@@ -198,3 +198,15 @@ def test_list_keys_from_the_environment() -> None:
                                             "MEMPROXY_SERVER__ALLOWED_ORIGINS": "https://a.example"})  # fmt: skip
     assert settings.server.allowed_hosts == ("a.example", "b.example")
     assert settings.server.allowed_origins == ("https://a.example",)
+
+
+def test_clients_load_from_a_config_file(tmp_path: Path) -> None:
+    """``[[clients]]`` tables in a TOML file load as documented in config/memproxy.toml."""
+    path = tmp_path / "memproxy.toml"
+    path.write_text(
+        '[server]\nhost = "0.0.0.0"\n\n[upstream]\napi_key = "sk-upstream"\n\n'
+        f'[[clients]]\nnamespace = "appA"\nkey_sha256 = "{key_hash(KEY_A)}"\nname = "billing"\n'
+    )
+    settings = load_settings(path, environ={})
+    assert [c.namespace for c in settings.clients] == ["appA"]
+    assert open_relay_problem(settings) is None
