@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from pydantic import SecretStr
 
+from proxy.access import install_access
 from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
@@ -73,7 +74,8 @@ def memory_llm(settings: Settings, keys: KeySource | None = None) -> tuple[Prefi
                 route=f"openai:{route.prefix}", keys=keys)
         else:
             client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
-                                                   timeout_s=settings.memory_llm.timeout_s))
+                                                   timeout_s=settings.memory_llm.timeout_s,
+                                                   provider=route.pinned_provider))
         routes.append(Route(route.prefix, client, route.strip_prefix))
     return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
 
@@ -134,6 +136,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
             state.stopping = True
 
     app.cleanup_ctx.append(lifecycle)
+    install_access(app)
     add_routes(app)
     add_management_routes(app)
     return app

@@ -14,7 +14,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
 
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings
@@ -39,6 +48,24 @@ class ServerSettings(_Frozen):
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)
     shutdown_grace_s: float = Field(default=20.0, ge=0)
+    # Serve without client keys on a non-loopback address while holding an upstream key (see proxy/access.py).
+    open: bool = False
+    # Browser origins (scheme://host[:port]) allowed to call the chat path; others are refused.
+    allowed_origins: tuple[str, ...] = ()
+    # Host names (or name:port) this server answers to; empty: any. Guards against DNS rebinding.
+    allowed_hosts: tuple[str, ...] = ()
+
+    @field_validator("allowed_origins", "allowed_hosts", mode="before")
+    @classmethod
+    def _comma_list(cls, value: Any) -> Any:
+        if isinstance(value, str):  # from an environment variable: comma-separated
+            return tuple(part.strip() for part in value.split(",") if part.strip())
+        return value
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _lower(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(host.lower() for host in value)
 
 
 class UpstreamSettings(_Frozen):
@@ -59,13 +86,46 @@ class UpstreamSettings(_Frozen):
 
 
 class RouteSettings(_Frozen):
-    """Models whose name starts with ``prefix`` go to this route instead of the default upstream."""
+    """Models whose name starts with ``prefix`` go to this route instead of the default upstream.
+
+    A litellm route fixes its litellm provider (``litellm_provider``, else the first segment of a prefix such
+    as ``anthropic/``), so that no model name can choose another provider, address or key.
+    """
 
     prefix: str = Field(min_length=1)
     provider: Literal["openai", "litellm"] = "litellm"
     base_url: str | None = None
     api_key: SecretStr | None = None
     strip_prefix: bool = False
+    litellm_provider: str | None = Field(default=None, pattern=r"^[a-z0-9_]+$")
+
+    @model_validator(mode="after")
+    def _provider_is_fixed(self) -> RouteSettings:
+        if self.provider == "litellm" and self.pinned_provider is None:
+            raise ValueError(
+                f'route {self.prefix!r}: set litellm_provider (e.g. "anthropic", or "openai" for an '
+                "OpenAI-compatible base_url): with strip_prefix or a prefix that names no provider, the model "
+                "name would choose the provider"
+            )
+        return self
+
+    @property
+    def pinned_provider(self) -> str | None:
+        """The litellm provider every call of this route goes to (None for an ``openai`` route)."""
+        if self.provider != "litellm":
+            return None
+        if self.litellm_provider:
+            return self.litellm_provider
+        head, slash, _ = self.prefix.partition("/")
+        return head if slash and head and not self.strip_prefix else None
+
+
+class ClientSettings(_Frozen):
+    """One app allowed to use the chat path: the SHA-256 (hex) of its key, and the namespace of its users."""
+
+    namespace: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    key_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    name: str = ""
 
 
 class StorageSettings(_Frozen):
@@ -133,6 +193,7 @@ class Settings(_Frozen):
     server: ServerSettings = ServerSettings()
     upstream: UpstreamSettings = UpstreamSettings()
     routes: tuple[RouteSettings, ...] = ()
+    clients: tuple[ClientSettings, ...] = ()
     storage: StorageSettings = StorageSettings()
     admin: AdminSettings = AdminSettings()
     logging: LoggingSettings = LoggingSettings()
@@ -147,6 +208,13 @@ class Settings(_Frozen):
     extraction: ExtractionSettings = ExtractionSettings()
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()
     insights: InsightSettings = InsightSettings()
+
+    @field_validator("clients")
+    @classmethod
+    def _distinct_keys(cls, value: tuple[ClientSettings, ...]) -> tuple[ClientSettings, ...]:
+        if len({client.key_sha256 for client in value}) != len(value):
+            raise ValueError("two [[clients]] entries have the same key_sha256")
+        return value
 
     def store_settings(self) -> StoreSettings:
         """The store's settings, rooted in the data directory."""

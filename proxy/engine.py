@@ -73,7 +73,7 @@ def _result_row(candidate: Candidate) -> dict[str, Any]:
 
 
 _PUBLIC_FIELDS = ("id", "kind", "text", "created_at", "category", "importance", "conversation_id", "role",
-                  "entities", "last_accessed_at")
+                  "entities", "last_accessed_at", "flagged")
 
 
 class MemoryEngine:

@@ -19,6 +19,7 @@ import structlog
 from aiohttp import web
 from pydantic import SecretStr
 
+from proxy.access import NAMESPACE, scoped
 from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.feature_report import readiness
@@ -110,7 +111,7 @@ class ChatCall:
         raw = await _read_body(self.request, settings.server.max_body_bytes)
         body = parse_chat_request(raw)
         default_mode = Mode(settings.memory.default_mode) if settings.memory.enabled else Mode.OFF
-        identity = identify(self.request.headers, body, default_mode)
+        identity = scoped(identify(self.request.headers, body, default_mode), self.request.get(NAMESPACE))
         if not settings.memory.enabled:
             identity = Identity(identity.user_id, identity.conversation_id, Mode.OFF)
         self.state.metrics.observe("parse", time.perf_counter() - self.started)

@@ -17,6 +17,7 @@ import uvloop
 from aiohttp import web
 from tqdm import tqdm
 
+from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.logs import configure_logging
@@ -89,6 +90,10 @@ def run_command(args: argparse.Namespace) -> None:
     """``memproxy serve`` and ``memproxy reindex``."""
     settings = load_or_exit(args)
     if args.command == "serve":
+        problem = open_relay_problem(settings)
+        if problem is not None:  # like Redis's protected mode: refuse rather than serve an open relay
+            print(problem, file=sys.stderr)
+            raise SystemExit(EXIT_CONFIG)
         configure_logging(settings.logging.level)
         uvloop.run(serve(settings))
         return

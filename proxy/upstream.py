@@ -3,7 +3,9 @@
 Both answer ``open(body, headers)`` with an ``UpstreamReply`` (status, headers, an async iterator of raw
 bytes) used as an async context manager, so that leaving the block early (client gone, error) closes the
 upstream connection at once. ``map_client_errors`` is the one place that turns aiohttp's errors into ours.
-The upstream URL comes from configuration only: nothing in a request can choose it.
+The upstream URL comes from configuration only: nothing in a request can choose it. On litellm routes the
+provider, ``api_base`` and key are the route's; request fields pass through an allow-list (``LITELLM_FIELDS``),
+and fields that would steer the call (``LITELLM_STEERING_FIELDS``) are a 400.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import orjson
 
 from proxy.config import RouteSettings, UpstreamSettings
 from proxy.errors import (
+    BadRequest,
     ProxyError,
     UpstreamStatusError,
     UpstreamTimeout,
@@ -35,6 +38,24 @@ FORWARDED_REQUEST_HEADERS = frozenset(
      "x-stainless-package-version", "x-stainless-os", "x-stainless-arch", "x-stainless-runtime",
      "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key"}
 )
+# Request fields passed to litellm on a litellm route: OpenAI chat-completion parameters only. Everything else
+# in ``litellm.acompletion``'s signature or its ``**kwargs`` (api_base, base_url, api_key, api_version,
+# custom_llm_provider, extra_headers, headers, mock_response, model_list, deployment_id, metadata, aws_* /
+# vertex_* credentials, litellm_params, ...) could choose where the call goes, with which key, or skip it.
+LITELLM_FIELDS = frozenset(
+    {"model", "messages", "functions", "function_call", "temperature", "top_p", "n", "stream", "stream_options",
+     "stop", "max_tokens", "max_completion_tokens", "modalities", "prediction", "audio", "presence_penalty",
+     "frequency_penalty", "logit_bias", "user", "response_format", "seed", "tools", "tool_choice",
+     "parallel_tool_calls", "logprobs", "top_logprobs", "reasoning_effort", "verbosity", "safety_identifier",
+     "service_tier", "store", "prompt_cache_key", "prompt_cache_retention", "thinking", "web_search_options"}
+)  # fmt: skip
+# Fields that would steer a litellm call: rejected with a 400 naming the field rather than silently dropped.
+LITELLM_STEERING_FIELDS = frozenset(
+    {"api_base", "base_url", "api_key", "api_version", "custom_llm_provider", "extra_headers", "headers",
+     "mock_response", "mock_tool_calls", "model_list", "deployment_id", "litellm_params", "azure_ad_token",
+     "organization", "aws_access_key_id", "aws_secret_access_key", "aws_region_name", "vertex_project",
+     "vertex_location", "vertex_credentials", "extra_body"}
+)  # fmt: skip
 # Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
 
@@ -204,9 +225,18 @@ class LiteLLMUpstream:
         self._timeout_s = timeout_s
 
     def _arguments(self, body: dict[str, Any]) -> dict[str, Any]:
-        args = {k: v for k, v in body.items() if k not in ("api_base", "base_url", "api_key")}
+        """litellm's arguments: the allowed request fields, then the route's own provider, address and key."""
+        steering = sorted(LITELLM_STEERING_FIELDS.intersection(body))
+        if steering:
+            raise BadRequest(f"'{steering[0]}' is not accepted: the route fixes where and with which key a call "
+                             "goes", param=steering[0], code="unsupported_parameter")
+        args = {k: v for k, v in body.items() if k in LITELLM_FIELDS}
+        model = str(args["model"])
         if self._route.strip_prefix:
-            args["model"] = str(args["model"])[len(self._route.prefix):]
+            model = model[len(self._route.prefix):]
+        provider = self._route.pinned_provider
+        args["model"] = model.removeprefix(f"{provider}/")
+        args["custom_llm_provider"] = provider
         if self._route.base_url:
             args["api_base"] = self._route.base_url
         if self._route.api_key is not None:

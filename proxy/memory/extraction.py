@@ -6,9 +6,9 @@ alone. After extraction, code drops
 - facts that read as instructions to a model (the poisoning screen: "ignore previous instructions", "you
   must", role or tool-call syntax, "system prompt"...), always, even when the user asked to remember them;
 - sensitive facts (health, religion, politics, sexual orientation, ethnicity, criminal record, union
-  membership, identifiers) and facts holding identifiers found by patterns (Luhn-valid card numbers, IBANs,
-  SSN-like ids, account numbers, credentials), unless the user explicitly asked to remember them in their own
-  words;
+  membership, identifiers: the model's flag, backed by the keyword screen of ``screens``) and facts holding
+  identifiers found by patterns (Luhn-valid card numbers, IBANs, SSN-like ids, account numbers, credentials)
+  or a redaction marker, unless the user explicitly asked to remember them in their own words;
 - facts whose named entities occur only in the assistant's reply (the assistant's claims, not the user's).
 
 Every dropped fact is logged as ``memory.rejected`` with the reason (never the text). Bad model output
@@ -29,6 +29,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.llm import LLMBadOutput, LLMClient
+from proxy.memory.screens import (
+    REDACTION_MARK,
+    asked_to_remember,
+    identifier_reason,
+    injection_reason,
+    sensitive_category,
+)
+from proxy.memory.screens import iban_valid as iban_valid  # re-exported: the screens used to live here
+from proxy.memory.screens import luhn_valid as luhn_valid
 
 log = structlog.get_logger("memproxy.extraction")
 T = TypeVar("T")
@@ -276,146 +285,11 @@ def summary_messages(previous: str | None, turns: Sequence[tuple[str, str]], max
 # ---------------------------------------------------------------------------------------------- screens
 
 _I = re.IGNORECASE
-_INJECTION_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    (
-        "ignore_instructions",
-        re.compile(
-            r"\b(ignore|disregard|override|forget)\s+(all\s+|any\s+|the\s+|your\s+|of\s+|these\s+|those\s+)*"
-            r"(previous|prior|above|earlier|preceding|original|system)?\s*"
-            r"(instructions?|prompts?|rules|guidelines|directions|directives)\b",
-            _I,
-        ),
-    ),
-    (
-        "you_must",
-        re.compile(
-            r"\byou\s+(must|shall|have\s+to|are\s+required\s+to|should\s+(always|never)|will\s+(always|never))\b",
-            _I,
-        ),
-    ),
-    (
-        "model_directive",
-        re.compile(
-            r"\b(the\s+)?(assistant|ai|model|chatbot|llm)\s+(must|shall|should\s+always|should\s+never|"
-            r"is\s+required\s+to|will\s+always|will\s+never)\b",
-            _I,
-        ),
-    ),
-    ("system_prompt", re.compile(r"\b(system|developer)\s+(prompt|message|instructions?)\b", _I)),
-    (
-        "role_syntax",
-        re.compile(
-            r"(^|\n)\s*(system|assistant|developer|tool|function)\s*:|<\|?(im_start|im_end|system|endoftext)\|?>"
-            r"|\[/?INST\]|<</?SYS>>|</?(system|assistant|tool|tool_call|function_call)>",
-            _I,
-        ),
-    ),
-    (
-        "tool_call",
-        re.compile(
-            r"\"(tool_calls|function_call|tool_call_id)\"\s*:|\{\s*\"name\"\s*:\s*\"[^\"]*\"\s*,\s*\"arguments\""
-            r"|<function=|\bfunctions\.\w+\(",
-            _I,
-        ),
-    ),
-    (
-        "persona_override",
-        re.compile(
-            r"\b(you\s+are\s+now|new\s+instructions|jailbreak|developer\s+mode|dan\s+mode)\b"
-            r"|\b(from\s+now\s+on|henceforth)\b[^.\n]{0,40}\b(you|assistant|respond|answer|reply)\b"
-            r"|\b(act|roleplay)\s+as\s+(an?\s+)?(ai|assistant|system|admin(istrator)?|root|unrestricted)\b",
-            _I,
-        ),
-    ),
-)
-
-_CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
-_IBAN = re.compile(r"\b[A-Z]{2}\d{2}(?:[ ]?[A-Z0-9]){11,30}\b", _I)
-_IDENTIFIER_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
-    ("ssn", re.compile(r"\b\d{3}-\d{2}-\d{4}\b")),
-    ("national_insurance", re.compile(r"\b[A-CEGHJ-PR-TW-Z]{2}\s?\d{2}\s?\d{2}\s?\d{2}\s?[A-D]\b")),
-    (
-        "account_number",
-        re.compile(
-            r"\b(account|acct|routing|sort\s+code|passport|licen[cs]e|national\s+id|id\s+number|tax\s+id|"
-            r"social\s+security|insurance\s+number|policy\s+number|member(ship)?\s+number|card)\b[^\d\n]{0,25}"
-            r"\d[\d -]{3,}\d",
-            _I,
-        ),
-    ),
-    (
-        "credential",
-        re.compile(r"\b(password|passcode|passphrase|pin(\s+code)?|cvv|cvc|security\s+code)\s*(is|was|:|=)\s*\S+", _I),
-    ),
-    (
-        "api_key",
-        re.compile(r"\b(sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bAKIA[0-9A-Z]{16}\b|\bgh[pousr]_[A-Za-z0-9]{30,}"),
-    ),
-)
-_EXPLICIT = re.compile(
-    r"(^|[.!?\n]\s*|\b(please|pls|can\s+you|could\s+you|would\s+you|will\s+you|i\s+want\s+you\s+to|"
-    r"i'?d\s+like\s+you\s+to|make\s+sure\s+(to|you))\s+)"
-    r"(remember|memori[sz]e|keep\s+in\s+mind|don'?t\s+forget|do\s+not\s+forget|note\s+(that|down)|"
-    r"make\s+a\s+note|save\s+(this|that)\s+to\s+(your\s+)?memory)\b",
-    _I,
-)
 _REMEMBER_CLAUSE = re.compile(
     r"\b(?:remember|memori[sz]e|keep\s+in\s+mind|(?:don'?t|do\s+not)\s+forget|note\s+(?:down\s+)?)"
     r"\s*(?:that\s+|this\s*:?\s*|:\s*)?(?P<clause>[^.!?\n]{3,300})",
     _I,
 )
-
-
-def luhn_valid(digits: str) -> bool:
-    """Whether a digit string passes the Luhn checksum (payment card numbers do)."""
-    total = 0
-    for i, char in enumerate(reversed(digits)):
-        value = int(char)
-        if i % 2 == 1:
-            value = value * 2 - 9 if value > 4 else value * 2
-        total += value
-    return len(digits) > 1 and total % 10 == 0
-
-
-def iban_valid(candidate: str) -> bool:
-    """Whether a string is an IBAN with a valid ISO 13616 mod-97 check."""
-    text = re.sub(r"\s", "", candidate).upper()
-    if not re.fullmatch(r"[A-Z]{2}\d{2}[A-Z0-9]{11,30}", text):
-        return False
-    rearranged = text[4:] + text[:4]
-    return int("".join(str(int(char, 36)) for char in rearranged)) % 97 == 1
-
-
-def injection_reason(text: str, extra: Sequence[str] = ()) -> str | None:
-    """The name of the first poisoning rule ``text`` matches, or None."""
-    for name, pattern in _INJECTION_RULES:
-        if pattern.search(text):
-            return name
-    for pattern_text in extra:
-        if re.search(pattern_text, text, _I):
-            return "configured_pattern"
-    return None
-
-
-def identifier_reason(text: str, extra: Sequence[str] = ()) -> str | None:
-    """The kind of identifier ``text`` holds (card, IBAN, SSN-like, account, credential...), or None."""
-    for match in _CARD.finditer(text):
-        if luhn_valid(re.sub(r"\D", "", match.group())):
-            return "card_number"
-    if any(iban_valid(match.group()) for match in _IBAN.finditer(text)):
-        return "iban"
-    for name, pattern in _IDENTIFIER_RULES:
-        if pattern.search(text):
-            return name
-    for pattern_text in extra:
-        if re.search(pattern_text, text, _I):
-            return "configured_pattern"
-    return None
-
-
-def asked_to_remember(user_text: str) -> bool:
-    """Whether the user explicitly asked to remember something, in their own words."""
-    return _EXPLICIT.search(user_text) is not None
 
 
 def remember_fallback(user_messages: Sequence[str]) -> ExtractedFact | None:
@@ -438,6 +312,8 @@ def sensitive_reason(fact: ExtractedFact, settings: ExtractionSettings) -> str |
     category = fact.sensitive_category
     if category == "none" and fact.sensitive:
         category = "unspecified"
+    if category == "none":  # the code-side screen backs the model's own flag
+        category = sensitive_category(" ".join([fact.text, *fact.entities])) or "none"
     if category in settings.blocked_sensitive:
         return f"sensitive:{category}"
     found = identifier_reason(" ".join([fact.text, *fact.entities]), settings.extra_sensitive_patterns)
@@ -470,6 +346,8 @@ def screen_fact(fact: ExtractedFact, exchange: ExchangeText, settings: Extractio
         return f"instruction_like:{reason}"
     if len(fact.text) > settings.max_fact_chars:
         return "too_long"
+    if REDACTION_MARK in fact.text:  # learned from a redacted turn: the secret is gone, the fact is empty
+        return "sensitive:identifier:redacted"
     explicit = fact.explicit_request and asked_to_remember(exchange.user_text)
     if not explicit and ungrounded(fact, exchange):
         return "not_said_by_user"

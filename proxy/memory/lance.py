@@ -221,6 +221,7 @@ class MemoryTable:
         names = await self._table_names()
         if manifest.table in names:
             self._table = await self._db.open_table(manifest.table)
+            await self._add_missing_columns()
         else:
             self._table = await self._db.create_table(manifest.table, schema=arrow_schema(manifest.dim))
         manifest.write(self.path / "manifest.json")
@@ -228,6 +229,14 @@ class MemoryTable:
         for name in names:
             if name != manifest.table:
                 await self._db.drop_table(name)
+
+    async def _add_missing_columns(self) -> None:
+        """Give a table written by an older version the nullable columns added since (metadata only)."""
+        have = set((await self._table.schema()).names)
+        missing = [f for f in arrow_schema(self.dim) if f.name not in have and f.nullable]
+        if missing:
+            await self._table.add_columns(missing)
+            log.info("memory.schema_upgraded", columns=[f.name for f in missing])
 
     def _check_model(self, manifest: Manifest) -> None:
         if (manifest.model_id, manifest.dim) == (self.model_id, self.dim):

@@ -220,6 +220,7 @@ class LiteLLMSettings(BaseModel):
     api_key: SecretStr | None = None
     timeout_s: float = Field(default=60.0, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    provider: str | None = None  # the route's fixed litellm provider: the model name cannot choose another
 
 
 class LiteLLMClient:
@@ -244,6 +245,9 @@ class LiteLLMClient:
             "temperature": self._settings.temperature,
             "timeout": self._settings.timeout_s,
         }
+        if self._settings.provider:
+            args["custom_llm_provider"] = self._settings.provider
+            args["model"] = model.removeprefix(f"{self._settings.provider}/")
         if self._settings.api_base:
             args["api_base"] = self._settings.api_base
         if self._settings.api_key is not None:

@@ -3,7 +3,8 @@
 Every kind of memory (turns, facts, summaries, insights, subjects) lives in one LanceDB table so that
 one user's memories can be searched, listed, exported and forgotten with one scoped operation. Fields
 that a kind does not use are null. History is kept in the same table: a superseded fact or an old
-insight set has ``valid = False``.
+insight set has ``valid = False``. A record the screens flagged (``flagged``, see ``screens.py``) is kept
+and listed but never injected.
 """
 
 from __future__ import annotations
@@ -99,6 +100,9 @@ class MemoryRecord:
     subject_kind: str | None = None
     # free-form extension, JSON text
     meta: str | None = None
+    # why the screens flagged this text (instruction-like, planted link): kept and shown, never injected.
+    # Stores written before the column existed read as None (not flagged).
+    flagged: str | None = None
 
     def replace(self, **changes: Any) -> MemoryRecord:
         """A copy with ``changes`` applied."""
@@ -152,6 +156,7 @@ def arrow_schema(dim: int) -> pa.Schema:
         pa.field("generation_id", pa.string()),
         pa.field("subject_kind", pa.string()),
         pa.field("meta", pa.string()),
+        pa.field("flagged", pa.string()),  # last: added to older tables by ``MemoryTable.open``
     ]
     return pa.schema(fields, metadata={"memproxy.schema_version": str(SCHEMA_VERSION)})
 

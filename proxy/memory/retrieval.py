@@ -324,8 +324,11 @@ def plan_items(
     Candidates score their final score over the sum of the scoring weights (so [0, 1]); insights
     ``INSIGHT_PRIORITY`` x confidence; recent messages ``RECENT_PRIORITY`` x recency, or their candidate
     score when higher (a recent message that is also relevant is listed once, under recent activity). The
-    injection budget drops the lowest of these first.
+    injection budget drops the lowest of these first. Records the screens flagged are never among them.
     """
+    candidates = [c for c in candidates if c.record.flagged is None]  # flagged by the screens: never injected
+    insights = [r for r in insights if r.flagged is None]
+    recent = [r for r in recent if r.flagged is None]
     total = settings.relevance_weight + settings.recency_weight + settings.importance_weight
     scale = 1.0 / total if total > 0 else 1.0
     relevance = {c.id: c.final * scale for c in candidates}

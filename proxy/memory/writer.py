@@ -38,6 +38,7 @@ from proxy.memory.extraction import (
     ExchangeText,
     ExtractedFact,
     ExtractionFailed,
+    ExtractionSettings,
     Extractor,
     Neighbour,
     Plan,
@@ -49,6 +50,7 @@ from proxy.memory.extraction import (
 from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
 from proxy.memory.llm import LLMUnavailable
 from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
 from proxy.memory.tool_turns import tool_turn_texts
@@ -104,8 +106,9 @@ def derived_id(job_id: str, *parts: object) -> str:
     return uuid.uuid5(ID_NAMESPACE, "/".join([job_id, *map(str, parts)])).hex
 
 
-def exchange_payload(exchange: Exchange) -> dict[str, Any]:
-    """The job payload of a finished exchange (the system prompt is deliberately left out)."""
+def exchange_payload(exchange: Exchange, screens: ExtractionSettings | None = None) -> dict[str, Any]:
+    """The job payload of a finished exchange (the system prompt is deliberately left out), its identifiers
+    redacted before it reaches the queue's disk unless the user asked to remember (see ``screens.py``)."""
     payload = ExchangePayload(
         conversation_id=exchange.conversation_id,
         model=exchange.model,
@@ -118,28 +121,56 @@ def exchange_payload(exchange: Exchange) -> dict[str, Any]:
         tool_results=exchange.tool_results,
         tool_calls=exchange.tool_calls,
     )
-    return payload.model_dump(mode="json")
+    return redacted_payload(payload, screens or ExtractionSettings()).model_dump(mode="json")
 
 
-def turn_records(job_id: str, user_id: str, p: ExchangePayload) -> list[MemoryRecord]:
-    """The turn records of an exchange: user messages just before the reply, the reply marked if partial."""
+def redacted_payload(p: ExchangePayload, screens: ExtractionSettings) -> ExchangePayload:
+    """``p`` with identifiers redacted in every text, except those the user asked to remember."""
+    keep = remembered_identifiers(p.user_messages, screens.extra_sensitive_patterns)
+
+    def redact(text: str) -> str:
+        return redact_identifiers(text, screens.extra_sensitive_patterns, keep)[0]
+
+    return p.model_copy(update={
+        "user_messages": tuple(redact(t) for t in p.user_messages), "reply": redact(p.reply),
+        "context": tuple((role, redact(t)) for role, t in p.context),
+        "tool_results": tuple(redact(t) for t in p.tool_results),
+        "tool_calls": tuple(redact(t) for t in p.tool_calls),
+    })  # fmt: skip
+
+
+def screened_turn(text: str, p: ExchangePayload, screens: ExtractionSettings) -> ScreenedText:
+    """One turn's text as stored: identifiers redacted (but those asked to remember), instructions flagged."""
+    keep = remembered_identifiers(p.user_messages, screens.extra_sensitive_patterns)
+    return screen_text(text, keep=keep, extra_identifiers=screens.extra_sensitive_patterns,
+                       extra_instructions=screens.extra_injection_patterns)  # fmt: skip
+
+
+def turn_records(
+    job_id: str, user_id: str, p: ExchangePayload, screens: ExtractionSettings | None = None
+) -> list[MemoryRecord]:
+    """The turn records of an exchange: user messages just before the reply, the reply marked if partial;
+    each text screened (``screened_turn``)."""
     end = datetime.fromtimestamp(p.finished_at, UTC)
     meta = json.dumps({"job_id": job_id, "model": p.model})
     texts = [("user", text, False) for text in p.user_messages if text.strip()]
     texts += tool_turn_texts(p.tool_results, p.reply, p.partial, p.tool_calls)
+    screened = [screened_turn(text, p, screens or ExtractionSettings()) for _, text, _ in texts]
     return [
         MemoryRecord(
             user_id=user_id,
             kind=Kind.TURN,
-            text=text,
+            text=seen.text,
             id=derived_id(job_id, "turn", i),
             created_at=end - timedelta(microseconds=len(texts) - 1 - i),
             conversation_id=p.conversation_id,
             role=role,
             partial=partial,
+            sensitive=seen.sensitive is not None,
             meta=meta,
+            flagged=seen.flagged,
         )
-        for i, (role, text, partial) in enumerate(texts)
+        for i, ((role, _, partial), seen) in enumerate(zip(texts, screened, strict=True))
     ]
 
 
@@ -197,7 +228,8 @@ class Writer:
 
     async def record(self, exchange: Exchange) -> str:
         """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
-        return await self._queue.enqueue("exchange", exchange.user_id, exchange_payload(exchange))
+        payload = exchange_payload(exchange, self._extractor.settings)
+        return await self._queue.enqueue("exchange", exchange.user_id, payload)
 
     def _model(self, p: ExchangePayload) -> str:
         return self.settings.model or p.model
@@ -207,7 +239,7 @@ class Writer:
     async def handle_exchange(self, job: Job) -> None:
         """Store the turns, schedule the summary, and enqueue the facts job."""
         p = _parse(ExchangePayload, job.payload)
-        turns = turn_records(job.id, job.user_id, p)
+        turns = turn_records(job.id, job.user_id, p, self._extractor.settings)
         if "turns" not in job.progress:
             async with job.timed("turns"):
                 await self._store.add(await self._with_context(turns, p.context))
@@ -381,9 +413,13 @@ class Writer:
         except ExtractionFailed as error:
             log.warning("memory.step_failed", step="summary", reason=str(error))
             return False
+        screens = self._extractor.settings
+        summary = screen_text(out.summary, extra_identifiers=screens.extra_sensitive_patterns,
+                              extra_instructions=screens.extra_injection_patterns)  # fmt: skip
         record = MemoryRecord(
-            user_id=job.user_id, kind=Kind.SUMMARY, text=out.summary, id=summary_id,
-            conversation_id=conversation_id, entities=out.topics[:5], source_ids=tuple(t.id for t in turns),
+            user_id=job.user_id, kind=Kind.SUMMARY, text=summary.text, id=summary_id, flagged=summary.flagged,
+            conversation_id=conversation_id, source_ids=tuple(t.id for t in turns),
+            entities=tuple(redact_identifiers(topic, screens.extra_sensitive_patterns)[0] for topic in out.topics[:5]),
             start_at=previous.start_at if previous and previous.start_at else turns[0].created_at,
             end_at=turns[-1].created_at, meta=json.dumps({"job_id": job.id}),
         )  # fmt: skip

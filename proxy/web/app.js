@@ -235,6 +235,11 @@ function actions(record, editable) {
 function textCell(record) {
   const cell = el("td", { class: "text" }, record.text);
   if (record.sensitive) cell.append(" ", badge("sensitive", "warn"));
+  if (record.flagged) {
+    const flag = badge("flagged: never injected", "warn");
+    flag.title = record.flagged;
+    cell.append(" ", flag);
+  }
   if (record.valid === false) cell.append(" ", badge(record.superseded_by ? "replaced" : "history", "muted"));
   return cell;
 }
@@ -392,7 +397,8 @@ async function preview(event) {
     $("search-arms").replaceChildren(...result.arms.map((arm) =>
       badge(arm, arm.startsWith("degraded") ? "warn" : arm === "gated" ? "muted" : "")));
     $("search-rows").replaceChildren(...result.results.map((hit) => el("tr", {},
-      el("td", { class: "text" }, hit.text), el("td", {}, badge(hit.kind, "muted")),
+      el("td", { class: "text" }, hit.text, ...(hit.flagged ? [" ", badge("flagged: never injected", "warn")] : [])),
+      el("td", {}, badge(hit.kind, "muted")),
       el("td", { class: "mono" }, Number(hit.score).toFixed(3)),
       el("td", { class: "small muted mono" },
         Object.entries(hit.arms || {}).map(([arm, score]) => `${arm} ${Number(score).toFixed(2)}`).join(" · ")))));
