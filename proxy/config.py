@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, create_model, field_validator
 
 from insights.service import InsightSettings
+from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
@@ -214,8 +215,11 @@ def load_settings(
     env = os.environ if environ is None else environ
     if path is None and env.get(f"{ENV_PREFIX}CONFIG"):
         path = Path(env[f"{ENV_PREFIX}CONFIG"])
-    tree = _read_toml(path) if path is not None else {}
-    tree = _merge(tree, env_overrides(env))
+    try:  # secrets by reference: ${NAME} / ${file:PATH} in the file, MEMPROXY_..._FILE in the environment
+        tree = expand_references(_read_toml(path), env) if path is not None else {}
+        tree = _merge(tree, env_overrides(file_variables(env, ENV_PREFIX)))
+    except SecretReferenceError as exc:
+        raise ConfigError(str(exc)) from None
     tree = _merge(tree, overrides or {})
     try:
         return Settings.model_validate(tree)

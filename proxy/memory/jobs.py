@@ -45,6 +45,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.migrations import JOBS_SCHEMA_VERSION, JOBS_STEPS, ensure_jobs_schema, plan
 
 log = structlog.get_logger("memproxy.jobs")
 
@@ -262,7 +263,14 @@ class _Db:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(_SCHEMA)
+        try:  # a newer database is refused before it is touched; an older one is migrated forward
+            plan("job database", conn.execute("PRAGMA user_version").fetchone()[0], JOBS_SCHEMA_VERSION, JOBS_STEPS)
+            conn.executescript(_SCHEMA)
+            ensure_jobs_schema(conn)
+        except BaseException:
+            conn.close()
+            self.close()
+            raise
         self.conn = conn
 
     def close(self) -> None:
