@@ -21,9 +21,9 @@ MEMPROXY = Path(sys.executable).with_name("memproxy")
 class Process:
     """A child process whose output goes to a temporary file (no reader thread in the caller)."""
 
-    def __init__(self, args: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, args: list[str], env: Mapping[str, str], cwd: Path = ROOT) -> None:
         self._log = tempfile.NamedTemporaryFile(prefix="memproxy-proc-", suffix=".log", delete=False)  # noqa: SIM115
-        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=ROOT)
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd)
 
     @property
     def lines(self) -> list[str]:
