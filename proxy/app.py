@@ -17,6 +17,7 @@ from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
 from proxy.management import add_management_routes
+from proxy.management_ops import add_operations_routes
 from proxy.memory.llm import (
     LiteLLMClient,
     LiteLLMSettings,
@@ -107,4 +108,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     app.cleanup_ctx.append(lifecycle)
     add_routes(app)
     add_management_routes(app)
+    add_operations_routes(app)
     return app

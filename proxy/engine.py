@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -165,6 +165,15 @@ class MemoryEngine:
         [stored] = await self.store.add([record])
         self.names.invalidate(user_id)
         return stored
+
+    async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
+        """Bulk add of the user's records, idempotent by id (one store submission); returns the ids that were new."""
+        present = {record.id for record in await self.store.get_many(user_id, [r.id for r in records])}
+        new = [record for record in records if record.id not in present]
+        if new:
+            await self.store.add(new)
+            self.names.invalidate(user_id)
+        return [record.id for record in new]
 
     async def edit(self, user_id: str, id: str, text: str | None = None,
                    importance: int | None = None) -> MemoryRecord | None:
