@@ -26,6 +26,7 @@ from proxy.memory.llm import (
     OpenAICompatibleSettings,
     PrefixRouter,
     Route,
+    UsageObserver,
 )
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
@@ -42,23 +43,24 @@ async def null_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
     yield NullMemory()
 
 
-def memory_llm(settings: Settings) -> tuple[PrefixRouter, list[LLMClient]]:
+def memory_llm(settings: Settings, on_usage: UsageObserver | None = None) -> tuple[PrefixRouter, list[LLMClient]]:
     """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
-    the clients behind it (to open and close)."""
+    the clients behind it (to open and close); ``on_usage`` gets the token counts of every answer."""
     key = settings.memory_llm.api_key or settings.upstream.api_key
     default = OpenAICompatibleLLM(OpenAICompatibleSettings(
         base_url=settings.memory_llm.base_url or settings.upstream.base_url, api_key=key,
-        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature), on_usage=on_usage)
     routes = []
     for route in settings.routes:
         client: LLMClient
         if route.provider == "openai":
             client = OpenAICompatibleLLM(OpenAICompatibleSettings(
                 base_url=route.base_url or settings.upstream.base_url, api_key=route.api_key or SecretStr(""),
-                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature))
+                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
+                on_usage=on_usage)
         else:
             client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
-                                                   timeout_s=settings.memory_llm.timeout_s))
+                                                   timeout_s=settings.memory_llm.timeout_s), on_usage=on_usage)
         routes.append(Route(route.prefix, client, route.strip_prefix))
     return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
 
@@ -74,13 +76,13 @@ def engine_settings(settings: Settings) -> EngineSettings:
 @contextlib.asynccontextmanager
 async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
     """The real memory engine, its LLM clients opened first and closed last."""
-    router, clients = memory_llm(settings)
+    router, clients = memory_llm(settings, metrics.observe_llm_usage)
     async with contextlib.AsyncExitStack() as stack:
         for client in clients:
             if isinstance(client, contextlib.AbstractAsyncContextManager):
                 await stack.enter_async_context(client)
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), router))
-        metrics.add_gauges("memproxy_jobs", engine.gauges, refresh=engine.refresh_metrics)
+        metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
         yield engine
 
 

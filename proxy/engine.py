@@ -216,17 +216,7 @@ class MemoryEngine:
         with contextlib.suppress(Exception):  # a scrape never fails because the queue is busy
             self._queue_snapshot = await asyncio.wait_for(self.jobs.metrics(), timeout=2.0)
 
-    def gauges(self) -> dict[str, float]:
-        """Queue depth, oldest job age, failures and per-step latency, as plain numbers."""
-        snap = self._queue_snapshot
-        if snap is None:
-            return {}
-        out = {"depth": float(snap.depth), "ready": float(snap.ready), "running": float(snap.running),
-               "dead": float(snap.dead), "oldest_age_seconds": snap.oldest_age_s,
-               "completed_total": float(snap.completed_total), "failed_total": float(snap.failed_total)}
-        for step, latency in snap.step_latency.items():
-            if latency.count:
-                out[f"step_{step}_seconds_avg"] = latency.sum_s / latency.count
-                out[f"step_{step}_seconds_max"] = latency.max_s
-                out[f"step_{step}_count"] = float(latency.count)
-        return out
+    @property
+    def queue_snapshot(self) -> QueueMetrics | None:
+        """The queue's numbers as of the last ``refresh_metrics`` (None before the first)."""
+        return self._queue_snapshot

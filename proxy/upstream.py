@@ -32,8 +32,10 @@ from proxy.sse import DONE_EVENT, data_event
 FORWARDED_REQUEST_HEADERS = frozenset(
     {"openai-organization", "openai-project", "openai-beta", "user-agent", "x-stainless-lang",
      "x-stainless-package-version", "x-stainless-os", "x-stainless-arch", "x-stainless-runtime",
-     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key"}
+     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key",
+     "traceparent", "tracestate"}  # W3C trace context: the client's trace continues upstream
 )
+TRACE_HEADERS = ("traceparent", "tracestate")
 # Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
 
@@ -218,8 +220,9 @@ class LiteLLMUpstream:
                    headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
         litellm = await asyncio.to_thread(import_litellm)
         started = time.perf_counter()
+        trace = {name: headers[name] for name in TRACE_HEADERS if name in headers}
         with map_litellm_errors():
-            result = await litellm.acompletion(**self._arguments(body))
+            result = await litellm.acompletion(**self._arguments(body), **({"extra_headers": trace} if trace else {}))
         stream = bool(body.get("stream"))
         reply = _LiteLLMReply(stream, result, time.perf_counter() - started)
         try:
