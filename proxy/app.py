@@ -31,6 +31,7 @@ from proxy.memory.llm import (
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
 from proxy.routes import add_routes
+from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
 from proxy.upstream import build_router, build_session
 
@@ -83,6 +84,9 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
                 await stack.enter_async_context(client)
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), router))
         metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
+        if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
+            yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))
+            return
         yield engine
 
 

@@ -25,6 +25,7 @@ from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
 from proxy.memory.writer import WriterSettings
+from proxy.shadow import ShadowSettings
 
 ENV_PREFIX = "MEMPROXY_"
 
@@ -140,6 +141,7 @@ class Settings(_Frozen):
     extraction: ExtractionSettings = ExtractionSettings()
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()
     insights: InsightSettings = InsightSettings()
+    shadow: ShadowSettings = ShadowSettings()
 
     def store_settings(self) -> StoreSettings:
         """The store's settings, rooted in the data directory."""
