@@ -19,6 +19,7 @@ import uvloop
 from tqdm import tqdm
 
 from proxy.config import ConfigError, Settings, load_settings
+from proxy.evaluation import EvalDataError, run_eval_command
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.errors import MemoryLayerError
@@ -177,9 +178,10 @@ def cmd_migrate(args: argparse.Namespace, out: IO[str]) -> int:
 
 def cmd_eval(args: argparse.Namespace, out: IO[str]) -> int:
     """``memproxy eval --data FILE``."""
-    from proxy.evaluation import run_eval_command  # noqa: PLC0415 - heavy, only for this command
-
-    return run_eval_command(_settings(args.config), args.data, as_json=args.json, out=out)
+    try:
+        return run_eval_command(_settings(args.config), args.data, as_json=args.json, out=out)
+    except EvalDataError as exc:
+        raise StoreCommandError(str(exc), EXIT_INPUT) from None
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, IO[str]], int]] = {
