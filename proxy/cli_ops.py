@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from proxy.cli_memory import (
-    DEFAULT_URL,
     EXIT_OK,
-    KEY_ENV,
     Client,
     CommandError,
     client_for,
+    connection_options,
     one_line,
     print_json,
     short_date,
@@ -68,19 +67,10 @@ def _add_eval(commands: Any) -> None:
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
 
 
-def _http_common() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--url", default=DEFAULT_URL, help=f"the memproxy server (default {DEFAULT_URL})")
-    common.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
-                        help=f"environment variable holding the admin key (default {KEY_ENV})")
-    common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
-    return common
-
-
 def _add_dead_letters(commands: Any) -> None:
     dead = commands.add_parser("dead-letters", help="memory jobs that gave up: list or requeue them")
     actions = dead.add_subparsers(dest="action", required=True)
-    common = _http_common()
+    common = connection_options()
     listing = actions.add_parser("list", parents=[common], help="the most recent dead jobs")
     listing.add_argument("--limit", type=int, default=100, help="how many (1-1000, default 100)")
     listing.set_defaults(ops_handler=_run(cmd_dead_list))

@@ -13,7 +13,7 @@ import json
 import sys
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import uvloop
 from tqdm import tqdm
@@ -23,8 +23,8 @@ from proxy.evaluation import EvalDataError, run_eval_command
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.store import MemoryStore
 from proxy.memory.migrations import SchemaError, migrate_data_dir
+from proxy.memory.store import MemoryStore
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,

@@ -110,9 +110,10 @@ def _utc_datetime(value: str) -> datetime:
 
 
 def _record(user_id: str, item: BatchItem) -> MemoryRecord:
-    return MemoryRecord(user_id=user_id, kind=Kind.FACT, text=item.text, id=item.id or content_id(user_id, "fact",
-                        item.text), importance=item.importance or 5, category=item.category,
-                        created_at=_utc_datetime(item.created_at) if item.created_at else utcnow(), meta='{"source": "batch"}')
+    created = _utc_datetime(item.created_at) if item.created_at else utcnow()
+    return MemoryRecord(user_id=user_id, kind=Kind.FACT, text=item.text, importance=item.importance or 5,
+                        id=item.id or content_id(user_id, "fact", item.text), category=item.category,
+                        created_at=created, meta='{"source": "batch"}')
 
 
 async def add_batch(request: web.Request) -> web.Response:

@@ -71,7 +71,8 @@ class QueueCollector(Collector):
         yield from self._durations(snap)
 
     def _levels(self, snap: QueueMetrics) -> Iterable[Metric]:
-        levels = {"depth": (snap.depth, "Unfinished jobs"), "ready": (snap.ready, "Jobs due now"), "scheduled": (snap.scheduled, "Jobs waiting for a later time"),
+        levels = {"depth": (snap.depth, "Unfinished jobs"), "ready": (snap.ready, "Jobs due now"),
+                  "scheduled": (snap.scheduled, "Jobs waiting for a later time"),
                   "running": (snap.running, "Jobs running"), "dead_letters": (snap.dead, "Dead jobs kept"),
                   "oldest_age_seconds": (snap.oldest_age_s, "Age of the oldest due job")}
         for name, (value, text) in levels.items():

@@ -26,8 +26,8 @@ import numpy as np
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.memory.lance import check_user_id, valid_record_id
 from proxy.memory.errors import InvalidUserId
+from proxy.memory.lance import check_user_id, valid_record_id
 from proxy.memory.records import Kind, MemoryRecord
 
 Format = Literal["memproxy", "mem0", "chatgpt"]

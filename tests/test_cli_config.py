@@ -23,7 +23,8 @@ def test_version_prints_the_package_version() -> None:
     """`memproxy --version` prints the name and a version and exits 0."""
     result = _memproxy("--version")
     assert result.returncode == 0
-    assert result.stdout.startswith("memproxy ") and result.stdout.split()[1][0].isdigit()
+    assert result.stdout.startswith("memproxy ")
+    assert result.stdout.split()[1][0].isdigit()
 
 
 def test_config_check_accepts_the_default_file() -> None:
@@ -50,7 +51,8 @@ def test_config_schema_describes_the_toml() -> None:
     schema = json.loads(result.stdout)
     default = tomllib.loads((ROOT / "config" / "memproxy.toml").read_text())
     jsonschema.validate(default, schema)
-    assert "server" in schema["properties"] and "routes" in schema["properties"]
+    assert "server" in schema["properties"]
+    assert "routes" in schema["properties"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"server": {"portt": 1}}, schema)
 

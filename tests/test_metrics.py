@@ -69,7 +69,8 @@ async def test_metrics_use_labels_histograms_and_counters(make_proxy: ProxyFacto
     assert re.search(r'memproxy_upstream_ttfb_seconds_count\{model="fake-error-500",route="default"\} 1\.0', text)
     prompt = [s for s in families["memproxy_memory_llm_tokens"].samples
               if s.name.endswith("_total") and s.labels["type"] == "prompt"]
-    assert prompt and all(s.labels["model"] == "fake-echo" for s in prompt)
+    assert prompt
+    assert all(s.labels["model"] == "fake-echo" for s in prompt)
     assert sum(s.value for s in prompt) >= 10  # the fake upstream reports 10 prompt tokens per call
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sqlite3
 import subprocess
@@ -53,7 +54,8 @@ async def test_unversioned_job_database_is_migrated_and_keeps_its_jobs(tmp_path:
     _set_user_version(database, 0)
     async with JobQueue(JobQueueSettings(path=tmp_path / "jobs")) as queue:
         row = await queue.get(job_id)
-    assert row is not None and row["state"] == "pending"
+    assert row is not None
+    assert row["state"] == "pending"
     assert _user_version(database) == JOBS_SCHEMA_VERSION
 
 
@@ -79,16 +81,16 @@ async def test_newer_records_table_is_refused(tmp_path: Path, local: LocalEmbedd
     data = json.loads(manifest.read_text())
     assert data["schema_version"] == SCHEMA_VERSION
     manifest.write_text(json.dumps({**data, "schema_version": SCHEMA_VERSION + 1}))
-    with pytest.raises(SchemaError, match="records table schema is version .* upgrade memproxy"):
+    with pytest.raises(SchemaError, match=r"records table schema is version .* upgrade memproxy"):
         async with MemoryStore(StoreSettings(path=tmp_path), local):
             pass
     assert json.loads(manifest.read_text())["schema_version"] == SCHEMA_VERSION + 1
 
 
-async def test_migrate_command_and_serve_refusal(tmp_path: Path) -> None:
+def test_migrate_command_and_serve_refusal(tmp_path: Path) -> None:
     """`memproxy migrate` reports each store's version; `serve` on a newer store exits 1 with one clear line."""
     data = tmp_path / "data"
-    database, _ = await _queue_with_a_job(data / "jobs.sqlite3")
+    database, _ = asyncio.run(_queue_with_a_job(data / "jobs.sqlite3"))
     _set_user_version(database, 0)
     env = child_env(MEMPROXY_STORAGE__PATH=str(data))
     migrated = subprocess.run([str(MEMPROXY), "migrate"], capture_output=True, text=True, env=env, timeout=120,

@@ -41,7 +41,8 @@ def test_disjoint_and_reversed_rankings() -> None:
     disjoint = agreement(["a", "b"], ["c", "d"], 2)
     assert (disjoint.overlap, disjoint.only_live, disjoint.only_shadow) == (0.0, 2, 2)
     reversed_ = agreement(["a", "b", "c", "d"], ["d", "c", "b", "a"], 4)
-    assert reversed_.overlap == 1.0 and reversed_.rank_correlation == pytest.approx(-1.0)
+    assert reversed_.overlap == 1.0
+    assert reversed_.rank_correlation == pytest.approx(-1.0)
 
 
 @given(ids, ids, st.integers(1, 15))

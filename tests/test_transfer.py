@@ -157,7 +157,8 @@ def test_cli_refuses_a_bad_file_whole_then_imports_and_exports(tmp_path: Path) -
     source.write_text("\n".join([json.dumps(early[0]), json.dumps(early[1]), '{"user_id": "eve"', ""]))
     refused = _memproxy("import", str(source), data=tmp_path / "data")
     assert refused.returncode == 2
-    assert "line 3" in refused.stderr and "nothing was imported" in refused.stderr
+    assert "line 3" in refused.stderr
+    assert "nothing was imported" in refused.stderr
     source.write_text("\n".join(json.dumps(row) for row in good) + "\n")
     imported = _memproxy("import", str(source), data=tmp_path / "data")
     assert imported.returncode == 0, imported.stderr
