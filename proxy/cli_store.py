@@ -59,15 +59,8 @@ async def open_store(settings: Settings, *, allow_mismatch: bool = False) -> Asy
     """The configured embedder and store, opened for one command (the server must not be running)."""
     async with build_embedder(settings.embedder) as embedder:
         store = MemoryStore(settings.store_settings(), embedder, allow_mismatch=allow_mismatch)
-        try:
-            await store.__aenter__()
-        except BlockingIOError:
-            raise StoreCommandError(f"{settings.storage.path} is in use by a running memproxy: stop it first, "
-                                    "or add memories through POST /v1/memory/users/{user_id}/memories:batch") from None
-        try:
+        async with store:  # a StoreError when a running server owns the directory
             yield store
-        finally:
-            await store.__aexit__(None, None, None)
 
 
 # --- config -------------------------------------------------------------------------------------------
@@ -92,6 +85,8 @@ def cmd_config(args: argparse.Namespace, out: IO[str]) -> int:
 
 async def export_store(settings: Settings, user_id: str | None, sink: IO[bytes]) -> int:
     """Stream the store (or one user) to ``sink`` as memproxy JSONL; returns the record count."""
+    if not (settings.storage.path / "lance" / "manifest.json").exists():
+        raise StoreCommandError(f"no memory store in {settings.storage.path} (storage.path)")
     count = 0
     async with open_store(settings, allow_mismatch=True) as store:
         async for line in export_lines(store, user_id):
@@ -201,5 +196,6 @@ def run_store_command(args: argparse.Namespace, out: IO[str] | None = None) -> i
         print(f"memproxy: {exc}", file=sys.stderr)
         return getattr(exc, "code", EXIT_FAILED)
     except MemoryLayerError as exc:
-        print(f"memproxy: {exc}", file=sys.stderr)
+        hint = "; stop the server first (a running one takes POST .../memories:batch)" if "in use" in str(exc) else ""
+        print(f"memproxy: {exc}{hint}", file=sys.stderr)
         return EXIT_FAILED

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 from collections.abc import AsyncIterator
@@ -169,3 +170,19 @@ def test_cli_refuses_a_bad_file_whole_then_imports_and_exports(tmp_path: Path) -
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert sorted(row["id"] for row in rows) == ["e0", "e1", "e2"]  # nothing of the refused file
     assert all(len(row["embedding"]) == 384 for row in rows)
+
+
+@in_module_loop
+async def test_cli_import_refuses_a_store_in_use(tmp_path: Path, local: LocalEmbedder) -> None:
+    """While a server owns the data directory, import exits 1 saying to stop it, and writes nothing."""
+    source = tmp_path / "in.txt"
+    source.write_text("- Finn rows on Sundays\n")
+    async with MemoryStore(StoreSettings(path=tmp_path / "busy"), local) as store:
+        proc = await asyncio.create_subprocess_exec(
+            str(MEMPROXY), "import", str(source), "--format", "chatgpt", "--user", "finn",
+            env=child_env(MEMPROXY_STORAGE__PATH=str(tmp_path / "busy")), stderr=asyncio.subprocess.PIPE)
+        _, err = await proc.communicate()
+        assert proc.returncode == 1
+        assert "in use" in err.decode()
+        assert "stop the server first" in err.decode()
+        assert await store.count() == 0
