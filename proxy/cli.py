@@ -11,8 +11,8 @@ from pathlib import Path
 from proxy.cli_memory import add_memory_commands, run_memory_command
 from proxy.cli_ops import add_ops_commands
 
-# Commands that need the server stack (LanceDB, onnxruntime...) and run in proxy.cli_store; the rest speak HTTP.
-_STORE_COMMANDS = ("serve", "reindex", "export", "import", "migrate", "eval", "config")
+# Commands that open the configuration or the data directory (proxy.cli_store); the others speak HTTP.
+_STORE_COMMANDS = ("export", "import", "migrate", "eval", "config")
 
 
 def version() -> str:
