@@ -7,6 +7,11 @@ one question an operator asks: how well does *my* configuration (embedder, ``[re
 ``MemoryStore`` in a temporary directory; each category 1-4 question with evidence goes through the proxy's
 read path (``retrieve``) on the dataset's own clock (an hour after the conversation's last turn), and its
 ranked memories, mapped to turn ids, are scored: evidence recall@5/@10, hit@1/5/10, all@10, MRR.
+
+Like the harness, the settings a dataset of months-old conversations cannot exercise are neutralised
+(``NEUTRALISED``: the 14-day window of past turns would hide almost every turn; there are no other
+conversations, no insights, and arm deadlines are for live traffic, not a batch run); everything else is the
+configuration as given, recency included. The report lists what was neutralised.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from proxy.transfer import content_id
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 TURN_SPACING = timedelta(seconds=30)
+NEUTRALISED = {"turn_window_days": None, "recent_messages": 0, "max_insights": 0, "arm_timeout_ms": 60_000.0}
 METRICS = ("evidence_recall@5", "evidence_recall@10", "hit@1", "hit@5", "hit@10", "all@10", "mrr")
 _SESSION = re.compile(r"^session_(\d+)$")
 _DIA = re.compile(r"D:?(\d+):(\d+)")
@@ -55,13 +61,15 @@ class Conversation:
 
 def _turns(user_id: str, conversation: Mapping[str, Any]) -> list[tuple[str, MemoryRecord]]:
     out = []
+    first = conversation.get("speaker_a")
     sessions = sorted(int(m.group(1)) for key in conversation if (m := _SESSION.match(key)))
     for n in sessions:
         start = datetime.strptime(conversation[f"session_{n}_date_time"].strip(), "%I:%M %p on %d %B, %Y")
         for i, raw in enumerate(conversation[f"session_{n}"]):
             caption = f" [shared an image: {raw['blip_caption']}]" if raw.get("blip_caption") else ""
             text = f"{raw['speaker']}: {raw['text']}{caption}"
-            record = MemoryRecord(user_id=user_id, kind=Kind.TURN, text=text, role="user",
+            role = "user" if raw["speaker"] == (first or raw["speaker"]) else "assistant"
+            record = MemoryRecord(user_id=user_id, kind=Kind.TURN, text=text, role=role,
                                   id=content_id(user_id, "turn", raw["dia_id"]), conversation_id=f"session_{n}",
                                   created_at=start.replace(tzinfo=UTC) + i * TURN_SPACING)
             out.append((raw["dia_id"], record))
@@ -126,16 +134,18 @@ async def evaluate(settings: Settings, conversations: Sequence[Conversation], *,
     """Ingest every conversation into a temporary store and score every question with ``settings``."""
     rows: list[tuple[int, Mapping[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="memproxy-eval-") as tmp:
-        scratch = settings.model_copy(update={"storage": StorageSettings(path=Path(tmp))})
+        retrieval = settings.retrieval.model_copy(update=NEUTRALISED)
+        scratch = settings.model_copy(update={"storage": StorageSettings(path=Path(tmp)), "retrieval": retrieval})
         async with contextlib.AsyncExitStack() as stack:
             embedder = await stack.enter_async_context(build_embedder(settings.embedder))
             reranker = await stack.enter_async_context(Reranker(settings.rerank))
             store = await stack.enter_async_context(MemoryStore(scratch.store_settings(), embedder))
             for conv in conversations:
-                rows += await _conversation(store, embedder, reranker, settings, conv)
+                rows += await _conversation(store, embedder, reranker, scratch, conv)
                 if bar is not None:
                     bar.update(len(conv.questions))
-    return {"model": settings.embedder.model, "fusion": settings.retrieval.fusion, **summarise(rows)}
+    return {"model": settings.embedder.model, "fusion": settings.retrieval.fusion, "neutralised": NEUTRALISED,
+            **summarise(rows)}
 
 
 async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, settings: Settings,
@@ -162,9 +172,9 @@ async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, s
 def table(report: Mapping[str, Any]) -> str:
     """The report as an aligned text table: overall, then one line per category."""
     lines = [f"{report['questions']} questions, embedder {report['model']}, fusion {report['fusion']}",
-             f"{'':<12}" + "".join(f"{name:>{len(name) + 2}}" for name in METRICS)]
+             f"{'':<12}" + "".join(f"{name:>{max(len(name), 5) + 2}}" for name in METRICS)]
     for label, values in [("overall", report["overall"]), *report["by_category"].items()]:
-        lines.append(f"{label:<12}" + "".join(f"{values.get(name, 0.0):>{len(name) + 2}.3f}" for name in METRICS))
+        lines.append(f"{label:<12}" + "".join(f"{values.get(name, 0.0):>{max(len(name), 5) + 2}.3f}" for name in METRICS))
     return "\n".join(lines)
 
 
