@@ -169,12 +169,16 @@ async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, s
     return rows
 
 
+def _width(name: str) -> int:
+    return max(len(name), 5) + 2
+
+
 def table(report: Mapping[str, Any]) -> str:
     """The report as an aligned text table: overall, then one line per category."""
     lines = [f"{report['questions']} questions, embedder {report['model']}, fusion {report['fusion']}",
-             f"{'':<12}" + "".join(f"{name:>{max(len(name), 5) + 2}}" for name in METRICS)]
+             f"{'':<12}" + "".join(f"{name:>{_width(name)}}" for name in METRICS)]
     for label, values in [("overall", report["overall"]), *report["by_category"].items()]:
-        lines.append(f"{label:<12}" + "".join(f"{values.get(name, 0.0):>{max(len(name), 5) + 2}.3f}" for name in METRICS))
+        lines.append(f"{label:<12}" + "".join(f"{values.get(name, 0.0):>{_width(name)}.3f}" for name in METRICS))
     return "\n".join(lines)
 
 
