@@ -19,6 +19,7 @@ from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
 from proxy.management import add_management_routes
+from proxy.management_ops import add_operations_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
 from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import (
@@ -30,10 +31,12 @@ from proxy.memory.llm import (
     OpenAICompatibleSettings,
     PrefixRouter,
     Route,
+    UsageObserver,
 )
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
 from proxy.routes import add_routes
+from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
 from proxy.upstream import build_router, build_session
 
@@ -53,17 +56,19 @@ def keyed_routes(settings: Settings) -> set[str]:
                      if r.provider == "openai" and not (r.api_key and r.api_key.get_secret_value())}
 
 
-def memory_llm(settings: Settings, keys: KeySource | None = None) -> tuple[PrefixRouter, list[LLMClient]]:
+def memory_llm(settings: Settings, keys: KeySource | None = None,
+               on_usage: UsageObserver | None = None) -> tuple[PrefixRouter, list[LLMClient]]:
     """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
     the clients behind it (to open and close). ``keys`` gives each user's held chat key, used only where
-    the chat itself sends the client's key (the same route, the same base URL)."""
+    the chat itself sends the client's key (the same route, the same base URL); ``on_usage`` gets the token
+    counts of every answer."""
     key = settings.memory_llm.api_key or settings.upstream.api_key
     base_url = settings.memory_llm.base_url or settings.upstream.base_url
     same_server = base_url.rstrip("/") == settings.upstream.base_url
     default = OpenAICompatibleLLM(OpenAICompatibleSettings(
         base_url=base_url, api_key=key,
         timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
-        route="default", keys=keys if same_server else None)
+        route="default", keys=keys if same_server else None, on_usage=on_usage)
     routes = []
     for route in settings.routes:
         client: LLMClient
@@ -71,11 +76,11 @@ def memory_llm(settings: Settings, keys: KeySource | None = None) -> tuple[Prefi
             client = OpenAICompatibleLLM(OpenAICompatibleSettings(
                 base_url=route.base_url or settings.upstream.base_url, api_key=route.api_key or SecretStr(""),
                 timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
-                route=f"openai:{route.prefix}", keys=keys)
+                route=f"openai:{route.prefix}", keys=keys, on_usage=on_usage)
         else:
             client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
                                                    timeout_s=settings.memory_llm.timeout_s,
-                                                   provider=route.pinned_provider))
+                                                   provider=route.pinned_provider), on_usage=on_usage)
         routes.append(Route(route.prefix, client, route.strip_prefix))
     return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
 
@@ -101,15 +106,18 @@ def latest_chats(settings: Settings) -> LatestChats:
 async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
     """The real memory engine, its LLM clients opened first and closed last."""
     latest, board = latest_chats(settings), FeatureBoard()
-    router, clients = memory_llm(settings, latest)
+    router, clients = memory_llm(settings, latest, metrics.observe_llm_usage)
     async with contextlib.AsyncExitStack() as stack:
         for client in clients:
             if isinstance(client, contextlib.AbstractAsyncContextManager):
                 await stack.enter_async_context(client)
         llm = ReportingLLM(router, board)
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), llm, latest, board))
-        metrics.add_gauges("memproxy_jobs", engine.gauges, refresh=engine.refresh_metrics)
+        metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
         metrics.registry.register(FeatureCollector(board, engine.waiting))
+        if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
+            yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))
+            return
         yield engine
 
 
@@ -139,4 +147,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     install_access(app)
     add_routes(app)
     add_management_routes(app)
+    add_operations_routes(app)
     return app

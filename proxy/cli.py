@@ -4,14 +4,28 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 from collections.abc import Sequence
 from pathlib import Path
 
 from proxy.cli_memory import add_memory_commands, run_memory_command
+from proxy.cli_ops import add_ops_commands
+
+# Commands that open the configuration or the data directory (proxy.cli_store); the others speak HTTP.
+_STORE_COMMANDS = ("export", "import", "migrate", "eval", "config")
+
+
+def version() -> str:
+    """The installed distribution's version (``0+unknown`` in a checkout that was never installed)."""
+    try:
+        return importlib.metadata.version("memproxy")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="memproxy", description="A memory sidecar for chat-completion APIs.")
+    parser.add_argument("--version", action="version", version=f"memproxy {version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     run = commands.add_parser("serve", help="run the proxy")
     run.add_argument("--config", type=Path, help="TOML config file (default: $MEMPROXY_CONFIG or built-in)")
@@ -21,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
                                   "(stop the server first: one process owns the data directory)")
     reindex.add_argument("--config", type=Path, help="TOML config file (default: $MEMPROXY_CONFIG or built-in)")
     add_memory_commands(commands)
+    add_ops_commands(commands)
     return parser
 
 
@@ -31,6 +46,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         # Imported here, not at the top: the server stack (LanceDB, onnxruntime, litellm clients) costs ~6 s
         # of CPU to import, and the memory-management commands only speak HTTP to a running server.
         importlib.import_module("proxy.server").run_command(args)
+    elif args.command in _STORE_COMMANDS:
+        raise SystemExit(importlib.import_module("proxy.cli_store").run_store_command(args))
+    elif hasattr(args, "ops_handler"):
+        raise SystemExit(args.ops_handler(args))
     else:
         raise SystemExit(run_memory_command(args))
 

@@ -307,13 +307,19 @@ def cmd_regenerate(client: Client, args: argparse.Namespace, out: IO[str]) -> in
 Command = Callable[[Client, argparse.Namespace, IO[str]], int]
 
 
-def _common() -> argparse.ArgumentParser:
+def connection_options() -> argparse.ArgumentParser:
+    """``--url``, ``--key-env`` and ``--json``: how every command that speaks to a server is told where and how."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--user", required=True, help="the user id")
     common.add_argument("--url", default=DEFAULT_URL, help=f"the memproxy server (default {DEFAULT_URL})")
     common.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
                         help=f"environment variable holding the admin key (default {KEY_ENV})")
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
+    return common
+
+
+def _common() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False, parents=[connection_options()])
+    common.add_argument("--user", required=True, help="the user id")
     return common
 
 

@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from insights.service import InsightSettings
+from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
@@ -33,6 +34,7 @@ from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
 from proxy.memory.writer import WriterSettings
+from proxy.shadow import ShadowSettings
 
 ENV_PREFIX = "MEMPROXY_"
 
@@ -208,6 +210,7 @@ class Settings(_Frozen):
     extraction: ExtractionSettings = ExtractionSettings()
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()
     insights: InsightSettings = InsightSettings()
+    shadow: ShadowSettings = ShadowSettings()
 
     @field_validator("clients")
     @classmethod
@@ -290,8 +293,11 @@ def load_settings(
     env = os.environ if environ is None else environ
     if path is None and env.get(f"{ENV_PREFIX}CONFIG"):
         path = Path(env[f"{ENV_PREFIX}CONFIG"])
-    tree = _read_toml(path) if path is not None else {}
-    tree = _merge(tree, env_overrides(env))
+    try:  # secrets by reference: ${NAME} / ${file:PATH} in the file, MEMPROXY_..._FILE in the environment
+        tree = expand_references(_read_toml(path), env) if path is not None else {}
+        tree = _merge(tree, env_overrides(file_variables(env, ENV_PREFIX)))
+    except SecretReferenceError as exc:
+        raise ConfigError(str(exc)) from None
     tree = _merge(tree, overrides or {})
     try:
         return Settings.model_validate(tree)

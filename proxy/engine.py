@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -175,6 +175,15 @@ class MemoryEngine:
         self.names.invalidate(user_id)
         return stored
 
+    async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
+        """Bulk add of the user's records, idempotent by id (one store submission); returns the ids that were new."""
+        present = {record.id for record in await self.store.get_many(user_id, [r.id for r in records])}
+        new = [record for record in records if record.id not in present]
+        if new:
+            await self.store.add(new)
+            self.names.invalidate(user_id)
+        return [record.id for record in new]
+
     async def edit(self, user_id: str, id: str, text: str | None = None,
                    importance: int | None = None) -> MemoryRecord | None:
         """Edit a memory; a text edit keeps the old version as history (superseded by the new one)."""
@@ -222,17 +231,7 @@ class MemoryEngine:
         snap = self._queue_snapshot
         return (dict(snap.waiting), dict(snap.waits_total)) if snap is not None else ({}, {})
 
-    def gauges(self) -> dict[str, float]:
-        """Queue depth, oldest job age, failures and per-step latency, as plain numbers."""
-        snap = self._queue_snapshot
-        if snap is None:
-            return {}
-        out = {"depth": float(snap.depth), "ready": float(snap.ready), "running": float(snap.running),
-               "dead": float(snap.dead), "oldest_age_seconds": snap.oldest_age_s,
-               "completed_total": float(snap.completed_total), "failed_total": float(snap.failed_total)}
-        for step, latency in snap.step_latency.items():
-            if latency.count:
-                out[f"step_{step}_seconds_avg"] = latency.sum_s / latency.count
-                out[f"step_{step}_seconds_max"] = latency.max_s
-                out[f"step_{step}_count"] = float(latency.count)
-        return out
+    @property
+    def queue_snapshot(self) -> QueueMetrics | None:
+        """The queue's numbers as of the last ``refresh_metrics`` (None before the first)."""
+        return self._queue_snapshot

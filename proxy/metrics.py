@@ -1,18 +1,32 @@
-"""Prometheus metrics, one registry per app (so tests can build several apps in one process)."""
+"""Prometheus metrics, one registry per app (so tests can build several apps in one process).
+
+By the Prometheus conventions: durations are histograms in seconds with what varies as labels (``stage``,
+``route``, ``model``, job ``kind`` and ``step``), totals are counters (``_total``), current levels are gauges.
+The job queue's numbers are read from its snapshot at scrape time (``QueueCollector``). The ``model`` label
+comes from clients, so it is capped: past ``MAX_MODEL_LABELS`` distinct names, new ones count as ``other``.
+``deploy/grafana-dashboard.json`` is built on these names (a test checks every query names one of them).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from proxy.memory.jobs import LATENCY_BUCKETS_S, QueueMetrics, StepLatency
 
 # Seconds: fine resolution below 10 ms, where the proxy's own stages live.
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 GaugeSource = Callable[[], Mapping[str, float]]
 Refresh = Callable[[], Awaitable[None]]
+QueueSource = Callable[[], QueueMetrics | None]
+MAX_MODEL_LABELS = 50
+_JOB_COUNTERS = (("completed", "Memory jobs completed"), ("failed", "Memory job attempts that failed"),
+                 ("deferred", "Memory jobs deferred while a dependency was down"),
+                 ("dead", "Memory jobs that gave up (dead letters)"))
 
 
 class _GaugeCollector(Collector):
@@ -27,6 +41,55 @@ class _GaugeCollector(Collector):
             family = GaugeMetricFamily(f"{self._prefix}_{name}", f"{self._prefix} {name.replace('_', ' ')}")
             family.add_metric([], float(value))
             yield family
+
+
+def _buckets(latency: StepLatency) -> list[tuple[str, float]]:
+    """Cumulative Prometheus buckets from the queue's per-bucket counts."""
+    out, running = [], 0
+    for bound, count in zip(LATENCY_BUCKETS_S, latency.buckets, strict=True):
+        running += count
+        out.append((repr(float(bound)), float(running)))
+    out.append(("+Inf", float(latency.count)))
+    return out
+
+
+class QueueCollector(Collector):
+    """The job queue at scrape time: levels as gauges, totals as counters, durations as histograms."""
+
+    def __init__(self, source: QueueSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        snap = self._source()
+        if snap is None:
+            return
+        yield from self._levels(snap)
+        for name, text in _JOB_COUNTERS:
+            counter = CounterMetricFamily(f"memproxy_jobs_{name}", text)
+            counter.add_metric([], float(getattr(snap, f"{name}_total")))
+            yield counter
+        yield from self._durations(snap)
+
+    def _levels(self, snap: QueueMetrics) -> Iterable[Metric]:
+        levels = {"depth": (snap.depth, "Unfinished jobs"), "ready": (snap.ready, "Jobs due now"),
+                  "scheduled": (snap.scheduled, "Jobs waiting for a later time"),
+                  "running": (snap.running, "Jobs running"), "dead_letters": (snap.dead, "Dead jobs kept"),
+                  "oldest_age_seconds": (snap.oldest_age_s, "Age of the oldest due job")}
+        for name, (value, text) in levels.items():
+            yield GaugeMetricFamily(f"memproxy_jobs_{name}", text, value=float(value))
+        queued = GaugeMetricFamily("memproxy_jobs_queued", "Unfinished jobs by kind", labels=["kind"])
+        for kind, count in sorted(snap.depth_by_kind.items()):
+            queued.add_metric([kind], float(count))
+        yield queued
+
+    def _durations(self, snap: QueueMetrics) -> Iterable[Metric]:
+        jobs = HistogramMetricFamily("memproxy_job_seconds", "Duration of a successful job", labels=["kind"])
+        steps = HistogramMetricFamily("memproxy_job_step_seconds", "Duration of a job step", labels=["step"])
+        for name, latency in sorted(snap.step_latency.items()):
+            family, label = (jobs, name.removeprefix("job.")) if name.startswith("job.") else (steps, name)
+            family.add_metric([label], _buckets(latency), latency.sum_s)
+        yield jobs
+        yield steps
 
 
 class Metrics:
@@ -46,6 +109,15 @@ class Metrics:
         self._refreshers: list[Refresh] = []
         self.injected = Histogram("memproxy_memories_injected", "Memories injected per request",
                                   buckets=(0, 1, 2, 5, 10, 20, 50), registry=self.registry)
+        self.chat_seconds = Histogram("memproxy_chat_seconds", "Chat request duration, end to end",
+                                      ["route", "model"], buckets=_BUCKETS, registry=self.registry)
+        self.upstream_seconds = Histogram("memproxy_upstream_ttfb_seconds", "Time to the upstream's first byte",
+                                          ["route", "model"], buckets=_BUCKETS, registry=self.registry)
+        self.memory_llm_tokens = Counter("memproxy_memory_llm_tokens", "Tokens of memory-side LLM calls",
+                                         ["call", "model", "type"], registry=self.registry)
+        self.memory_llm_calls = Counter("memproxy_memory_llm_calls", "Memory-side LLM calls answered",
+                                        ["call", "model"], registry=self.registry)
+        self._models: set[str] = set()
 
     def add_gauges(self, prefix: str, source: GaugeSource, refresh: Refresh | None = None) -> None:
         """Expose the numbers ``source`` returns at every scrape as ``<prefix>_<name>`` gauges.
@@ -60,6 +132,38 @@ class Metrics:
         """Update the gauges that need I/O (before rendering)."""
         for refresh in self._refreshers:
             await refresh()
+
+    def add_queue(self, source: QueueSource, refresh: Refresh | None = None) -> None:
+        """Expose the job queue's snapshot (``source``, refreshed by ``refresh`` before each scrape)."""
+        self.registry.register(QueueCollector(source))
+        if refresh is not None:
+            self._refreshers.append(refresh)
+
+    def model_label(self, model: object) -> str:
+        """``model`` as a label value, capped at ``MAX_MODEL_LABELS`` distinct names (then ``other``)."""
+        name = str(model or "")[:100]
+        if name in self._models or len(self._models) < MAX_MODEL_LABELS:
+            self._models.add(name)
+            return name
+        return "other"
+
+    def observe_chat(self, route: str, model: object, seconds: float) -> None:
+        """One chat request's total duration."""
+        self.chat_seconds.labels(route or "none", self.model_label(model)).observe(seconds)
+
+    def observe_upstream(self, route: str, model: object, seconds: float) -> None:
+        """The upstream's time to first byte; also the ``upstream_ttfb`` stage."""
+        self.upstream_seconds.labels(route or "none", self.model_label(model)).observe(seconds)
+        self.observe("upstream_ttfb", seconds)
+
+    def observe_llm_usage(self, call: str, model: str, usage: Mapping[str, object]) -> None:
+        """Tokens of one memory-side LLM call (``usage`` as OpenAI reports it)."""
+        label = self.model_label(model)
+        self.memory_llm_calls.labels(call, label).inc()
+        for kind in ("prompt", "completion"):
+            value = usage.get(f"{kind}_tokens")
+            if isinstance(value, int) and value >= 0:
+                self.memory_llm_tokens.labels(call, label, kind).inc(value)
 
     def observe(self, stage: str, seconds: float) -> None:
         """Record the duration of one request stage."""

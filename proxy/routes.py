@@ -135,7 +135,7 @@ class ChatCall:
         headers["X-Request-Id"] = self.request_id
         try:
             async with upstream.open(outgoing, raw, self.request.headers) as reply:
-                self.state.metrics.observe("upstream_ttfb", reply.ttfb_s)
+                self.state.metrics.observe_upstream(self.route, body.get("model"), reply.ttfb_s)
                 if reply.status >= 400:
                     self.state.metrics.upstream_errors.labels(str(reply.status)).inc()
                     raise UpstreamStatusError(reply.status, await reply.read(),
@@ -223,6 +223,7 @@ class ChatCall:
     def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
         total = time.perf_counter() - self.started
         self.state.metrics.observe("total", total)
+        self.state.metrics.observe_chat(self.route, body.get("model"), total)
         log.info("request.completed", model=body.get("model"), route=self.route, status=self.status,
                  mode=identity.mode.value, injected=len(injection.injected_ids),
                  retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),

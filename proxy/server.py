@@ -22,6 +22,7 @@ from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
+from proxy.memory.migrations import SchemaError
 from proxy.memory.store import MemoryStore
 from proxy.state import STATE
 
@@ -95,7 +96,11 @@ def run_command(args: argparse.Namespace) -> None:
             print(problem, file=sys.stderr)
             raise SystemExit(EXIT_CONFIG)
         configure_logging(settings.logging.level)
-        uvloop.run(serve(settings))
+        try:
+            uvloop.run(serve(settings))
+        except SchemaError as exc:  # a store this version cannot serve: say what to do, no traceback
+            print(f"memproxy: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
         return
     configure_logging("warning")
     count = uvloop.run(reindex(settings))

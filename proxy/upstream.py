@@ -36,7 +36,8 @@ from proxy.sse import DONE_EVENT, data_event
 FORWARDED_REQUEST_HEADERS = frozenset(
     {"openai-organization", "openai-project", "openai-beta", "user-agent", "x-stainless-lang",
      "x-stainless-package-version", "x-stainless-os", "x-stainless-arch", "x-stainless-runtime",
-     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key"}
+     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key",
+     "traceparent", "tracestate"}  # W3C trace context: the client's trace continues upstream
 )
 # Request fields passed to litellm on a litellm route: OpenAI chat-completion parameters only. Everything else
 # in ``litellm.acompletion``'s signature or its ``**kwargs`` (api_base, base_url, api_key, api_version,
@@ -56,6 +57,7 @@ LITELLM_STEERING_FIELDS = frozenset(
      "organization", "aws_access_key_id", "aws_secret_access_key", "aws_region_name", "vertex_project",
      "vertex_location", "vertex_credentials", "extra_body"}
 )  # fmt: skip
+TRACE_HEADERS = ("traceparent", "tracestate")
 # Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
 
@@ -249,8 +251,9 @@ class LiteLLMUpstream:
                    headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
         litellm = await asyncio.to_thread(import_litellm)
         started = time.perf_counter()
+        trace = {name: headers[name] for name in TRACE_HEADERS if name in headers}
         with map_litellm_errors():
-            result = await litellm.acompletion(**self._arguments(body))
+            result = await litellm.acompletion(**self._arguments(body), **({"extra_headers": trace} if trace else {}))
         stream = bool(body.get("stream"))
         reply = _LiteLLMReply(stream, result, time.perf_counter() - started)
         try:

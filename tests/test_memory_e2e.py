@@ -84,4 +84,4 @@ async def test_jobs_in_metrics(make_proxy: ProxyFactory) -> None:
     await _settled(proxy)
     text = await (await proxy.get("/metrics")).text()
     assert "memproxy_jobs_depth" in text
-    assert "memproxy_jobs_step_turns_seconds_avg" in text
+    assert 'memproxy_job_step_seconds_count{step="turns"}' in text

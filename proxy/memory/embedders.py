@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import heapq
+import importlib.resources
 import itertools
 import os
 from abc import ABC, abstractmethod
@@ -91,8 +92,11 @@ EXPORT_HINT = "produce it with scripts/export_minilm.py or set embedder.model_pa
 
 
 def default_model_dirs() -> list[Path]:
-    """Where the shipped model is looked for: beside the package (editable install), then the cwd."""
+    """Where the shipped model is looked for: inside the installed package (``proxy/models``, package data of
+    the wheel), beside the package (a checkout or editable install), then the cwd."""
+    packaged = Path(str(importlib.resources.files(proxy).joinpath("models", MODEL_DIR_NAME)))
     return [
+        *([packaged] if packaged.is_dir() else []),
         Path(proxy.__file__).resolve().parents[1] / "models" / MODEL_DIR_NAME,
         Path.cwd() / "models" / MODEL_DIR_NAME,
     ]

@@ -49,6 +49,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.migrations import JOBS_SCHEMA_VERSION, JOBS_STEPS, ensure_jobs_schema, plan
 
 log = structlog.get_logger("memproxy.jobs")
 
@@ -277,9 +278,14 @@ class _Db:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(_SCHEMA)
-        if "waiting" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:
-            conn.execute("ALTER TABLE jobs ADD COLUMN waiting TEXT")  # queues made before waiting jobs existed
+        try:  # a newer database is refused before it is touched; an older one is migrated forward
+            plan("job database", conn.execute("PRAGMA user_version").fetchone()[0], JOBS_SCHEMA_VERSION, JOBS_STEPS)
+            conn.executescript(_SCHEMA)
+            ensure_jobs_schema(conn)
+        except BaseException:
+            conn.close()
+            self.close()
+            raise
         self.conn = conn
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import json
 import os
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -34,6 +34,7 @@ import structlog
 from lancedb.index import Bitmap, BTree, HnswSq
 
 from proxy.memory.errors import EmbedderMismatch, InvalidUserId, StoreError
+from proxy.memory.migrations import check_records_schema
 from proxy.memory.records import SCHEMA_VERSION, Kind, MemoryRecord, arrow_schema, from_row
 
 log = structlog.get_logger(__name__)
@@ -217,6 +218,8 @@ class MemoryTable:
         manifest = Manifest.read(self.path / "manifest.json")
         if manifest is None:
             manifest = Manifest("memories_1", self.model_id, self.dim)
+        manifest = replace(
+            manifest, schema_version=check_records_schema(manifest.schema_version, self.path))
         self._check_model(manifest)
         names = await self._table_names()
         if manifest.table in names:

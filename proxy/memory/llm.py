@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Protocol, runtime_checkable
 
@@ -84,6 +84,16 @@ class LLMClient(Protocol):
     ) -> dict[str, Any]:
         """The parsed object; raises ``LLMUnavailable`` or ``LLMBadOutput``."""
         ...
+
+
+UsageObserver = Callable[[str, str, Mapping[str, Any]], None]  # (call, model, usage) of one answered call
+
+
+def report_usage(observer: UsageObserver | None, call: str, model: str, body: Any) -> None:
+    """Hand the ``usage`` of an answer (token counts, as OpenAI reports them) to ``observer``, if any."""
+    if observer is not None and isinstance(body, Mapping):
+        usage = body.get("usage")
+        observer(call, model, usage if isinstance(usage, Mapping) else {})
 
 
 def response_format(schema: Mapping[str, Any], schema_name: str) -> JSON:
@@ -152,8 +162,9 @@ class OpenAICompatibleLLM:
     """``LLMClient`` over a raw aiohttp POST to ``/chat/completions``; owns one pooled session."""
 
     def __init__(self, settings: OpenAICompatibleSettings, *, route: str = "default",
-                 keys: KeySource | None = None) -> None:
+                 keys: KeySource | None = None, on_usage: UsageObserver | None = None) -> None:
         self._settings = settings
+        self._on_usage = on_usage
         self._url = settings.base_url.rstrip("/") + "/chat/completions"
         self._session: aiohttp.ClientSession | None = None
         self._route = route
@@ -206,9 +217,11 @@ class OpenAICompatibleLLM:
                 self._keys.rejected(self._route, key)
             raise status_error(status, text, sent_key=bool(key))
         try:
-            return parse_completion(json.loads(text))
+            data = json.loads(text)
         except json.JSONDecodeError:
             raise LLMBadOutput("the upstream answered with a body that is not JSON") from None
+        report_usage(self._on_usage, schema_name, model, data)
+        return parse_completion(data)
 
 
 class LiteLLMSettings(BaseModel):
@@ -226,8 +239,9 @@ class LiteLLMSettings(BaseModel):
 class LiteLLMClient:
     """``LLMClient`` over ``litellm.acompletion``; litellm is imported lazily, off the event loop."""
 
-    def __init__(self, settings: LiteLLMSettings) -> None:
+    def __init__(self, settings: LiteLLMSettings, *, on_usage: UsageObserver | None = None) -> None:
         self._settings = settings
+        self._on_usage = on_usage
         self._litellm: Any = None
         self._import_lock = asyncio.Lock()
 
@@ -263,7 +277,9 @@ class LiteLLMClient:
             result = await litellm.acompletion(**self._arguments(model, messages, schema, schema_name))
         except Exception as error:  # litellm raises many unrelated types; each must become one of ours
             raise _map_litellm_error(error) from None
-        return parse_completion(result.model_dump())
+        data = result.model_dump()
+        report_usage(self._on_usage, schema_name, model, data)
+        return parse_completion(data)
 
 
 def _map_litellm_error(error: Exception) -> LLMError:

@@ -604,6 +604,13 @@ class MemoryStore:
         for row in rows.to_pylist():
             yield orjson.dumps(self._touched(from_row(row)).public_dict()).decode() + "\n"
 
+    async def records_with_vectors(self, user_id: str | None = None) -> AsyncIterator[MemoryRecord]:
+        """Every record of one user (or of everyone), vectors included, streamed batch by batch (for export)."""
+        where = record_filter(user_id) if user_id is not None else None
+        async for batch in self._lance.batches([*RECORD_COLUMNS, "embedding"], where):
+            for row in batch.to_pylist():
+                yield self._touched(from_row(row))
+
     async def count(self, user_id: str | None = None) -> int:
         """How many records one user (or everyone) has, history included."""
         if user_id is not None:

@@ -121,6 +121,7 @@ async function unlock(key) {
   $("lock").hidden = false;
   const fromHash = new URLSearchParams(location.hash.slice(1)).get("user");
   if (fromHash) openUser(fromHash);
+  else if (location.hash === "#dead-letters") showDeadLetters().catch(failed);
 }
 
 // --- users -------------------------------------------------------------------------------------------
@@ -153,6 +154,7 @@ function openUser(user) {
   state.user = user;
   history.replaceState(null, "", `#user=${encodeURIComponent(user)}`);
   $("empty").hidden = true;
+  $("dead-view").hidden = true;
   $("user-view").hidden = false;
   $("user-title").textContent = user;
   $("search-result").hidden = true;
@@ -410,6 +412,41 @@ async function preview(event) {
   } catch (error) { failed(error); }
 }
 
+// --- dead letters ------------------------------------------------------------------------------------
+
+function deadRow(job) {
+  return el("tr", { dataset: { job: job.id } },
+    el("td", {}, badge(job.kind)),
+    el("td", {}, job.user_id),
+    el("td", { class: "num" }, String(job.attempts)),
+    el("td", { class: "nowrap" }, when(job.updated_at)),
+    el("td", { class: "error-text" }, job.last_error || "—"),
+    el("td", {}, el("button", { type: "button", class: "requeue", onclick: () => requeue(job) }, "Requeue")));
+}
+
+async function showDeadLetters() {
+  state.user = null;
+  markActiveUser();
+  history.replaceState(null, "", "#dead-letters");
+  $("empty").hidden = true;
+  $("user-view").hidden = true;
+  $("dead-view").hidden = false;
+  const page = await json("GET", "/dead-letters?limit=200");
+  const rows = $("dead-rows");
+  rows.replaceChildren(...page.data.map(deadRow));
+  if (!page.data.length) {
+    rows.append(el("tr", {}, el("td", { colspan: "6", class: "muted" }, "No dead letters: every memory job finished.")));
+  }
+}
+
+async function requeue(job) {
+  try {
+    await json("POST", `/dead-letters/${encodeURIComponent(job.id)}/requeue`);
+    toast(`Requeued the ${job.kind} job.`);
+    await showDeadLetters();
+  } catch (error) { failed(error); }
+}
+
 // --- wiring ------------------------------------------------------------------------------------------
 
 function wire() {
@@ -434,6 +471,8 @@ function wire() {
   $("export").addEventListener("click", exportUser);
   $("regenerate").addEventListener("click", regenerate);
   $("search-form").addEventListener("submit", preview);
+  $("open-dead").addEventListener("click", () => showDeadLetters().catch(failed));
+  $("dead-refresh").addEventListener("click", () => showDeadLetters().catch(failed));
 }
 
 wire();

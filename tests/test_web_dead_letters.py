@@ -1,0 +1,58 @@
+"""The /ui/ page's dead-letter view in headless Chromium: a failed memory job is shown and requeued."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support import expected_conditions as ec
+
+from tests.support.live_app import admin_settings, live_app
+from tests.test_web_ui import KEY, browser, call, shot, wait  # noqa: F401 - browser is a fixture
+
+pytestmark = pytest.mark.e2e
+
+
+def _dead(base: str) -> list[dict[str, Any]]:
+    status, page = call(base, "GET", "/v1/memory/dead-letters")
+    assert status == 200
+    return list(page["data"])
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The app with memory on and no insights model, so a manual insight run for "vic" gives up at once."""
+    settings = admin_settings(admin={"api_key": KEY}, upstream={"base_url": "http://127.0.0.1:9/v1"},
+                              storage={"path": str(tmp_path_factory.mktemp("ui-dead"))})
+    with live_app(settings) as url:
+        assert call(url, "POST", "/v1/memory/users/vic/insights/regenerate")[0] == 202
+        deadline = time.monotonic() + 30
+        while not _dead(url):
+            assert time.monotonic() < deadline, "the insight job did not give up"
+            time.sleep(0.1)
+        yield url
+
+
+def test_dead_letter_is_shown_and_requeued(browser: WebDriver, base: str) -> None:  # noqa: F811 - the fixture
+    """The page lists the dead insight job with its error; Requeue runs it again (it gives up again, later)."""
+    [job] = _dead(base)
+    browser.get(base + "/ui/")
+    wait(browser).until(ec.visibility_of_element_located((By.ID, "key"))).send_keys(KEY)
+    browser.find_element(By.ID, "unlock").click()
+    wait(browser).until(ec.element_to_be_clickable((By.ID, "open-dead"))).click()
+    row = wait(browser).until(ec.visibility_of_element_located((By.CSS_SELECTOR, f'tr[data-job="{job["id"]}"]')))
+    assert "insights" in row.text
+    assert "vic" in row.text
+    assert "no model for insights" in row.text
+    shot(browser, "web_ui_dead_letters")
+    row.find_element(By.CSS_SELECTOR, "button.requeue").click()
+    toast = wait(browser).until(ec.visibility_of_element_located((By.ID, "toast")))
+    assert toast.text == "Requeued the insights job."
+    deadline = time.monotonic() + 30
+    while not any(d["id"] == job["id"] and d["updated_at"] > job["updated_at"] for d in _dead(base)):
+        assert time.monotonic() < deadline, "the requeued job did not run again"
+        time.sleep(0.1)
