@@ -177,7 +177,7 @@ def test_memory_calls_impossible_are_named_and_jobs_wait(tmp_path: Path) -> None
             chat(client, "Remember that I'm vegetarian.", "alice", "food")
             # the facts and the summary of the exchange wait
             eventually(lambda: metric(url, 'memproxy_jobs_waiting{reason="key_rejected"}') == 2, proc=proc)
-            assert metric(url, "memproxy_jobs_dead ") == 0
+            assert metric(url, "memproxy_jobs_dead_letters ") == 0
             assert metric(url, 'memproxy_memory_feature_live{feature="facts"}') == 0
             assert metric(url, 'memproxy_memory_feature_live{feature="turns"}') == 1
             assert memories(url, "alice", "turn")  # the chat and its turns are unharmed

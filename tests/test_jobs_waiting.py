@@ -74,6 +74,8 @@ async def test_a_queue_from_before_waiting_jobs_opens_and_keeps_its_jobs(tmp_pat
         job_id = await queue.enqueue("facts", "ann", {"n": 1})
     conn = sqlite3.connect(tmp_path / "jobs.sqlite3")
     conn.execute("ALTER TABLE jobs DROP COLUMN waiting")
+    conn.execute("PRAGMA user_version = 0")  # as a queue written before schema versions existed
+    conn.commit()
     conn.close()
     ran: list[str] = []
 

@@ -78,7 +78,7 @@ async def test_jobs_wait_for_a_key_across_a_restart_and_run_when_it_comes(
     assert ready["features"]["facts"]["live"] is False
     assert "no key" in ready["features"]["facts"]["reason"]
     assert ready["features"]["turns"]["live"] is True
-    assert "memproxy_jobs_dead 0.0" in await _metrics(first)
+    assert "memproxy_jobs_dead_letters 0.0" in await _metrics(first)
     await first.close()
 
     second = await make_proxy()
@@ -110,7 +110,7 @@ async def test_a_rejected_key_waits_until_a_different_key_comes(
     assert fake.memory_keys("memory_facts") == ["sk-old"]  # the same rejected key is not tried again
     assert await _chat(proxy, "Another message.", "sk-new") == 200
     await eventually(lambda: _has(proxy, "Miso"), within_s=60)
-    assert "memproxy_jobs_dead 0.0" in await _metrics(proxy)
+    assert "memproxy_jobs_dead_letters 0.0" in await _metrics(proxy)
 
 
 def _files_holding(root: Path, needle: bytes) -> list[Path]:
