@@ -56,6 +56,7 @@ __all__ = [
 
 Vectors = npt.NDArray[np.float32]
 T = TypeVar("T")
+_Manifest = TypeVar("_Manifest", bound=BaseModel)
 
 
 @runtime_checkable
@@ -145,11 +146,15 @@ class ModelManifest(BaseModel):
 
 def read_manifest(model_dir: Path) -> ModelManifest:
     """Parse the manifest, turning a broken one into an ``EmbedderError``."""
+    return _parse_manifest(model_dir, ModelManifest, EXPORT_HINT)
+
+
+def _parse_manifest(model_dir: Path, kind: type[_Manifest], hint: str) -> _Manifest:
     path = model_dir / "manifest.json"
     try:
-        return ModelManifest.model_validate_json(path.read_bytes())
+        return kind.model_validate_json(path.read_bytes())
     except (OSError, ValidationError) as exc:
-        raise EmbedderError(f"unreadable model manifest {path}: {exc}; {EXPORT_HINT}") from exc
+        raise EmbedderError(f"unreadable model manifest {path}: {exc}; {hint}") from exc
 
 
 class QueryManifest(BaseModel):
@@ -171,17 +176,15 @@ def resolve_query_model_dir(name: str) -> Path:
         if (candidate / "manifest.json").is_file() and (candidate / "tokenizer.json").is_file():
             return candidate
     tried = ", ".join(str(c) for c in candidates)
-    raise EmbedderError(f"no query model {name!r} found (tried {tried}); build it with scripts/distill_static.py "
-                        "or set embedder.query_model to none")
+    raise EmbedderError(f"no query model {name!r} found (tried {tried}); {QUERY_HINT}")
+
+
+QUERY_HINT = "build it with scripts/distill_static.py or scripts/quantize_query.py, or set embedder.query_model to none"
 
 
 def read_query_manifest(model_dir: Path) -> QueryManifest:
     """Parse a query-side model's manifest, turning a broken one into an ``EmbedderError``."""
-    path = model_dir / "manifest.json"
-    try:
-        return QueryManifest.model_validate_json(path.read_bytes())
-    except (OSError, ValidationError) as exc:
-        raise EmbedderError(f"unreadable query model manifest {path}: {exc}") from exc
+    return _parse_manifest(model_dir, QueryManifest, QUERY_HINT)
 
 
 class StaticQueryModel:
