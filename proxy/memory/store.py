@@ -497,6 +497,25 @@ class MemoryStore:
         next_cursor = _encode_cursor(int(created[start + len(page_ids) - 1]), page_ids[-1]) if more else None
         return Page(await self.get_many(user_id, page_ids), next_cursor)
 
+    async def user_turns(self, user_id: str, since: datetime, until: datetime) -> builtins.list[MemoryRecord]:
+        """The user's valid turns created in [since, until], newest first (as ``list`` orders them), in one
+        columnar read: for 10k turns ``list`` pages through keys and records at ~10x the CPU.
+
+        Each record's ``embedding`` is a read-only row of one float32 matrix (not a list of Python floats).
+        """
+        check_user_id(user_id)
+        where = record_filter(user_id, kinds=[Kind.TURN], since=since, until=until, include_invalid=False)
+        batches = [batch async for batch in self._lance.batches([*RECORD_COLUMNS, "embedding"], where)]
+        if not batches:
+            return []
+        table = pa.Table.from_batches(batches).sort_by([("created_at", "descending"), ("id", "descending")])
+        column = table["embedding"].combine_chunks()
+        vectors = column.flatten().to_numpy().reshape(len(table), -1)
+        vectors.setflags(write=False)
+        rows = table.drop_columns(["embedding"]).to_pylist()
+        touch = self._toucher(user_id)
+        return [touch(from_row(row).replace(embedding=vector)) for row, vector in zip(rows, vectors, strict=True)]
+
     async def vector_search(
         self,
         user_id: str,
