@@ -413,5 +413,6 @@ async def test_user_turns_reads_one_users_valid_turns_of_a_window_newest_first(s
     assert [t.text for t in turns] == ["turn 4", "turn 2"]
     listed = {r.id: r for r in (await store.list("alice", [Kind.TURN], limit=10)).data}
     for turn in turns:
-        assert turn.embedding is not None and len(turn.embedding) == store.embedder.dim
+        assert turn.embedding is not None
+        assert len(turn.embedding) == store.embedder.dim
         np.testing.assert_allclose(np.asarray(turn.embedding), np.asarray(listed[turn.id].embedding), atol=1e-6)
