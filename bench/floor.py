@@ -23,10 +23,12 @@ async def relay(request: web.Request) -> web.StreamResponse:
     """Send the body on as it came, stream the upstream's answer back as it comes."""
     data = await request.read()
     headers = {"Content-Type": "application/json"}
-    async with request.app[SESSION].post(request.app[UPSTREAM] + "/chat/completions", data=data,
-                                         headers=headers) as upstream:
-        response = web.StreamResponse(status=upstream.status,
-                                      headers={"Content-Type": upstream.headers.get("Content-Type", "")})
+    async with request.app[SESSION].post(
+        request.app[UPSTREAM] + "/chat/completions", data=data, headers=headers
+    ) as upstream:
+        response = web.StreamResponse(
+            status=upstream.status, headers={"Content-Type": upstream.headers.get("Content-Type", "")}
+        )
         await response.prepare(request)
         async for chunk in upstream.content.iter_any():
             await response.write(chunk)

@@ -203,8 +203,12 @@ def main() -> None:
     parser.add_argument("--lam", type=float, nargs="*", default=[0.01], help="ridge strengths tried")
     parser.add_argument("--iterations", type=int, default=60)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--work", type=Path, default=Path("/tmp/distill-static"),  # noqa: S108 - scratch
-                        help="cache of teacher vectors")
+    parser.add_argument(
+        "--work",
+        type=Path,
+        default=Path("/tmp/distill-static"),  # noqa: S108 - scratch
+        help="cache of teacher vectors",
+    )
     args = parser.parse_args()
     rng = random.Random(13)
     onnx, tok = session(SOURCE, args.threads), tokenizer(SOURCE)
