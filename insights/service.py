@@ -219,7 +219,7 @@ async def replace_insights(store: MemoryStore, user_id: str, fresh: list[MemoryR
     generation = fresh[0].generation_id
     await store.add(fresh)
     retired = [r for r in await valid_insights(store, user_id) if r.generation_id != generation]
-    for record in retired:
-        await store.update(user_id, record.id, valid=False)
+    if retired:
+        await store.update_many(user_id, [r.id for r in retired], valid=False)
     log.info("insights.replaced", added=len(fresh), retired=len(retired))
     return newest_generation(fresh)

@@ -416,3 +416,18 @@ async def test_user_turns_reads_one_users_valid_turns_of_a_window_newest_first(s
         assert turn.embedding is not None
         assert len(turn.embedding) == store.embedder.dim
         np.testing.assert_allclose(np.asarray(turn.embedding), np.asarray(listed[turn.id].embedding), atol=1e-6)
+
+
+async def test_update_many_retires_several_records_of_one_user_at_once(store: MemoryStore) -> None:
+    """Several of a user's records retired in one call leave both arms; another user's id in the list is untouched."""
+    alice = [fact("alice", f"Alice collects blue stamps {i}", i) for i in range(3)]
+    bob = fact("bob", "Bob collects blue stamps too")
+    await store.add([*alice, bob])
+    updated = await store.update_many("alice", [alice[0].id, alice[1].id, bob.id], valid=False)
+    assert sorted(r.id for r in updated) == sorted([alice[0].id, alice[1].id])
+    assert all(not r.valid for r in updated)
+    assert await keyword_ids(store, "alice", "blue stamps") == [alice[2].id]
+    assert await vector_ids(store, "alice", "blue stamps") == [alice[2].id]
+    assert await keyword_ids(store, "bob", "blue stamps") == [bob.id]
+    with pytest.raises(ValueError, match="text"):
+        await store.update_many("alice", [alice[2].id], text="changed")

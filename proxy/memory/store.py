@@ -321,6 +321,29 @@ class MemoryStore:
             await self._mark_synced()
         return self._touched(new)
 
+    async def update_many(self, user_id: str, ids: Sequence[str], **changes: Any) -> builtins.list[MemoryRecord]:
+        """Change the same fields (not the text) of several records of the user: one LanceDB commit and one index
+        commit instead of one each per record; returns the updated records (missing ids are left out)."""
+        check_user_id(user_id)
+        bad = set(changes) & (_FROZEN_FIELDS | {"text", "kind"})
+        bad |= set(changes) - {f.name for f in dataclasses.fields(MemoryRecord)}
+        if bad:
+            raise ValueError(f"cannot update {sorted(bad)} of several records at once")
+        async with self._lock:
+            found = await self._lance.records(user_id, ids)
+            if not found:
+                return []
+            vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in found])
+            now = utcnow()
+            new = [r.replace(**changes, updated_at=now, embedding=v) for r, v in zip(found, vectors, strict=True)]
+            await self._lance.replace(user_id, _arrow_rows(new, vectors))
+            self._cache.upsert(new, vectors)
+            if _KEYWORD_FIELDS & set(changes):
+                await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new]))
+            else:
+                await self._mark_synced()
+        return [self._touched(record) for record in new]
+
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:
         """Store ``new`` and retire ``old_id`` (kept as history: invalid, superseded by ``new``)."""
         if new.user_id != user_id:
