@@ -2,14 +2,18 @@
 
 Starts the fake upstream (loopback, fixed latency), memproxy (its store seeded with 10k memories of one user)
 and LiteLLM's proxy server (from its own venv ``bench/.venv-litellm``, same fake upstream, no memory), then
-measures, interleaved round by round, four targets at concurrency 1, 16 and 64 with the same async load
-generator: ``direct`` (the fake upstream), ``memproxy-off`` (``X-Memory-Mode: off``), ``memproxy-on`` (the
+measures, interleaved round by round, five targets at concurrency 1, 16 and 64 with the same async load
+generator: ``direct`` (the fake upstream), ``floor`` (``bench/floor.py``: a minimal aiohttp relay, no parsing, no
+logging: what any relay costs), ``memproxy-off`` (``X-Memory-Mode: off``), ``memproxy-on`` (the
 seeded user, full read path, ``X-Memory-Mode: read`` so the store does not grow) and ``litellm``. Non-stream
 latency and stream time to first byte; added latency is the difference of percentiles against ``direct`` at
 the same concurrency. ``memproxy-on`` rows also count the requests memproxy served without memory because the
 read path missed its deadline (``memory.retrieval_timeout_ms``, 250 ms by default): under more load than the
 read path can take, requests stay fast and lose memory, so its req/s only means "with memory" when that count
-is near 0 (a check says so). Prints a table and the issue's target checks, writes ``bench/results/load.json``.
+is near 0 (a check says so). Every row also has ``cpu_ms_per_request`` (CPU seconds of the target's process
+tree over its rounds / requests served; the fake upstream's for ``direct``) and ``with_memory_rps`` (req/s x the
+share of requests that got memory; 0 for targets that give none). Prints a table and the issue's target checks,
+writes ``bench/results/load.json``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loadgen import Sample, body, merge, percentile, rss_mb, run
+from bench.loadgen import Sample, body, cpu_seconds, merge, percentile, rss_mb, run
 from bench.store import OBJECTS, PLACES, TIMES, VERBS, sentence
 from tests.support.processes import Process, child_env, fake_upstream_process, memproxy_process
 
@@ -163,11 +167,27 @@ class Target:
     url: str
     headers: dict[str, str]
     pid: int | None
+    cpu_pid: int | None = None  # whose CPU counts (the pid, or the fake upstream for ``direct``)
     plain: list[Sample] = field(default_factory=list)
     streams: list[Sample] = field(default_factory=list)
     rss: float = 0.0
     metrics_url: str | None = None  # memproxy-on: where its degraded-read counter is read
     degraded: float = 0.0  # requests of the current cell served without memory (read deadline or failure)
+    cpu_s: float = 0.0  # CPU seconds of the process tree during this cell's measured rounds
+
+
+def tree_pids(pid: int) -> list[int]:
+    """A process and its descendants."""
+    pids = [pid]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children = (task / "children").read_text().split() if (task / "children").exists() else []
+        pids += [p for child in children for p in tree_pids(int(child))]
+    return pids
+
+
+def tree_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process and its descendants so far."""
+    return sum(cpu_seconds(p) for p in tree_pids(pid))
 
 
 def tree_rss_mb(pid: int) -> float:
@@ -200,9 +220,12 @@ def queries(rng: random.Random, n: int) -> list[str]:
 async def _round(targets: list[Target], concurrency: int, requests: int, stream: bool, texts: list[str]) -> None:
     for target in targets:
         before = degraded_reads(target.metrics_url) if target.metrics_url else 0.0
+        cpu_before = tree_cpu_s(target.cpu_pid) if target.cpu_pid else 0.0
         sample = await run(target.url, concurrency=concurrency, requests=requests, stream=stream,
                            headers=target.headers, texts=texts)
         (target.streams if stream else target.plain).append(sample)
+        if target.cpu_pid:
+            target.cpu_s += tree_cpu_s(target.cpu_pid) - cpu_before
         if target.metrics_url:
             target.degraded += degraded_reads(target.metrics_url) - before
         if target.pid is not None:
@@ -212,7 +235,7 @@ async def _round(targets: list[Target], concurrency: int, requests: int, stream:
 async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: int,
                 rng: random.Random) -> None:
     for target in targets:
-        target.plain, target.streams, target.rss, target.degraded = [], [], 0.0, 0.0
+        target.plain, target.streams, target.rss, target.degraded, target.cpu_s = [], [], 0.0, 0.0, 0.0
     for stream in (False, True):
         warm = queries(rng, 20)
         for target in targets:
@@ -229,10 +252,12 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
     direct_plain = merge(by_name["direct"].plain).latencies_ms
     direct_ttft = merge(by_name["direct"].streams).ttfts_ms
     rows = []
-    for name in [n for n in ("direct", "memproxy-off", "memproxy-on", "litellm") if n in by_name]:
+    for name in [n for n in ("direct", "floor", "memproxy-off", "memproxy-on", "litellm") if n in by_name]:
         target = by_name[name]
         plain, streams = merge(target.plain), merge(target.streams)
         lat = plain.latencies_ms
+        served = len(lat) + len(streams.ttfts_ms)
+        with_memory = 1.0 - target.degraded / served if target.metrics_url and served else 0.0
         rows.append({
             "target": name, "concurrency": concurrency,
             "p50_ms": round(percentile(lat, 50), 3), "p95_ms": round(percentile(lat, 95), 3),
@@ -243,7 +268,9 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
             "rps": round(plain.rps, 1), "errors": plain.errors + streams.errors,
             "rss_mb": None if target.pid is None else round(target.rss, 1),
             "degraded_reads": None if target.metrics_url is None else int(target.degraded),
-            "requests": len(lat) + len(streams.ttfts_ms),
+            "requests": served,
+            "with_memory_rps": round(plain.rps * with_memory, 1),
+            "cpu_ms_per_request": round(1000 * target.cpu_s / served, 3) if target.cpu_pid and served else None,
         })
     return rows
 
@@ -292,13 +319,14 @@ def degraded_reads(base_url: str) -> float:
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The result table on stdout."""
     print(f"{'target':<14}{'conc':>5}{'p50':>9}{'p95':>9}{'p99':>9}{'+p50':>9}{'+p99':>9}{'+ttft50':>9}"
-          f"{'req/s':>9}{'errors':>8}{'rss MB':>9}{'no memory':>11}")
+          f"{'req/s':>9}{'mem r/s':>9}{'CPU ms':>8}{'errors':>8}{'rss MB':>9}{'no memory':>11}")
     for r in rows:
         rss = "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f}"
+        cpu = "-" if r["cpu_ms_per_request"] is None else f"{r['cpu_ms_per_request']:.2f}"
         no_memory = "-" if r["degraded_reads"] is None else f"{r['degraded_reads']}/{r['requests']}"
         print(f"{r['target']:<14}{r['concurrency']:>5}{r['p50_ms']:>9.2f}{r['p95_ms']:>9.2f}{r['p99_ms']:>9.2f}"
               f"{r['added_p50_ms']:>9.2f}{r['added_p99_ms']:>9.2f}{r['ttft_added_p50_ms']:>9.2f}{r['rps']:>9.1f}"
-              f"{r['errors']:>8}{rss:>9}{no_memory:>11}")
+              f"{r['with_memory_rps']:>9.1f}{cpu:>8}{r['errors']:>8}{rss:>9}{no_memory:>11}")
 
 
 def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
@@ -307,9 +335,17 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
     out: list[tuple[bool, str]] = []
     for c in sorted({r["concurrency"] for r in rows}):
         off, on, lite = cell.get(("memproxy-off", c)), cell.get(("memproxy-on", c)), cell.get(("litellm", c))
+        floor = cell.get(("floor", c))
         if off:
             added = off["added_p50_ms"]
             out.append((added <= 1.0, f"c={c} memproxy-off added p50 {added:.2f} ms <= 1 ms"))
+        if off and floor:
+            out += _floor_checks(off, floor, c)
+        if on and on["cpu_ms_per_request"] is not None:
+            cpu, without = on["cpu_ms_per_request"], on["degraded_reads"] or 0
+            fair = without <= 0.01 * on["requests"]  # requests served without memory cost far less
+            out.append((cpu <= 6.0 and fair, f"c={c} memproxy-on CPU per request {cpu:.2f} ms <= 6 ms"
+                                             + ("" if fair else f" (not comparable: {without} without memory)")))
         if off and lite:
             ratio = off["added_p50_ms"] / lite["added_p50_ms"] if lite["added_p50_ms"] > 0 else float("inf")
             out.append((ratio <= 0.25, f"c={c} memproxy-off added p50 / litellm added p50 = "
@@ -324,19 +360,45 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
     top = max(r["concurrency"] for r in rows)
     on, lite = cell.get(("memproxy-on", top)), cell.get(("litellm", top))
     if on and lite:
-        ratio = on["rps"] / lite["rps"] if lite["rps"] else float("inf")
-        out.append((ratio >= 1.5, f"c={top} memproxy-on req/s / litellm req/s = {on['rps']:.1f}/{lite['rps']:.1f} = "
-                                  f"{ratio:.2f}x >= 1.5x"))
+        ratio = on["with_memory_rps"] / lite["rps"] if lite["rps"] else float("inf")
+        out.append((ratio >= 2.0, f"c={top} memproxy-on req/s with memory / litellm req/s = "
+                                  f"{on['with_memory_rps']:.1f}/{lite['rps']:.1f} = {ratio:.2f}x >= 2x"))
     errors = sum(r["errors"] for r in rows)
     out.append((errors == 0, f"errors {errors} == 0"))
+    return out
+
+
+def _floor_checks(off: dict[str, Any], floor: dict[str, Any], c: int) -> list[tuple[bool, str]]:
+    """memproxy-off against the minimal relay: CPU per request within 2x, and at c=64 at least half its req/s."""
+    out = []
+    if off["cpu_ms_per_request"] is not None and floor["cpu_ms_per_request"]:
+        ratio = off["cpu_ms_per_request"] / floor["cpu_ms_per_request"]
+        out.append((ratio <= 2.0, f"c={c} memproxy-off CPU per request / floor's = {off['cpu_ms_per_request']:.2f}/"
+                                  f"{floor['cpu_ms_per_request']:.2f} = {ratio:.2f}x <= 2x"))
+    if c >= 64:
+        share = off["rps"] / floor["rps"] if floor["rps"] else float("inf")
+        out.append((share >= 0.5, f"c={c} memproxy-off req/s / floor's = {off['rps']:.1f}/{floor['rps']:.1f} = "
+                                  f"{share:.2f} >= 0.5"))
     return out
 
 
 # ---------------------------------------------------------------- main
 
 
+@contextmanager
+def floor_process(upstream: str) -> Iterator[tuple[Process, str]]:
+    """The minimal relay of ``bench/floor.py`` in front of ``upstream``; yields it and its base URL."""
+    proc = Process([sys.executable, "-m", "bench.floor", "--upstream", upstream], child_env())
+    try:
+        yield proc, proc.wait_for(r"floor relay on (\S+)").group(1)
+    finally:
+        proc.stop()
+        proc.cleanup()
+
+
 def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) -> list[Target]:
-    _, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
+    upstream_proc, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
+    floor_proc, floor = stack.enter_context(floor_process(upstream))
     base = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
             "MEMPROXY_LOGGING__LEVEL": args.log_level}
     if args.read_timeout_ms:
@@ -346,14 +408,16 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
     base |= dict(pair.split("=", 1) for pair in args.env)
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
     _progress(f"memproxy up on {proxy}")
-    targets = [Target("direct", f"{upstream}/chat/completions", {}, None),
-               Target("memproxy-off", f"{proxy}/chat/completions", OFF, proc.popen.pid),
-               Target("memproxy-on", f"{proxy}/chat/completions", ON, proc.popen.pid, metrics_url=proxy)]
+    pid = proc.popen.pid
+    targets = [Target("direct", f"{upstream}/chat/completions", {}, None, upstream_proc.popen.pid),
+               Target("floor", f"{floor}/chat/completions", {}, floor_proc.popen.pid, floor_proc.popen.pid),
+               Target("memproxy-off", f"{proxy}/chat/completions", OFF, pid, pid),
+               Target("memproxy-on", f"{proxy}/chat/completions", ON, pid, pid, metrics_url=proxy)]
     if not args.skip_litellm:
         lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
         _progress(f"litellm up on {lite}")
         targets.append(Target("litellm", f"{lite}/chat/completions", {"Authorization": f"Bearer {LITELLM_KEY}"},
-                              lproc.popen.pid))
+                              lproc.popen.pid, lproc.popen.pid))
     return targets
 
 
@@ -386,7 +450,7 @@ def main() -> None:
 
         shutil.copytree(seed_src, data)  # memproxy may compact or touch; the cache stays pristine
         targets = _targets(stack, args, data, Path(tmp))
-        proxy = targets[1].url.removesuffix("/chat/completions")
+        proxy = next(t for t in targets if t.name == "memproxy-on").url.removesuffix("/chat/completions")
         memory_headers = probe(f"{proxy}/chat/completions")
         degraded_before = degraded_reads(proxy)
         rows = asyncio.run(measure(targets, args))

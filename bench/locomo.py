@@ -427,6 +427,12 @@ class VectorCache:
             return np.zeros((0, self._embedder.dim), dtype=np.float32)
         return np.stack([self._vectors[self._key(t)] for t in texts])
 
+    async def embed_queries(self, texts: Sequence[str]) -> Vectors:
+        """Questions as the read path embeds them: on the embedder's own query side when it has one (uncached)."""
+        if getattr(self._embedder, "query_model_id", None) is None:
+            return await self.embed(texts, "embed questions")
+        return await self._embedder.embed_queries(texts)  # type: ignore[attr-defined, no-any-return]
+
     def save(self) -> None:
         """Write the cache (when it has a directory and something new was computed)."""
         if self._path is None or not self.computed:
@@ -487,7 +493,7 @@ async def _embed_all(
     turn_vectors = await cache.embed(turns, "embed turns")
     previous_vectors = await cache.embed(with_previous, "embed turns with context")
     fact_vectors = await cache.embed(facts, "embed observations")
-    question_vectors = await cache.embed(questions, "embed questions")
+    question_vectors = await cache.embed_queries(questions)
     out, t0, f0 = [], 0, 0
     for c in conversations:
         t1, f1 = t0 + len(c.turns), f0 + (len(c.observations) if want_facts else 0)
@@ -600,6 +606,7 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "observations": sum(len(c.observations) for c in conversations),
         "embedder": embedder.model_id,
         "embedder_runtime": {"threads": EMBEDDER.threads, "batch_size": EMBEDDER.batch_size},
+        "embedder_query": getattr(embedder, "query_model_id", None) or embedder.model_id,
         "context_weight": CONTEXT_WEIGHT,
         "split": {"tune": list(TUNE), "test": list(TEST)},
         "harness_overrides": HARNESS,
@@ -626,7 +633,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             for v in chosen
         ]
     started = time.perf_counter()
-    async with build_embedder(EMBEDDER) as embedder:
+    embedder_settings = EmbedderSettings.model_validate({**EMBEDDER.model_dump(), **dict(args.embedder)})
+    async with build_embedder(embedder_settings) as embedder:
         with tempfile.TemporaryDirectory(prefix="locomo-") as tmp:
             run = await run_benchmark(conversations, embedder, chosen, Path(tmp), None if args.no_cache else args.cache)
         run.seconds["total"] = round(time.perf_counter() - started, 1)
@@ -644,6 +652,8 @@ def main() -> None:
     parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
     parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",
                         help="override [retrieval] settings in every variant, e.g. dense_k=50 bm25_k=50")
+    parser.add_argument("--embedder", nargs="*", default=[], type=lambda p: p.split("=", 1), metavar="KEY=VALUE",
+                        help="override [embedder] settings, e.g. query_model=minilm-static-query (empty: none)")
     args = parser.parse_args()
     document = asyncio.run(_main(args))
     print(table(document))

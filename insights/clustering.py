@@ -32,8 +32,6 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from sklearn.cluster import KMeans
-from sklearn.metrics import silhouette_score
 from threadpoolctl import threadpool_limits
 
 Floats = npt.NDArray[np.float32]
@@ -106,6 +104,10 @@ def _cluster(points: Floats, params: ClusteringParams) -> list[Cluster]:
 
 def choose_k(sample: Floats, *, k_max: int, seed: int, min_silhouette: float) -> tuple[int, Floats | None]:
     """The k with the best cosine silhouette on ``sample`` and its centres (1 and None if none separates)."""
+    # scikit-learn (with scipy) is ~90 MB of RSS: a proxy that never clusters a user's messages never loads it.
+    from sklearn.cluster import KMeans
+    from sklearn.metrics import silhouette_score
+
     data = sample.astype(np.float64)  # sklearn's float32 distance path upcasts chunk by chunk: 3x slower
     distances = np.clip(1.0 - data @ data.T, 0.0, 2.0)
     np.fill_diagonal(distances, 0.0)

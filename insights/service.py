@@ -152,17 +152,12 @@ async def load_user_messages(
 ) -> list[MemoryRecord]:
     """The user's own turns sent in [since, until], oldest first, at most the newest ``max_messages``."""
     found: list[MemoryRecord] = []
-    cursor: str | None = None
-    while True:
-        page = await store.list(user_id, [Kind.TURN], limit=PAGE_SIZE, cursor=cursor)
-        for record in page.data:
-            if record.created_at < since or len(found) >= settings.max_messages:
-                return found[::-1]
-            if record.created_at <= until and _worth_clustering(record, settings):
-                found.append(record)
-        if page.next_cursor is None:
-            return found[::-1]
-        cursor = page.next_cursor
+    for record in await store.user_turns(user_id, since, until):  # newest first, one columnar read
+        if len(found) >= settings.max_messages:
+            break
+        if _worth_clustering(record, settings):
+            found.append(record)
+    return found[::-1]
 
 
 def _worth_clustering(record: MemoryRecord, settings: InsightSettings) -> bool:
@@ -224,7 +219,7 @@ async def replace_insights(store: MemoryStore, user_id: str, fresh: list[MemoryR
     generation = fresh[0].generation_id
     await store.add(fresh)
     retired = [r for r in await valid_insights(store, user_id) if r.generation_id != generation]
-    for record in retired:
-        await store.update(user_id, record.id, valid=False)
+    if retired:
+        await store.update_many(user_id, [r.id for r in retired], valid=False)
     log.info("insights.replaced", added=len(fresh), retired=len(retired))
     return newest_generation(fresh)

@@ -23,8 +23,8 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def local() -> AsyncIterator[LocalEmbedder]:
-    """The shipped all-MiniLM-L6-v2 model, loaded once per test module."""
-    embedder = build_embedder(EmbedderSettings())
+    """The shipped all-MiniLM-L6-v2 model (queries embedded by the model itself), loaded once per test module."""
+    embedder = build_embedder(EmbedderSettings(query_model=None))
     assert isinstance(embedder, LocalEmbedder)
     async with embedder:
         yield embedder

@@ -114,7 +114,7 @@ class CountingLocal(LocalEmbedder):
 
 async def test_concurrent_queries_share_model_calls_and_go_before_documents() -> None:
     """Queries that arrive while the model is busy go together in one call, ahead of a queued document batch."""
-    async with CountingLocal(EmbedderSettings(batch_size=16, threads=1)) as embedder:
+    async with CountingLocal(EmbedderSettings(batch_size=16, threads=1, query_model=None)) as embedder:
         embedder.calls.clear()
         first = asyncio.create_task(embedder.embed_documents(["a long document " * 40]))
         await asyncio.sleep(0)  # the document batch holds the model
@@ -314,3 +314,86 @@ async def test_litellm_wrong_dimension_is_refused(fake_server: FakeEmbeddings) -
     async with build_embedder(_litellm_settings(fake_server, dim=FAKE_DIM + 1)) as embedder:
         with pytest.raises(EmbedderError, match="shape"):
             await embedder.embed_query("x")
+
+
+# --- query sides: a static model distilled into MiniLM's space, an ONNX copy ----------------------------
+
+STATIC = "minilm-static-query"
+
+
+async def test_default_query_side_is_int8_in_the_fp32_space() -> None:
+    """By default queries go through the int8 copy: within ~1% of fp32's vector, stored vectors unchanged."""
+    texts = ["Where does the user live?", "What did I say about my sister's cello lessons?"]
+    async with LocalEmbedder(EmbedderSettings()) as embedder:
+        queries = await embedder.embed_queries(texts)
+        one = await embedder.embed_query(texts[0])
+        documents = await embedder.embed_documents(texts)
+    assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
+    assert embedder.query_model_id == "local/all-MiniLM-L6-v2-onnx-int8-query"
+    np.testing.assert_allclose(queries[0], one, atol=1e-5)
+    assert float((queries * documents).sum(axis=1).min()) > 0.98
+    assert not np.allclose(queries, documents, atol=1e-4)  # really another model
+
+
+async def test_static_query_side_finds_documents_of_the_model() -> None:
+    """Queries embedded by the shipped static model rank the matching MiniLM document first, as unit vectors."""
+    documents = ["The user lives in Berlin.", "The user's cat likes tuna.", "My sister Anna plays the cello."]
+    async with LocalEmbedder(EmbedderSettings(query_model=STATIC)) as embedder:
+        docs = await embedder.embed_documents(documents)
+        queries = [await embedder.embed_query(q) for q in ("Where does the user live?", "what does my cat eat",
+                                                           "which instrument does my sister play?")]
+    assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"  # stored vectors: the document model's
+    assert embedder.query_model_id == "local/minilm-static-query-v1"
+    for i, query in enumerate(queries):
+        assert query.shape == (384,)
+        assert query.dtype == np.float32
+        assert abs(float(np.linalg.norm(query)) - 1.0) < 1e-5
+        assert int(np.argmax(docs @ query)) == i
+
+
+async def test_static_query_side_makes_no_model_call() -> None:
+    """A query on the static side costs no transformer pass: the model runs only for documents."""
+    async with CountingLocal(EmbedderSettings(query_model=STATIC)) as embedder:
+        embedder.calls.clear()
+        await asyncio.gather(*(embedder.embed_query(f"question {i}") for i in range(5)))
+        await embedder.embed_documents(["a document"])
+    assert embedder.calls == [["a document"]]
+
+
+async def test_onnx_query_side_is_used_for_queries(tmp_path: Path) -> None:
+    """An ONNX query side (here a copy of the model itself) answers queries and batches of queries alike."""
+    side = tmp_path / "query-side"
+    side.mkdir()
+    for item in MODEL_DIR.iterdir():
+        (side / item.name).symlink_to(item)
+    (side / "manifest.json").unlink()
+    (side / "manifest.json").write_text('{"model_id": "local/copy-query", "kind": "onnx", '
+                                        '"query_for": "local/all-MiniLM-L6-v2-onnx-fp32", "dim": 384}')
+    async with LocalEmbedder(EmbedderSettings(query_model=str(side))) as embedder:
+        one = await embedder.embed_query("Where does the user live?")
+        batch = await embedder.embed_queries(["Where does the user live?", "and the cat?"])
+        document = await embedder.embed_documents(["Where does the user live?"])
+    assert embedder.query_model_id == "local/copy-query"
+    np.testing.assert_allclose(batch[0], one, atol=1e-5)
+    np.testing.assert_allclose(document[0], one, atol=1e-5)
+
+
+async def test_query_model_of_another_space_is_refused(tmp_path: Path) -> None:
+    """A query model trained for other document vectors is refused: query and document spaces never mix."""
+    side = tmp_path / "other"
+    shutil.copytree(default_model_dirs(STATIC)[0], side)
+    (side / "manifest.json").write_text('{"model_id": "x", "kind": "static", "query_for": "local/other", "dim": 384}')
+    with pytest.raises(EmbedderError, match="serves local/other"):
+        LocalEmbedder(EmbedderSettings(query_model=str(side)))
+
+
+async def test_missing_query_model_fails_fast() -> None:
+    """A query model name that is not under models/ fails at once, saying how to build one."""
+    with pytest.raises(EmbedderError, match=r"distill_static\.py"):
+        LocalEmbedder(EmbedderSettings(query_model="no-such-model"))
+
+
+async def test_query_model_none_can_be_spelt_as_text() -> None:
+    """``none`` or an empty value (as an environment variable says it) means queries use the model itself."""
+    assert EmbedderSettings(query_model="none").query_model is None
+    assert EmbedderSettings(query_model="").query_model is None

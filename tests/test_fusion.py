@@ -279,3 +279,32 @@ def test_fuse_applies_switched_on_boosts_in_order() -> None:
     top = result.candidates[0]
     assert top.id == "jazz"
     assert set(top.boosts) == {"subject", "date"}
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 1), st.floats(0, 9), st.integers(0, 3)), max_size=40),
+       st.integers(1, 12))
+def test_fuse_limit_keeps_the_same_best_candidates(rows: list[tuple[int, float, float, int]], limit: int) -> None:
+    """Asking fusion for only the best N (as the read path does) gives exactly the first N of the full list."""
+    query = build_query([{"role": "user", "content": "What did Maya say about jazz in March 2026?"}])
+    assert query is not None
+    dense, bm25 = [], []
+    for i, (minutes, cosine, bm25_score, conversation) in enumerate(rows):
+        record = _rec(f"turn {i} about jazz", f"r{i:02d}", kind=Kind.TURN, conversation_id=f"c{conversation}",
+                      created_at=T0 + timedelta(minutes=minutes))
+        dense.append(ArmHit(record, cosine))
+        if i % 2:
+            bm25.append(ArmHit(record, bm25_score))
+    settings = RetrievalSettings()
+    everything = fuse({DENSE: dense, BM25: bm25}, query, settings).candidates
+    best = fuse({DENSE: dense, BM25: bm25}, query, settings, limit=limit).candidates
+    assert best == everything[:limit]
+
+
+def test_fuse_without_boosts_ranks_as_weighted_fusion() -> None:
+    """With every boost off, the read path's fusion ranks exactly as the public weighted fusion does."""
+    query = build_query([{"role": "user", "content": "Maya jazz vinyl records"}])
+    assert query is not None
+    arms = {DENSE: _hits((JAZZ, 0.9), (INK, 0.4), (BDAY, 0.4)), BM25: _hits((JAZZ, 5.0), (HIKE, 1.0))}
+    settings = RetrievalSettings(subject_weight=0, neighbour_weight=0, date_weight=0, day_weight=0)
+    weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
+    assert fuse(arms, query, settings).candidates == weighted_fusion(arms, weights)

@@ -401,3 +401,33 @@ async def test_deferred_purge_hides_at_once_and_clears_files_at_the_next_round(t
     for file in (p for p in path.rglob("*") if p.is_file()):
         assert secret.encode() not in file.read_bytes(), file
         assert user.encode() not in file.read_bytes(), file
+
+
+async def test_user_turns_reads_one_users_valid_turns_of_a_window_newest_first(store: MemoryStore) -> None:
+    """The insight read: this user's valid turns in the window, newest first, each with its stored vector."""
+    inside = [fact("alice", f"turn {h}", h, Kind.TURN, role="user", conversation_id="c") for h in (2, 3, 4)]
+    await store.add([*inside, fact("alice", "too old", 0, Kind.TURN, role="user", conversation_id="c"),
+                     fact("alice", "a fact", 3), fact("bob", "bob's turn", 3, Kind.TURN, role="user")])
+    await store.update("alice", inside[1].id, valid=False)
+    turns = await store.user_turns("alice", T0 + timedelta(hours=1), T0 + timedelta(hours=5))
+    assert [t.text for t in turns] == ["turn 4", "turn 2"]
+    listed = {r.id: r for r in (await store.list("alice", [Kind.TURN], limit=10)).data}
+    for turn in turns:
+        assert turn.embedding is not None
+        assert len(turn.embedding) == store.embedder.dim
+        np.testing.assert_allclose(np.asarray(turn.embedding), np.asarray(listed[turn.id].embedding), atol=1e-6)
+
+
+async def test_update_many_retires_several_records_of_one_user_at_once(store: MemoryStore) -> None:
+    """Several of a user's records retired in one call leave both arms; another user's id in the list is untouched."""
+    alice = [fact("alice", f"Alice collects blue stamps {i}", i) for i in range(3)]
+    bob = fact("bob", "Bob collects blue stamps too")
+    await store.add([*alice, bob])
+    updated = await store.update_many("alice", [alice[0].id, alice[1].id, bob.id], valid=False)
+    assert sorted(r.id for r in updated) == sorted([alice[0].id, alice[1].id])
+    assert all(not r.valid for r in updated)
+    assert await keyword_ids(store, "alice", "blue stamps") == [alice[2].id]
+    assert await vector_ids(store, "alice", "blue stamps") == [alice[2].id]
+    assert await keyword_ids(store, "bob", "blue stamps") == [bob.id]
+    with pytest.raises(ValueError, match="text"):
+        await store.update_many("alice", [alice[2].id], text="changed")

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, timedelta
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from proxy.memory.query import STOPWORDS, Query, has_cjk, query_dates, query_days, stem, stems, words
 from proxy.memory.records import Kind, MemoryRecord
@@ -150,6 +150,10 @@ def _built(
 def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]) -> list[Candidate]:
     """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
     union = _union(arms)
+    return _built(union.records, union.scores, _weighted_scores(union, weights))
+
+
+def _weighted_scores(union: _Union, weights: Mapping[str, float]) -> dict[str, float]:
     fused = dict.fromkeys(union.records, 0.0)
     for arm, best in union.per_arm.items():
         values = list(best.values())
@@ -157,7 +161,7 @@ def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping
         weight = weights.get(arm, 0.0)
         for rid, value in zip(best, normalised, strict=True):
             fused[rid] += weight * value
-    return _built(union.records, union.scores, fused)
+    return fused
 
 
 def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 60) -> list[Candidate]:
@@ -167,6 +171,10 @@ def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 
     its ties say nothing about order and a common name should count for less.
     """
     union = _union(arms)
+    return _built(union.records, union.scores, _rrf_scores(union, k))
+
+
+def _rrf_scores(union: _Union, k: int) -> dict[str, float]:
     fused = dict.fromkeys(union.records, 0.0)
     for arm, best in union.per_arm.items():
         ordered = sorted(((score, rid) for rid, score in best.items()), key=lambda p: -p[0])
@@ -176,7 +184,7 @@ def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 
                 rank, previous = position, score
             scale = score if arm in RAW_SCORE_ARMS else 1.0
             fused[rid] += scale / (k + rank)
-    return _built(union.records, union.scores, fused)
+    return fused
 
 
 def keyword_gate(
@@ -313,7 +321,17 @@ def entity_scores(names: Iterable[str], index: NameIndex) -> dict[str, float]:
 Lifts = dict[str, float]  # memory id -> amount added to its fused score
 
 
-def subject_lifts(candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
+class Fused(Protocol):
+    """What a boost looks at: a fused memory's id and record (a ``Candidate`` has this shape)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def record(self) -> MemoryRecord: ...
+
+
+def subject_lifts(candidates: Sequence[Fused], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
     """``weight * max cos(q, s)`` over each candidate's subjects among ``subject_hits``."""
     best: dict[str, float] = {}
     for hit in subject_hits:
@@ -323,10 +341,10 @@ def subject_lifts(candidates: Sequence[Candidate], subject_hits: Sequence[Scored
 
 
 def neighbour_lifts(
-    candidates: Sequence[Candidate], fused: Mapping[str, float], weight: float, window_s: float
+    candidates: Sequence[Fused], fused: Mapping[str, float], weight: float, window_s: float
 ) -> Lifts:
     """``weight`` x the best ``fused`` score of each candidate turn's adjacent turns (same conversation)."""
-    by_conversation: dict[str, list[Candidate]] = {}
+    by_conversation: dict[str, list[Fused]] = {}
     for c in candidates:
         if c.record.kind is Kind.TURN and c.record.conversation_id is not None:
             by_conversation.setdefault(c.record.conversation_id, []).append(c)
@@ -362,7 +380,7 @@ def _on_named_day(record: MemoryRecord, days: Sequence[date]) -> bool:
 _ONE_DAY = timedelta(days=1)
 
 
-def date_lifts(candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
+def date_lifts(candidates: Sequence[Fused], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
     """``weight`` for memories dated in a month or year the query names, and ``day_weight`` more for those
     dated within a day of a whole day it names ("on May 3, 2023")."""
     wanted = query_dates(query_text)
@@ -429,20 +447,23 @@ def fuse(
     subject_hits: Sequence[ScoredRecord] = (),
     *,
     gated: bool | None = None,
+    limit: int | None = None,
 ) -> Fusion:
     """Gate, fuse and boost the arms' hits into one candidate list, best first.
 
-    ``gated`` is computed here unless the caller already decided it (with ``is_gated``).
+    ``gated`` is computed here unless the caller already decided it (with ``is_gated``). ``limit``: only the best
+    this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
     """
     if gated is None:
         gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
     used = {arm: hits for arm, hits in arms.items() if not (gated and arm == BM25)}
+    union = _union(used)
     if settings.fusion == "rrf":
-        candidates = reciprocal_rank_fusion(used, settings.rrf_k)
+        fused = _rrf_scores(union, settings.rrf_k)
     else:
         weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
-        candidates = weighted_fusion(used, weights)
-    fused = {c.id: c.fused for c in candidates}
+        fused = _weighted_scores(union, weights)
+    candidates = [_Found(rid, record) for rid, record in union.records.items()]  # what the boosts look at
     boosts: dict[str, dict[str, float]] = {}
 
     def add(name: str, lifts: Lifts) -> None:  # in order: a later boost sees the earlier ones in ``fused``
@@ -457,8 +478,28 @@ def fuse(
         add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
     if settings.date_weight > 0 or settings.day_weight > 0:
         add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
-    boosted = [
-        Candidate(c.record, c.arm_scores, fused[c.id], c.final, boosts[c.id]) if c.id in boosts else c
-        for c in candidates
+    order = _ranked_ids(union.records, fused)
+    chosen = order if limit is None else order[:limit]
+    built = [
+        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
+        if rid in boosts
+        else Candidate(union.records[rid], union.scores[rid], fused[rid])
+        for rid in chosen
     ]
-    return Fusion(candidates=_ranked(boosted), gated=gated)
+    return Fusion(candidates=built, gated=gated)
+
+
+class _Found(NamedTuple):
+    """A fused memory as the boosts see it (cheaper than a ``Candidate``, which only the kept ones become)."""
+
+    id: str
+    record: MemoryRecord
+
+
+def _ranked_ids(records: Mapping[str, MemoryRecord], fused: Mapping[str, float]) -> list[str]:
+    """Ids by fused score, best first, ties newer first, then by id: ``_ranked``'s order, on C-level keys."""
+    created = {rid: record.created_at for rid, record in records.items()}
+    order = sorted(records)
+    order.sort(key=created.__getitem__, reverse=True)
+    order.sort(key=fused.__getitem__, reverse=True)
+    return order

@@ -472,7 +472,8 @@ async def retrieve(
     found = await _run_steps(store, embedder, user_id, query, settings, now, conversation_id, names, report)
     fusing = time.perf_counter()
     arms, gated = found.arms(query, settings)
-    fused = fuse(arms, query, settings, subject_hits=found.dense.subjects if found.dense else (), gated=gated)
+    subjects = found.dense.subjects if found.dense else ()
+    fused = fuse(arms, query, settings, subject_hits=subjects, gated=gated, limit=settings.max_candidates)
     candidates, ran = fused.candidates, list(arms)
     if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):
         reranking = time.perf_counter()

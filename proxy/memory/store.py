@@ -321,6 +321,29 @@ class MemoryStore:
             await self._mark_synced()
         return self._touched(new)
 
+    async def update_many(self, user_id: str, ids: Sequence[str], **changes: Any) -> builtins.list[MemoryRecord]:
+        """Change the same fields (not the text) of several records of the user: one LanceDB commit and one index
+        commit instead of one each per record; returns the updated records (missing ids are left out)."""
+        check_user_id(user_id)
+        bad = set(changes) & (_FROZEN_FIELDS | {"text", "kind"})
+        bad |= set(changes) - {f.name for f in dataclasses.fields(MemoryRecord)}
+        if bad:
+            raise ValueError(f"cannot update {sorted(bad)} of several records at once")
+        async with self._lock:
+            found = await self._lance.records(user_id, ids)
+            if not found:
+                return []
+            vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in found])
+            now = utcnow()
+            new = [r.replace(**changes, updated_at=now, embedding=v) for r, v in zip(found, vectors, strict=True)]
+            await self._lance.replace(user_id, _arrow_rows(new, vectors))
+            self._cache.upsert(new, vectors)
+            if _KEYWORD_FIELDS & set(changes):
+                await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new]))
+            else:
+                await self._mark_synced()
+        return [self._touched(record) for record in new]
+
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:
         """Store ``new`` and retire ``old_id`` (kept as history: invalid, superseded by ``new``)."""
         if new.user_id != user_id:
@@ -497,6 +520,25 @@ class MemoryStore:
         next_cursor = _encode_cursor(int(created[start + len(page_ids) - 1]), page_ids[-1]) if more else None
         return Page(await self.get_many(user_id, page_ids), next_cursor)
 
+    async def user_turns(self, user_id: str, since: datetime, until: datetime) -> builtins.list[MemoryRecord]:
+        """The user's valid turns created in [since, until], newest first (as ``list`` orders them), in one
+        columnar read: for 10k turns ``list`` pages through keys and records at ~10x the CPU.
+
+        Each record's ``embedding`` is a read-only row of one float32 matrix (not a list of Python floats).
+        """
+        check_user_id(user_id)
+        where = record_filter(user_id, kinds=[Kind.TURN], since=since, until=until, include_invalid=False)
+        batches = [batch async for batch in self._lance.batches([*RECORD_COLUMNS, "embedding"], where)]
+        if not batches:
+            return []
+        table = pa.Table.from_batches(batches).sort_by([("created_at", "descending"), ("id", "descending")])
+        column = table["embedding"].combine_chunks()
+        vectors = column.flatten().to_numpy().reshape(len(table), -1)
+        vectors.setflags(write=False)
+        rows = table.drop_columns(["embedding"]).to_pylist()
+        touch = self._toucher(user_id)
+        return [touch(from_row(row).replace(embedding=vector)) for row, vector in zip(rows, vectors, strict=True)]
+
     async def vector_search(
         self,
         user_id: str,
@@ -524,7 +566,7 @@ class MemoryStore:
         entry = await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
         if entry is None:
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
-        found = await asyncio.to_thread(entry.search_pools, vector, pools)
+        found = entry.search_pools(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
         touch = self._toucher(user_id)
         out = []
         for scored in found:

@@ -142,8 +142,8 @@ class UserVectors:
     def patch(self, ids: Sequence[str], **changes: object) -> None:
         """Change fields that do not touch the vector or the filters (``last_accessed_at``, say)."""
         for record_id, record in zip(ids, self.records(ids), strict=True):
-            if record is not None:
-                self._records[self.index[record_id]] = record.replace(**changes)
+            if record is not None and any(getattr(record, name) != value for name, value in changes.items()):
+                self._records[self.index[record_id]] = record.replace(**changes)  # (a flush repeats a touch)
 
     def remove(self, ids: Sequence[str]) -> int:
         """Forget these records; returns how many were present."""
