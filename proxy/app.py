@@ -13,6 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 from pydantic import SecretStr
 
+from proxy.bounds import body_deadline_middleware
+from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
@@ -30,6 +32,7 @@ from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
 from proxy.routes import add_routes
 from proxy.state import STATE, AppState
+from proxy.unavailable import open_memory_or_unavailable
 from proxy.upstream import build_router, build_session
 
 MemoryFactory = Callable[[Settings, Metrics], contextlib.AbstractAsyncContextManager[MemoryService]]
@@ -90,7 +93,8 @@ def default_memory_factory(settings: Settings) -> MemoryFactory:
 
 def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> web.Application:
     """The proxy application for ``settings``."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    deadline = body_deadline_middleware(settings.server.body_timeout_s, settings.server.max_body_bytes)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware, deadline])
     metrics = Metrics()
     state = AppState(settings=settings, metrics=metrics, memory=NullMemory())
     app[STATE] = state
@@ -100,7 +104,9 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
         async with contextlib.AsyncExitStack() as stack:
             session = await stack.enter_async_context(build_session(settings.upstream))
             state.router = build_router(settings.upstream, settings.routes, session)
-            state.memory = await stack.enter_async_context(factory(settings, metrics))
+            state.memory = await open_memory_or_unavailable(stack, factory(settings, metrics))
+            # after the memory service, so closed before it: commits still running reach the queue first
+            state.commits = await stack.enter_async_context(ExchangeCommitter(state.memory, metrics))
             yield
             state.stopping = True
 

@@ -21,6 +21,7 @@ from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
+from proxy.memory.faults import StorageHealth
 from proxy.memory.fusion import Candidate
 from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
@@ -81,8 +82,9 @@ class MemoryEngine:
         self.settings = settings
         self._llm = llm
         self.embedder = build_embedder(settings.embedder)
-        self.store = MemoryStore(settings.store, self.embedder)
-        self.jobs = JobQueue(settings.jobs)
+        self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
+        self.store = MemoryStore(settings.store, self.embedder, health=self.health)
+        self.jobs = JobQueue(settings.jobs, health=self.health)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
         self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model)
         self.names = NameIndexCache()
@@ -95,6 +97,11 @@ class MemoryEngine:
     def ready(self) -> bool:
         """Whether the embedder, store, queue and workers are all up."""
         return self._ready
+
+    @property
+    def storage_fault(self) -> str | None:
+        """``component:reason`` while the data directory fails writes (memory waits, the chat goes on)."""
+        return self.health.reason
 
     async def __aenter__(self) -> MemoryEngine:
         started = time.perf_counter()

@@ -2,7 +2,10 @@
 
 The chat handler is the hot path: parse once, ask the memory seam for injected messages (bounded by a
 timeout, failures degrade to no memory), forward the client's own bytes when nothing changed, relay the
-answer as it arrives, then hand the finished exchange to the write path.
+answer as it arrives, and hand the finished exchange to the write path before the client can have the end of
+the answer (answered means stored): a non-streamed body is committed before its first byte is sent, a stream
+before the event that completes it (finish reason or ``[DONE]``) and before the end of the body. The commit
+runs in a task the app owns (``proxy.commit``), so a client that hangs up cannot cancel it.
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ import orjson
 import structlog
 from aiohttp import web
 
+from proxy.bounds import capped_turn, check_json_depth, reject_duplicate_headers
 from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
+from proxy.commit import Committed
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.identity import Identity, Mode, identify, log_user
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, StorageStatus
 from proxy.sse import ReplyAssembler, reply_from_completion
 from proxy.state import STATE, AppState
 from proxy.upstream import relayed_headers
@@ -100,11 +105,14 @@ class ChatCall:
         self.bytes_out = 0
         self.route = ""
         self.partial = False
+        self.recorded = False  # one exchange per request, whichever of completion or hang-up comes first
 
     async def run(self) -> web.StreamResponse:
         """Serve the request end to end."""
         settings = self.state.settings
         raw = await _read_body(self.request, settings.server.max_body_bytes)
+        check_json_depth(raw, settings.server.max_json_depth)  # before anything walks the body recursively
+        reject_duplicate_headers(self.request.headers)
         body = parse_chat_request(raw)
         default_mode = Mode(settings.memory.default_mode) if settings.memory.enabled else Mode.OFF
         identity = identify(self.request.headers, body, default_mode)
@@ -129,6 +137,8 @@ class ChatCall:
         self.route = upstream.name
         headers = memory_headers(identity, injection)
         headers["X-Request-Id"] = self.request_id
+        if identity.mode.writes:
+            _say_write_degraded(headers, self._write_degraded())
         try:
             async with upstream.open(outgoing, raw, self.request.headers) as reply:
                 self.state.metrics.observe("upstream_ttfb", reply.ttfb_s)
@@ -149,14 +159,17 @@ class ChatCall:
     async def _relay_json(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
                           identity: Identity) -> web.StreamResponse:
         data = await reply.read()
+        self.status = reply.status
+        if identity.mode.writes:  # committed before the client has a byte of the answer
+            text = reply_from_completion(_loads_or_none(data))
+            committed = await self._record(body, identity, text, partial=False)
+            if committed is not Committed.DURABLE:
+                _say_write_degraded(headers, self._write_degraded() or committed.value)
         response = web.StreamResponse(status=reply.status, headers=headers)
         response.content_length = len(data)
         await response.prepare(self.request)
         await response.write(data)
-        self.status, self.bytes_out = reply.status, len(data)
-        if identity.mode.writes:
-            text = reply_from_completion(_loads_or_none(data))
-            await self._record(body, identity, text, partial=False)
+        self.bytes_out = len(data)
         await response.write_eof()
         return response
 
@@ -167,48 +180,63 @@ class ChatCall:
         self.status = reply.status
         assembler = ReplyAssembler()
         try:
-            await self._pump(reply, response, assembler)
+            failure = await self._pump(reply, response, assembler, body, identity)
         except (asyncio.CancelledError, ConnectionResetError):
             self.partial = True
-            if identity.mode.writes and assembler.text:
-                await asyncio.shield(self._record(body, identity, assembler.text, partial=True))
+            await self._record_stream(body, identity, assembler, partial=True)
             raise
-        if identity.mode.writes and assembler.text:
-            await self._record(body, identity, assembler.text, partial=not assembler.complete)
+        # before the error event or the end of the body (a complete stream was committed before its last event)
+        await self._record_stream(body, identity, assembler, partial=not assembler.complete)
+        if failure is not None:
+            await response.write(sse_error_event(failure))
         await response.write_eof()
         return response
 
-    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ReplyAssembler) -> None:
+    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ReplyAssembler,
+                    body: dict[str, Any], identity: Identity) -> ProxyError | None:
         first = True
         try:
             async for chunk in reply.chunks():
                 if first:
                     self.state.metrics.observe("first_chunk", time.perf_counter() - self.started)
                     first = False
+                was_complete = assembler.complete
                 assembler.feed(chunk)
+                if assembler.complete and not was_complete:  # the event that completes the answer waits
+                    await self._record_stream(body, identity, assembler, partial=False)
                 await response.write(chunk)
                 self.bytes_out += len(chunk)
         except ProxyError as exc:
             self.state.metrics.upstream_errors.labels("mid_stream").inc()
             log.warning("upstream.stream_failed", error=exc.message)
             self.partial = True
-            await response.write(sse_error_event(exc))
+            return exc
+        return None
 
-    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool) -> None:
-        if identity.user_id is None or identity.conversation_id is None:
-            return
-        messages = body["messages"]
+    async def _record_stream(self, body: dict[str, Any], identity: Identity, assembler: ReplyAssembler, *,
+                             partial: bool) -> None:
+        if identity.mode.writes and assembler.text and not self.recorded:
+            await self._record(body, identity, assembler.text, partial=partial)
+
+    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool) -> Committed:
+        if identity.user_id is None or identity.conversation_id is None or self.recorded:
+            return Committed.DURABLE
+        self.recorded = True
+        messages, cap = body["messages"], self.state.settings.memory.max_turn_chars
         exchange = Exchange(
             request_id=self.request_id, user_id=identity.user_id, conversation_id=identity.conversation_id,
-            model=body["model"], route=self.route, user_messages=new_user_messages(messages),
-            assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
-            system_prompt=system_prompt(messages), context=earlier_messages(messages),
+            model=body["model"], route=self.route,
+            user_messages=tuple(capped_turn(m, cap) for m in new_user_messages(messages)),
+            assistant_text=capped_turn(text, cap), partial=partial, finished_at=datetime.now(UTC),
+            system_prompt=capped_turn(system_prompt(messages) or "", cap) or None,
+            context=tuple((role, capped_turn(t, cap)) for role, t in earlier_messages(messages)),
         )
-        try:
-            await self.state.memory.record(exchange)
-        except Exception as exc:  # a failing write path never fails the chat; it is counted and logged
-            self.state.metrics.memory_degraded.labels("write").inc()
-            log.warning("memory.record_failed", error=type(exc).__name__, detail=str(exc)[:200])
+        return await self.state.commits.commit(exchange)
+
+    def _write_degraded(self) -> str | None:
+        memory = self.state.memory
+        fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+        return self.state.commits.degraded or (f"storage:{fault}" if fault else None)
 
     def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
         total = time.perf_counter() - self.started
@@ -218,6 +246,13 @@ class ChatCall:
                  retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),
                  bytes_in=bytes_in, bytes_out=self.bytes_out, partial=self.partial,
                  degraded=dict(injection.degraded) or None)
+
+
+def _say_write_degraded(headers: dict[str, str], reason: str | None) -> None:
+    """Add ``degraded=write:<reason>`` to ``X-Memory-Arms`` (the exchange is not, or not yet, stored)."""
+    arms = headers.get("X-Memory-Arms", "")
+    if reason and "degraded=write:" not in arms:
+        headers["X-Memory-Arms"] = ",".join(p for p in (arms, f"degraded=write:{reason}") if p)
 
 
 def _loads_or_none(data: bytes) -> Any:
@@ -256,11 +291,16 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """``GET /readyz``: every component has loaded."""
+    """``GET /readyz``: every component has loaded, or memory is off for a storage fault (chat still served)."""
     state = request.app[STATE]
-    ready = state.memory.ready and not state.stopping
-    return web.json_response({"status": "ready" if ready else "not ready", "memory": state.memory.ready},
-                             status=200 if ready else 503)
+    memory = state.memory
+    fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+    storage = state.commits.degraded or fault if hasattr(state, "commits") else fault
+    ready = (memory.ready or fault is not None) and not state.stopping
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "memory": memory.ready}
+    if storage:
+        body["storage"] = storage
+    return web.json_response(body, status=200 if ready else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import random
@@ -45,6 +46,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.faults import StorageHealth, is_storage_fault
+from proxy.memory.group_commit import GroupCommit
 
 log = structlog.get_logger("memproxy.jobs")
 
@@ -290,21 +293,43 @@ class _Db:
             if durable:
                 self.c.execute("PRAGMA synchronous=NORMAL")
 
-    def enqueue(self, row: JSON, job_id: str | None) -> str:
+    def enqueue_many(self, items: Sequence[tuple[JSON, str | None]]) -> list[str | BaseException]:
+        """Several enqueues in one durable transaction (one fsync); each in its own savepoint."""
+        results: list[str | BaseException] = []
         with self.txn(durable=True) as c:
-            if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
-                return job_id
-            if row["dedupe_key"] is not None:
-                existing = self._debounce(c, row)
-                if existing is not None:
-                    return existing
-            c.execute(
-                "INSERT INTO jobs (id, kind, user_id, payload, dedupe_key, state, run_after, first_trigger,"
-                " created_at, updated_at) VALUES (:id, :kind, :user_id, :payload, :dedupe_key, 'pending',"
-                " :run_after, :now, :now, :now)",
-                row,
-            )
-            return str(row["id"])
+            for row, job_id in items:
+                c.execute("SAVEPOINT one")
+                try:
+                    results.append(self._enqueue_one(c, row, job_id))
+                except sqlite3.IntegrityError as error:
+                    c.execute("ROLLBACK TO one")
+                    results.append(error)
+                c.execute("RELEASE one")
+        return results
+
+    def _enqueue_one(self, c: sqlite3.Connection, row: JSON, job_id: str | None) -> str:
+        if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
+            return job_id
+        if row["dedupe_key"] is not None:
+            existing = self._debounce(c, row)
+            if existing is not None:
+                return existing
+        c.execute(
+            "INSERT INTO jobs (id, kind, user_id, payload, dedupe_key, state, run_after, first_trigger,"
+            " created_at, updated_at) VALUES (:id, :kind, :user_id, :payload, :dedupe_key, 'pending',"
+            " :run_after, :now, :now, :now)",
+            row,
+        )
+        return str(row["id"])
+
+    def retry_storage_deferred(self, now: float) -> int:
+        """Make jobs that wait out a storage fault due now (the disk works again)."""
+        with self.txn() as c:
+            return c.execute(
+                "UPDATE jobs SET run_after = ? WHERE state = 'pending' AND run_after > ?"
+                " AND last_error LIKE 'storage fault:%'",
+                (now, now),
+            ).rowcount
 
     def _debounce(self, c: sqlite3.Connection, row: JSON) -> str | None:
         found = c.execute(
@@ -456,10 +481,13 @@ def _one_per_lane(rows: Sequence[sqlite3.Row], limit: int) -> list[sqlite3.Row]:
 class JobQueue:
     """The durable queue: enqueue, claim, finish, metrics and per-user state, all off the event loop."""
 
-    def __init__(self, settings: JobQueueSettings, *, rng: random.Random | None = None) -> None:
+    def __init__(self, settings: JobQueueSettings, *, rng: random.Random | None = None,
+                 health: StorageHealth | None = None) -> None:
         self.settings = settings
         self.owner = uuid.uuid4().hex
+        self.health = health or StorageHealth()
         self._db = _Db(settings)
+        self._commits: GroupCommit[tuple[JSON, str | None], str] = GroupCommit(self._write_enqueues)
         self._executor: ThreadPoolExecutor | None = None
         self._rng = rng or random.Random()
         self._wake: asyncio.Event | None = None
@@ -488,6 +516,7 @@ class JobQueue:
     async def _shutdown(self) -> None:
         if self._executor is None:
             return
+        await self._commits.aclose()
         await self._call(self._db.close)
         self._executor.shutdown(wait=True)
         self._executor = None
@@ -528,9 +557,31 @@ class JobQueue:
             "run_after": now if run_after is None else run_after,
             "now": now,
         }
-        new_id = await self._call(self._db.enqueue, row, job_id)
+        new_id = await self._commits.submit((row, job_id))
         self.wakeup.set()
         return new_id
+
+    async def _write_enqueues(self, items: list[tuple[JSON, str | None]]) -> list[str | BaseException]:
+        try:
+            results = await self._call(self._db.enqueue_many, items)
+        except (sqlite3.Error, OSError) as error:
+            if is_storage_fault(error):
+                self.health.fault("queue", error)
+            raise
+        self.health.ok("queue")
+        return results
+
+    @property
+    def commit_batches(self) -> tuple[int, int]:
+        """(durable commits, enqueues they carried) since start: the group commit's effect."""
+        return self._commits.batches, self._commits.items
+
+    async def retry_storage_deferred(self) -> int:
+        """Jobs waiting out a storage fault become due now; returns how many."""
+        count = await self._call(self._db.retry_storage_deferred, time.time())
+        if count:
+            self.wakeup.set()
+        return count
 
     async def claim(self, limits: Mapping[str, int]) -> tuple[list[Job], float]:
         """Claim due jobs, up to ``limits[kind]`` of each kind (one per lane); also when the next one is due."""
@@ -689,6 +740,8 @@ class JobRunner:
         self._stopping = asyncio.Event()
         self._main: asyncio.Task[None] | None = None
         self._last_purge = 0.0
+        self._health = queue.health
+        self._unsettled: dict[str, Callable[[], Awaitable[None]]] = {}  # outcomes the queue failed to record
 
     async def __aenter__(self) -> JobRunner:
         self._queue.on_forget(self._stop_user)
@@ -719,11 +772,13 @@ class JobRunner:
         if not any(n > 0 for n in free.values()):
             return float("inf")
         try:
+            await self._settle()
             jobs, next_due = await self._queue.claim(free)
             await self._purge_now_and_then()
-        except (sqlite3.Error, OSError) as error:
-            log.error("jobs.claim_failed", error=repr(error))
+        except (sqlite3.Error, OSError, JobError) as error:
+            self._queue_failed("jobs.claim_failed", error)
             return time.time() + self._settings.poll_interval_s
+        self._health.ok("queue")
         for job in jobs:
             self._inflight[job.id] = (job, group.create_task(self._run_one(job), name=f"job-{job.id}"))
         return next_due
@@ -752,7 +807,20 @@ class JobRunner:
             try:
                 await self._queue.renew(list(self._inflight))
             except (sqlite3.Error, OSError) as error:
-                log.error("jobs.renew_failed", error=repr(error))
+                self._queue_failed("jobs.renew_failed", error)
+
+    def _queue_failed(self, event: str, error: BaseException) -> None:
+        """A failure of the queue's own database: a storage fault is logged once per fault, others each time."""
+        if is_storage_fault(error):
+            self._health.fault("queue", error)
+        else:
+            log.error(event, error=repr(error))
+
+    async def _settle(self) -> None:
+        """Record the outcomes of finished jobs that the queue could not record at the time (disk fault)."""
+        for job_id, outcome in list(self._unsettled.items()):
+            await outcome()
+            del self._unsettled[job_id]
 
     async def _drain(self) -> None:
         tasks = [task for _, task in self._inflight.values()]
@@ -782,8 +850,11 @@ class JobRunner:
             await asyncio.shield(self._release_quietly(job))
             raise
         except (sqlite3.Error, OSError, JobError) as error:
-            # The queue itself failed to record the outcome: the lease runs out and the job is taken again.
-            log.error("jobs.bookkeeping_failed", error=repr(error))
+            # The queue failed to record the outcome: on a disk fault, hand the job back (without spending an
+            # attempt) once the disk works again; otherwise the lease runs out and the job is taken again.
+            self._queue_failed("jobs.bookkeeping_failed", error)
+            if is_storage_fault(error):
+                self._unsettled[job.id] = functools.partial(self._queue.release, job)
         finally:
             self._inflight.pop(job.id, None)
             self._queue.wakeup.set()
@@ -800,9 +871,24 @@ class JobRunner:
             await self._queue.fail(job, str(error), permanent=True)
             log.error("job.dead", attempt=job.attempt, error=str(error))
         except Exception as error:  # the worker's boundary: no handler error may stop it
-            await self._record_failure(job, error)
+            if is_storage_fault(error):
+                await self._wait_out_fault(job, error)
+            else:
+                await self._record_failure(job, error)
         else:
             await self._queue.complete(job)
+            await self._write_path_ok()
+
+    async def _wait_out_fault(self, job: Job, error: Exception) -> None:
+        """Our own disk failed under the job: it waits (backoff, no attempt spent), never dead-lettered."""
+        self._health.fault("write_path", error)
+        await self._queue.defer(job, f"storage fault: {type(error).__name__}: {str(error)[:300]}")
+
+    async def _write_path_ok(self) -> None:
+        if self._health.failing("write_path"):
+            self._health.ok("write_path")
+            count = await self._queue.retry_storage_deferred()
+            log.info("jobs.resumed_after_storage_fault", count=count)
 
     async def _record_failure(self, job: Job, error: Exception) -> None:
         reason = "timeout" if isinstance(error, TimeoutError) else f"{type(error).__name__}: {error}"
