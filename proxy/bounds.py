@@ -24,10 +24,10 @@ from multidict import CIMultiDictProxy
 
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError
 from proxy.identity import CONVERSATION_HEADER, MODE_HEADER, USER_HEADER
+from proxy.memory.text_cap import cap_text
 
 MAX_JSON_DEPTH = 64
 MAX_TURN_CHARS = 16_000
-_TAIL_SHARE = 0.25
 _BRACKETS = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
 _KEEP = bytes(sorted({*_BRACKETS, ord('"')}))
 _DROP = bytes(b for b in range(256) if b not in _KEEP)
@@ -85,13 +85,7 @@ def reject_duplicate_headers(headers: CIMultiDictProxy[str] | Mapping[str, str])
 
 def capped_turn(text: str, max_chars: int = MAX_TURN_CHARS) -> str:
     """``text`` if it fits in ``max_chars``; else its head and tail around a marker saying what was cut."""
-    if len(text) <= max_chars:
-        return text
-    marker = f"\n[... {len(text) - max_chars:,} characters not stored ...]\n"
-    budget = max(0, max_chars - len(marker))
-    tail = int(budget * _TAIL_SHARE)
-    head = budget - tail
-    return text[:head] + marker + (text[-tail:] if tail else "")
+    return cap_text(text, max_chars)
 
 
 def body_deadline_middleware(timeout_s: float, max_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
