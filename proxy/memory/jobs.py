@@ -226,6 +226,16 @@ UPDATE jobs SET
 WHERE state = 'running' AND (lease_until < :now OR lease_owner != :owner)
 """
 
+# A debounced job going back to pending while a newer pending job holds its (user, kind, key) would break the
+# one-pending-per-key index (and, at open, stop memproxy from starting): it is folded into that twin instead,
+# which then runs no later than the folded job would have.
+_TWINS = """
+SELECT j.id AS id, t.id AS twin FROM jobs AS j
+JOIN jobs AS t ON t.user_id = j.user_id AND t.kind = j.kind AND t.dedupe_key = j.dedupe_key
+                  AND t.state = 'pending'
+WHERE j.state = 'running' AND j.dedupe_key IS NOT NULL AND {where}
+"""
+
 _GAUGES = """
 SELECT
     COALESCE(SUM(state = 'pending' AND run_after <= :now), 0),
@@ -349,8 +359,22 @@ class _Db:
     def reclaim_orphans(self, owner: str, now: float) -> int:
         """Take back jobs left running by a process that is gone (we hold the lock, so all of them)."""
         with self.txn() as c:
+            expiring = "(j.lease_until < :now OR j.lease_owner != :owner)"
+            folded = self._fold_twins(c, expiring, {"now": now, "owner": owner}, now)
             cur = c.execute(_EXPIRE_LEASES, {"max": self.settings.max_attempts, "now": now, "owner": owner})
-            return cur.rowcount
+            return cur.rowcount + folded
+
+    def _fold_twins(self, c: sqlite3.Connection, where: str, params: JSON, run_by: float) -> int:
+        """Fold running debounced jobs matching ``where`` into their pending twins (see ``_TWINS``)."""
+        pairs = c.execute(_TWINS.format(where=where), params).fetchall()
+        for row in pairs:
+            c.execute("UPDATE jobs SET run_after = MIN(run_after, ?) WHERE id = ?", (run_by, row["twin"]))
+            c.execute(
+                "UPDATE jobs SET state = 'done', payload = '{}', lease_owner = NULL, lease_until = NULL,"
+                " last_error = ?, updated_at = ? WHERE id = ?",
+                (f"folded into pending job {row['twin']}", time.time(), row["id"]),
+            )
+        return len(pairs)
 
     def claim(self, limits: Mapping[str, int], owner: str, now: float) -> tuple[list[sqlite3.Row], float]:
         """Due jobs marked running, at most ``limits[kind]`` per kind and one per lane; and the next due time."""
@@ -376,6 +400,7 @@ class _Db:
         return picked, float(nxt) if nxt is not None else float("inf")
 
     def _expire(self, c: sqlite3.Connection, owner: str, now: float) -> None:
+        self._fold_twins(c, "j.lease_until < :now", {"now": now}, now)
         c.execute(
             _EXPIRE_LEASES.replace("OR lease_owner != :owner", ""),
             {"max": self.settings.max_attempts, "now": now},
@@ -392,6 +417,10 @@ class _Db:
         """Apply ``changes`` to a job this owner holds; False if it is no longer ours (e.g. forgotten)."""
         cols = ", ".join(f"{name} = :{name}" for name in changes)
         with self.txn() as c:
+            if changes.get("state") == "pending":
+                where = "j.id = :job_id AND j.lease_owner = :owner"
+                if self._fold_twins(c, where, {"job_id": job_id, "owner": owner}, float(changes["run_after"])):
+                    return True
             cur = c.execute(
                 f"UPDATE jobs SET {cols}, lease_owner = NULL, lease_until = NULL"  # noqa: S608 - fixed names
                 " WHERE id = :job_id AND state = 'running' AND lease_owner = :owner",
