@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import re
 import signal
+import sqlite3
+import subprocess
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Mapping
@@ -27,12 +31,13 @@ import pytest
 
 from proxy.config import Settings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.records import Kind
 from proxy.memory.service import Exchange, Injection, MemoryService
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
-from tests.support.processes import fake_upstream_process, memproxy_process
+from tests.support.processes import ROOT, child_env, fake_upstream_process
 
 CYCLES = 20
 USERS = ("crash-ann", "crash-ben", "crash-cat")
@@ -93,22 +98,74 @@ class Load:
                 except (TimeoutError, aiohttp.ClientError, ValueError):
                     await asyncio.sleep(0.01)
 
-    async def run_until_killed(self, pid: Any, after_s: float) -> None:
+    async def run_until_killed(self, pid: int, after_s: float) -> None:
         """Clients of every kind for ``after_s`` seconds, then SIGKILL, then the clients stop."""
         kinds = ["json", "stream", "hangup_json", "hangup_stream"] * 2
         clients = [asyncio.create_task(self.client(kind)) for kind in kinds]
         await asyncio.sleep(after_s)
-        pid.send_signal(signal.SIGKILL)
-        pid.wait()
+        os.kill(pid, signal.SIGKILL)
+        await gone(pid)
         self.stop.set()
         await asyncio.gather(*clients)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (children of the zygote are reaped at once, no zombies)."""
+    return Path(f"/proc/{pid}").exists()
+
+
+async def gone(pid: int, within_s: float = 30.0) -> None:
+    """Wait until process ``pid`` no longer exists."""
+    deadline = time.monotonic() + within_s
+    while alive(pid):
+        assert time.monotonic() < deadline, f"process {pid} is still there"
+        await asyncio.sleep(0.02)
+
+
+class Zygote:
+    """``tests.support.serve_zygote``: real ``memproxy serve`` processes forked after the imports are done."""
+
+    def __init__(self, env: Mapping[str, str], logs: Path) -> None:
+        self._logs = logs
+        self._count = 0
+        self.popen = subprocess.Popen([sys.executable, "-m", "tests.support.serve_zygote"], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, env=child_env(**env), cwd=ROOT, text=True)
+        assert self._line() == "ZYGOTE READY"
+
+    def _line(self) -> str:
+        assert self.popen.stdout is not None
+        return self.popen.stdout.readline().strip()
+
+    async def serve(self) -> tuple[int, str, Path]:
+        """A fresh server: its pid, base URL (ending in /v1) and log file."""
+        assert self.popen.stdin is not None
+        self._count += 1
+        log = self._logs / f"serve-{self._count}.log"
+        self.popen.stdin.write(f"serve {log}\n")
+        self.popen.stdin.flush()
+        pid = int(self._line().split()[1])
+        deadline = time.monotonic() + 120
+        while True:
+            text = log.read_text() if log.exists() else ""
+            if match := re.search(r'"port":\s*(\d+).*"event":\s*"server.started"', text):
+                return pid, f"http://127.0.0.1:{match.group(1)}/v1", log
+            assert alive(pid), f"server died:\n{text[-3000:]}"
+            assert time.monotonic() < deadline, f"server did not start:\n{text[-3000:]}"
+            await asyncio.sleep(0.05)
+
+    def close(self) -> None:
+        """Stop the zygote (its servers must be stopped first)."""
+        assert self.popen.stdin is not None
+        self.popen.stdin.close()
+        self.popen.wait(30)
 
 
 def _memproxy_env(upstream: str, data: Path) -> dict[str, str]:
     return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
             "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1", "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
             "MEMPROXY_JOBS__BACKOFF_MAX_S": "1", "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "2000",
-            "MEMPROXY_WRITER__INSIGHTS_DEBOUNCE_S": "3600"}
+            "MEMPROXY_WRITER__INSIGHTS_DEBOUNCE_S": "3600", "MEMPROXY_WRITER__SUMMARY_IDLE_S": "3600",
+            "MEMPROXY_WRITER__SUMMARY_MAX_NEW_TURNS": "100000", "MEMPROXY_INSIGHTS__MODEL": "fake-echo"}
 
 
 async def _gauge(session: aiohttp.ClientSession, base: str, name: str) -> float:
@@ -156,22 +213,37 @@ async def test_every_answered_exchange_is_stored_exactly_once_across_kill_9(tmp_
     answered: set[str] = set()
     sent = 0
     with fake_upstream_process() as (_, upstream):
-        env = _memproxy_env(upstream, data)
-        for cycle in range(CYCLES):
-            with memproxy_process(env) as (proc, url):
+        zygote = Zygote(_memproxy_env(upstream, data), tmp_path)
+        try:
+            for cycle in range(CYCLES):
+                pid, url, _ = await zygote.serve()
                 load = Load(url, cycle, rng)
-                await load.run_until_killed(proc.popen, rng.uniform(0.3, 1.5))
-            answered |= load.answered
-            sent += load.sent
-        with memproxy_process(env) as (proc, url):
+                await load.run_until_killed(pid, rng.uniform(0.3, 1.5))
+                answered |= load.answered
+                sent += load.sent
+            pid, url, log = await zygote.serve()
             dead = await wait_for_drain(url)
+            os.kill(pid, signal.SIGTERM)
+            await gone(pid)
+        finally:
+            zygote.close()
+    assert '"server.stopped"' in log.read_text()
     counts = await stored_turn_tokens(data)
     assert len(answered) > CYCLES * 5, f"too little load: {len(answered)} answered of {sent}"
     missing = sorted(t for t in answered if counts[(t, "user")] == 0 or counts[(t, "assistant")] == 0)
     doubled = sorted(t for t in answered if counts[(t, "user")] > 1 or counts[(t, "assistant")] > 1)
-    assert not missing, f"{len(missing)} of {len(answered)} answered exchanges lost: {missing[:10]}"
+    assert not missing, f"{len(missing)} of {len(answered)} lost: {missing[:10]}: {_jobs_of(data, missing[:5])}"
     assert not doubled, f"stored more than once: {doubled[:10]}"
-    assert dead == 0
+    async with JobQueue(JobQueueSettings(path=data / "jobs.sqlite3")) as queue:
+        letters = await queue.dead_letters()
+    assert dead == 0, [(d["kind"], d["attempts"], d["last_error"]) for d in letters]
+
+
+def _jobs_of(data: Path, tokens: list[str]) -> list[Any]:
+    """The queue's rows that still mention ``tokens`` (for a failure message)."""
+    with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3")) as db:
+        return [db.execute("SELECT kind, state, attempts, deferrals, last_error FROM jobs WHERE payload LIKE ?",
+                           (f"%<{token}>%",)).fetchall() for token in tokens]
 
 
 class SlowRecordMemory:

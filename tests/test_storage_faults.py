@@ -142,3 +142,20 @@ async def test_jobs_wait_out_a_read_only_store_and_are_never_dead_lettered(tmp_p
     assert 1 <= len(faults) <= 3, faults  # per component (store, write path), never per attempt
     assert {e["component"] for e in logs if e["event"] == "storage.recovered"} == {e["component"] for e in faults}
     assert not [e for e in logs if e["event"] in ("job.failed", "job.dead", "memory.flush_failed")]
+
+
+async def test_job_interrupted_by_process_deaths_is_not_dead_lettered(tmp_path: Path) -> None:
+    """A job running at each of several kill -9s (more than max_attempts) is still there to run afterwards."""
+    async with JobQueue(settings(tmp_path)) as queue:
+        job_id = await queue.enqueue("exchange", "u1", {"text": "answered"})
+    for _ in range(5):  # max_attempts is 2: five interrupted runs would have dead-lettered it
+        async with JobQueue(settings(tmp_path)) as queue:
+            [job], _ = await queue.claim({"exchange": 1})
+            assert job.id == job_id
+        # closing without finishing: as if the process had died while running it
+    async with JobQueue(settings(tmp_path)) as queue:
+        row = await queue.get(job_id)
+        assert row is not None
+        assert (row["state"], row["attempts"], row["orphaned"]) == ("pending", 0, 5)
+        [job], _ = await queue.claim({"exchange": 1})
+        assert job.payload == {"text": "answered"}

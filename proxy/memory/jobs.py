@@ -18,7 +18,8 @@ Durability: ``enqueue`` returns only once its commit is on disk (``synchronous=F
 ``synchronous=NORMAL`` (safe against a killed process; a power cut can at worst replay a finished job, and
 handlers are idempotent by job id). A running job holds a lease renewed by a heartbeat; a job whose lease ran
 out is taken again. At open, the queue takes an exclusive lock file, so any job still marked running belongs
-to a dead process and is taken again at once. All SQLite calls run on one dedicated thread.
+to a dead process and is taken again at once, without spending an attempt (up to ``ORPHAN_LIMIT``
+deaths). All SQLite calls run on one dedicated thread.
 """
 
 from __future__ import annotations
@@ -191,7 +192,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     lease_owner TEXT,
     lease_until REAL,
     progress TEXT NOT NULL DEFAULT '{}',
-    last_error TEXT
+    last_error TEXT,
+    orphaned INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_debounce ON jobs(user_id, kind, dedupe_key)
     WHERE state = 'pending' AND dedupe_key IS NOT NULL;
@@ -216,6 +218,20 @@ WHERE j.state = 'pending' AND j.run_after <= :now AND j.kind = :kind
           AND e.dedupe_key IS NULL AND e.seq < j.seq))
 ORDER BY j.run_after, j.seq
 LIMIT :limit
+"""
+
+# At open, every job still marked running was interrupted by the death of the process running it (we hold the
+# lock). That is not the job's failure, so the attempt is given back: a crash storm (20 kill -9 in a minute,
+# the reads starving the job meanwhile) must not dead-letter an answered exchange. Only a job that was running
+# at ORPHAN_LIMIT process deaths is taken for a poison pill (it may be what kills the process).
+ORPHAN_LIMIT = 25
+_RECLAIM_ORPHANS = """
+UPDATE jobs SET
+    state = CASE WHEN orphaned + 1 >= :limit THEN 'dead' ELSE 'pending' END,
+    attempts = MAX(attempts - 1, 0), orphaned = orphaned + 1,
+    last_error = 'orphaned: the process running it died (' || (orphaned + 1) || ' times)',
+    lease_owner = NULL, lease_until = NULL, updated_at = :now, run_after = MIN(run_after, :now)
+WHERE state = 'running'
 """
 
 _EXPIRE_LEASES = """
@@ -276,6 +292,8 @@ class _Db:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(_SCHEMA)
+        if "orphaned" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:  # a queue from before
+            conn.execute("ALTER TABLE jobs ADD COLUMN orphaned INTEGER NOT NULL DEFAULT 0")
         self.conn = conn
 
     def close(self) -> None:
@@ -359,10 +377,8 @@ class _Db:
     def reclaim_orphans(self, owner: str, now: float) -> int:
         """Take back jobs left running by a process that is gone (we hold the lock, so all of them)."""
         with self.txn() as c:
-            expiring = "(j.lease_until < :now OR j.lease_owner != :owner)"
-            folded = self._fold_twins(c, expiring, {"now": now, "owner": owner}, now)
-            cur = c.execute(_EXPIRE_LEASES, {"max": self.settings.max_attempts, "now": now, "owner": owner})
-            return cur.rowcount + folded
+            folded = self._fold_twins(c, "TRUE", {}, now)
+            return c.execute(_RECLAIM_ORPHANS, {"limit": ORPHAN_LIMIT, "now": now}).rowcount + folded
 
     def _fold_twins(self, c: sqlite3.Connection, where: str, params: JSON, run_by: float) -> int:
         """Fold running debounced jobs matching ``where`` into their pending twins (see ``_TWINS``)."""
