@@ -236,7 +236,7 @@ class ChatCall:
     def _write_degraded(self) -> str | None:
         memory = self.state.memory
         fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
-        return self.state.commits.degraded or (f"storage:{fault}" if fault else None)
+        return self.state.commits.degraded or fault
 
     def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
         total = time.perf_counter() - self.started

@@ -4,7 +4,7 @@ A read-only, full or unwritable data directory at start-up used to crash memprox
 chat down with memory. ``open_memory_or_unavailable`` opens the configured memory service and, if that fails
 with a storage fault (``proxy.memory.faults``), logs one line and returns ``UnavailableMemory`` instead: every
 request goes through unchanged, its headers say ``degraded=memory:storage:<reason>`` (read) and
-``degraded=write:storage:<reason>`` (write), ``/readyz`` answers 200 with ``"memory": false`` and the reason,
+``degraded=write:unavailable:<reason>`` (write), ``/readyz`` answers 200 with ``"memory": false`` and the reason,
 and ``/metrics`` counts the degraded requests. Restart memproxy once the directory is writable again.
 """
 

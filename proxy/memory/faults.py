@@ -71,7 +71,7 @@ def fault_reason(error: BaseException) -> str:
             return errno.errorcode[int(code.group(1))]
         current = current.__cause__ or current.__context__
     match = _PHRASES.search(str(error))
-    return match.group(0).lower().replace(" ", "_") if match else type(error).__name__
+    return re.sub(r"[^a-z0-9]+", "_", match.group(0).lower()) if match else type(error).__name__
 
 
 class StorageHealth:

@@ -823,7 +823,8 @@ class JobRunner:
         except (sqlite3.Error, OSError, JobError) as error:
             self._queue_failed("jobs.claim_failed", error)
             return time.time() + self._settings.poll_interval_s
-        self._health.ok("queue")
+        if jobs:  # a claim that found nothing may have written nothing: no proof that the disk works again
+            self._health.ok("queue")
         for job in jobs:
             self._inflight[job.id] = (job, group.create_task(self._run_one(job), name=f"job-{job.id}"))
         return next_due
