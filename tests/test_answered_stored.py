@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,14 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.config import Settings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.records import Kind
-from proxy.memory.service import Exchange, Injection, MemoryService
+from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
 from tests.support.processes import ROOT, child_env, fake_upstream_process
+from tests.test_proxy import _factory
 
 CYCLES = 20
 USERS = ("crash-ann", "crash-ben", "crash-cat")
@@ -262,19 +261,11 @@ class SlowRecordMemory:
         self.recorded.append(exchange)
 
 
-def _factory(memory: SlowRecordMemory) -> Any:
-    @contextlib.asynccontextmanager
-    async def factory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
-        yield memory
-
-    return factory
-
-
 @pytest.mark.parametrize("stream", [False, True])
 async def test_client_hanging_up_during_the_commit_cannot_cancel_it(make_proxy: ProxyFactory, stream: bool) -> None:
     """A client that gives up while its exchange is being committed gets nothing, and the commit still lands once."""
     memory = SlowRecordMemory()
-    proxy = await make_proxy(memory_factory=_factory(memory))
+    proxy = await make_proxy(memory_factory=_factory(memory))  # type: ignore[arg-type]  # any seam will do
     body = {"model": "fake-echo", "messages": [{"role": "user", "content": "hang up on me"}], "stream": stream}
     async def ask() -> str:
         response = await proxy.post("/v1/chat/completions", json=body, headers={"X-Memory-User": "al"})

@@ -6,7 +6,8 @@ all once, then for every ``serve LOGFILE`` line on stdin forks a child that runs
 ``memproxy serve --port 0`` runs (settings from the environment, logging, ``proxy.server.serve``: model load,
 store open and repair, queue reclaim, the HTTP server) with its output in LOGFILE, and prints ``CHILD <pid>``.
 The children are reaped automatically (SIGCHLD ignored), so the test kills one with SIGKILL and waits for its
-``/proc`` entry to go.
+``/proc`` entry to go. lancedb warns that forking is experimental when its runtime may be mid-operation; the
+zygote never opens a table (nor starts anything else) before forking, so there is nothing in flight to copy.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import warnings
 
 import fastembed  # noqa: F401 - imported by the embedder at start: done here once
 import uvloop
@@ -37,6 +39,7 @@ def _child(log_path: str) -> None:
 def main() -> None:
     """Fork one server per ``serve LOGFILE`` line until stdin closes."""
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    warnings.filterwarnings("ignore", message="lancedb fork support is experimental")
     print("ZYGOTE READY", flush=True)
     for line in sys.stdin:
         command, _, log_path = line.strip().partition(" ")
