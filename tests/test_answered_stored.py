@@ -163,6 +163,8 @@ def _memproxy_env(upstream: str, data: Path) -> dict[str, str]:
     return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
             "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1", "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
             "MEMPROXY_JOBS__BACKOFF_MAX_S": "1", "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "2000",
+            # no server lives the default 300 s, and an uncompacted table makes every batch slower
+            "MEMPROXY_STORE__OPTIMIZE_INTERVAL_S": "2",
             "MEMPROXY_WRITER__INSIGHTS_DEBOUNCE_S": "3600", "MEMPROXY_WRITER__SUMMARY_IDLE_S": "3600",
             "MEMPROXY_WRITER__SUMMARY_MAX_NEW_TURNS": "100000", "MEMPROXY_INSIGHTS__MODEL": "fake-echo"}
 
@@ -213,6 +215,7 @@ async def test_every_answered_exchange_is_stored_exactly_once_across_kill_9(tmp_
     sent = 0
     with fake_upstream_process() as (_, upstream):
         zygote = Zygote(_memproxy_env(upstream, data), tmp_path)
+        pid = 0
         try:
             for cycle in range(CYCLES):
                 pid, url, _ = await zygote.serve()
@@ -225,9 +228,12 @@ async def test_every_answered_exchange_is_stored_exactly_once_across_kill_9(tmp_
             os.kill(pid, signal.SIGTERM)
             await gone(pid)
         finally:
+            if pid and alive(pid):  # a failed check must not leave a server behind
+                os.kill(pid, signal.SIGKILL)
             zygote.close()
     assert '"server.stopped"' in log.read_text()
     counts = await stored_turn_tokens(data)
+    print(f"{len(answered)} answered of {sent} sent over {CYCLES} kills")  # shown with -s
     assert len(answered) > CYCLES * 5, f"too little load: {len(answered)} answered of {sent}"
     missing = sorted(t for t in answered if counts[(t, "user")] == 0 or counts[(t, "assistant")] == 0)
     doubled = sorted(t for t in answered if counts[(t, "user")] > 1 or counts[(t, "assistant")] > 1)
