@@ -155,8 +155,10 @@ class Zygote:
     def close(self) -> None:
         """Stop the zygote (its servers must be stopped first)."""
         assert self.popen.stdin is not None
+        assert self.popen.stdout is not None
         self.popen.stdin.close()
         self.popen.wait(30)
+        self.popen.stdout.close()
 
 
 def _memproxy_env(upstream: str, data: Path) -> dict[str, str]:
