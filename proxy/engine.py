@@ -219,7 +219,9 @@ class MemoryEngine:
         snap = self._queue_snapshot
         if snap is None:
             return {}
-        out = {"depth": float(snap.depth), "ready": float(snap.ready), "running": float(snap.running),
+        out = {"storage_failing": float(self.health.reason is not None),
+               "storage_faults_total": float(self.health.faults_total),
+               "depth": float(snap.depth), "ready": float(snap.ready), "running": float(snap.running),
                "dead": float(snap.dead), "oldest_age_seconds": snap.oldest_age_s,
                "completed_total": float(snap.completed_total), "failed_total": float(snap.failed_total)}
         for step, latency in snap.step_latency.items():

@@ -76,10 +76,14 @@ async def test_data_dir_read_only_while_running_loses_no_answered_exchange(tmp_p
                     during.append(await _chat(session, url, tokens[-1], stream=bool(i % 2)))
                 status, ready = await _json(session, f"{base}/readyz")
                 await asyncio.sleep(3)  # retries run meanwhile: they must not flood the log
+                async with session.get(f"{base}/metrics") as response:
+                    metrics_text = await response.text()
                 lines_during = len(proc.lines)
             assert all("degraded=write:" in h["X-Memory-Arms"] for h in during[1:])
             assert status == 200
             assert "storage" in ready
+            assert "memproxy_jobs_storage_failing 1.0" in metrics_text
+            assert re.search(r"^memproxy_write_spool_exchanges [1-9]", metrics_text, re.MULTILINE)
             await _spool_empty(session, base)
             assert await wait_for_drain(url) == 0
         proc.stop(signal.SIGTERM)
