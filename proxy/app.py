@@ -14,6 +14,8 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from proxy.access import install_access
+from proxy.bounds import body_deadline_middleware
+from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
@@ -38,6 +40,7 @@ from proxy.metrics import Metrics
 from proxy.routes import add_routes
 from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
+from proxy.unavailable import open_memory_or_unavailable
 from proxy.upstream import build_router, build_session
 
 MemoryFactory = Callable[[Settings, Metrics], contextlib.AbstractAsyncContextManager[MemoryService]]
@@ -114,6 +117,7 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
         llm = ReportingLLM(router, board)
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), llm, latest, board))
         metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
+        metrics.add_gauges("memproxy_jobs", engine.storage_gauges)
         metrics.registry.register(FeatureCollector(board, engine.waiting))
         if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
             yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))
@@ -128,7 +132,8 @@ def default_memory_factory(settings: Settings) -> MemoryFactory:
 
 def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> web.Application:
     """The proxy application for ``settings``."""
-    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware])
+    deadline = body_deadline_middleware(settings.server.body_timeout_s, settings.server.max_body_bytes)
+    app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware, deadline])
     metrics = Metrics()
     state = AppState(settings=settings, metrics=metrics, memory=NullMemory())
     app[STATE] = state
@@ -138,8 +143,10 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
         async with contextlib.AsyncExitStack() as stack:
             session = await stack.enter_async_context(build_session(settings.upstream))
             state.router = build_router(settings.upstream, settings.routes, session)
-            state.memory = await stack.enter_async_context(factory(settings, metrics))
+            state.memory = await open_memory_or_unavailable(stack, factory(settings, metrics))
             await report_features(settings, getattr(state.memory, "features", None))
+            # after the memory service, so closed before it: commits still running reach the queue first
+            state.commits = await stack.enter_async_context(ExchangeCommitter(state.memory, metrics))
             yield
             state.stopping = True
 

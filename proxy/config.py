@@ -49,6 +49,8 @@ class ServerSettings(_Frozen):
     host: str = "127.0.0.1"
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)
+    body_timeout_s: float = Field(default=60.0, gt=0)  # a body must arrive within this (408 otherwise)
+    max_json_depth: int = Field(default=64, ge=2)  # deeper JSON is a 400, checked before parsing
     shutdown_grace_s: float = Field(default=20.0, ge=0)
     # Serve without client keys on a non-loopback address while holding an upstream key (see proxy/access.py).
     open: bool = False
@@ -160,6 +162,8 @@ class MemorySettings(_Frozen):
     # (which counts from the request's arrival, the wait included).
     max_concurrent_reads: int = Field(default=4, ge=1)
     read_queue_ms: float = Field(default=100.0, ge=0)
+    # A stored turn keeps at most this many characters: head and tail around a marker (proxy/bounds.py).
+    max_turn_chars: int = Field(default=16_000, ge=200)
 
 
 class MemoryLLMSettings(_Frozen):

@@ -21,6 +21,7 @@ from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
+from proxy.memory.faults import StorageHealth
 from proxy.memory.features import FeatureBoard, guard_handlers
 from proxy.memory.fusion import Candidate
 from proxy.memory.injection import inject as inject_block
@@ -86,8 +87,9 @@ class MemoryEngine:
         self.latest = latest or LatestChats(())
         self.features = features or FeatureBoard()
         self.embedder = build_embedder(settings.embedder)
-        self.store = MemoryStore(settings.store, self.embedder)
-        self.jobs = JobQueue(settings.jobs)
+        self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
+        self.store = MemoryStore(settings.store, self.embedder, health=self.health)
+        self.jobs = JobQueue(settings.jobs, health=self.health)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
         self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model,
                                         latest_model=self.latest.model)
@@ -101,6 +103,11 @@ class MemoryEngine:
     def ready(self) -> bool:
         """Whether the embedder, store, queue and workers are all up."""
         return self._ready
+
+    @property
+    def storage_fault(self) -> str | None:
+        """``component:reason`` while the data directory fails writes (memory waits, the chat goes on)."""
+        return self.health.reason
 
     async def __aenter__(self) -> MemoryEngine:
         started = time.perf_counter()
@@ -235,3 +242,8 @@ class MemoryEngine:
     def queue_snapshot(self) -> QueueMetrics | None:
         """The queue's numbers as of the last ``refresh_metrics`` (None before the first)."""
         return self._queue_snapshot
+
+    def storage_gauges(self) -> dict[str, float]:
+        """Whether the data directory is failing now, and how many storage faults began since start."""
+        return {"storage_failing": float(self.health.reason is not None),
+                "storage_faults_total": float(self.health.faults_total)}

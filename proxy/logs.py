@@ -1,7 +1,9 @@
 """structlog configuration: JSON lines on stdout, configured once at start, request ids via contextvars.
 
 A redaction processor drops anything that looks like a credential, so that no key or Authorization header can
-reach a log line even by mistake.
+reach a log line even by mistake. The same redaction runs on every stdlib log record (``RedactingFilter`` on the
+root handler), messages and tracebacks included: aiohttp logs a malformed request with the raw bytes it could
+not parse, ``Authorization: Bearer ...`` header and all.
 """
 
 from __future__ import annotations
@@ -17,6 +19,32 @@ import structlog
 
 _SECRET_KEYS = re.compile(r"(authorization|api[_-]?key|secret|password|access_token)", re.IGNORECASE)
 _SECRET_VALUES = re.compile(r"(Bearer\s+\S+|sk-[A-Za-z0-9_\-]{8,})")
+# A credential header inside free text (a raw request in an error message): its value up to the line's end,
+# a quote, or an escaped CR/LF as ``repr`` shows it.
+_SECRET_HEADERS = re.compile(
+    r"((?:proxy-)?authorization|x-api-key|api-key|cookie)(\s*[:=]\s*)(?:(?!\\r|\\n)[^\r\n'\"])+", re.IGNORECASE
+)
+
+
+def redact_text(text: str) -> str:
+    """``text`` with credential headers and bearer tokens / API keys replaced by ``[redacted]``."""
+    return _SECRET_VALUES.sub("[redacted]", _SECRET_HEADERS.sub(r"\1\2[redacted]", text))
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts credentials from a stdlib log record's message and traceback before any handler formats it."""
+
+    _formatter = logging.Formatter()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """Rewrite the record in place; never drops it."""
+        record.msg = redact_text(record.getMessage())
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self._formatter.formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        return True
 
 
 def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -24,8 +52,8 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[s
     for key, value in list(event.items()):
         if _SECRET_KEYS.search(key):
             event[key] = "[redacted]"
-        elif isinstance(value, str) and _SECRET_VALUES.search(value):
-            event[key] = _SECRET_VALUES.sub("[redacted]", value)
+        elif isinstance(value, str):
+            event[key] = redact_text(value)
     return event
 
 
@@ -37,6 +65,8 @@ def configure_logging(level: str = "info") -> None:
     """Configure structlog (and the stdlib root logger) to write JSON lines to stdout."""
     numeric = logging.getLevelName(level.upper())
     logging.basicConfig(stream=sys.stdout, level=numeric, format="%(message)s", force=True)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(RedactingFilter())
     for noisy in ("aiohttp.access", "LiteLLM", "httpx", "lance"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     structlog.configure(

@@ -2,7 +2,10 @@
 
 The chat handler is the hot path: parse once, ask the memory seam for injected messages (bounded by a
 timeout, failures degrade to no memory), forward the client's own bytes when nothing changed, relay the
-answer as it arrives, then hand the finished exchange to the write path.
+answer as it arrives, and hand the finished exchange to the write path before the client can have the end of
+the answer (answered means stored): a non-streamed body is committed before its first byte is sent, a stream
+before the event that completes it (finish reason or ``[DONE]``) and before the end of the body. The commit
+runs in a task the app owns (``proxy.commit``), so a client that hangs up cannot cancel it.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from aiohttp import web
 from pydantic import SecretStr
 
 from proxy.access import NAMESPACE, scoped
+from proxy.bounds import capped_turn, check_json_depth, reject_duplicate_headers
 from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
+from proxy.commit import Committed
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.feature_report import readiness
 from proxy.identity import Identity, Mode, identify, log_user
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, StorageStatus
 from proxy.sse import reply_from_completion
 from proxy.state import STATE, AppState
 from proxy.tool_history import ToolReplyAssembler, new_tool_results, reply_tool_calls
@@ -104,11 +109,14 @@ class ChatCall:
         self.bytes_out = 0
         self.route = ""
         self.partial = False
+        self.recorded = False  # one exchange per request, whichever of completion or hang-up comes first
 
     async def run(self) -> web.StreamResponse:
         """Serve the request end to end."""
         settings = self.state.settings
         raw = await _read_body(self.request, settings.server.max_body_bytes)
+        check_json_depth(raw, settings.server.max_json_depth)  # before anything walks the body recursively
+        reject_duplicate_headers(self.request.headers)
         body = parse_chat_request(raw)
         default_mode = Mode(settings.memory.default_mode) if settings.memory.enabled else Mode.OFF
         identity = scoped(identify(self.request.headers, body, default_mode), self.request.get(NAMESPACE))
@@ -133,6 +141,8 @@ class ChatCall:
         self.route = upstream.name
         headers = memory_headers(identity, injection)
         headers["X-Request-Id"] = self.request_id
+        if identity.mode.writes:
+            _say_write_degraded(headers, self._write_degraded())
         try:
             async with upstream.open(outgoing, raw, self.request.headers) as reply:
                 self.state.metrics.observe_upstream(self.route, body.get("model"), reply.ttfb_s)
@@ -153,15 +163,18 @@ class ChatCall:
     async def _relay_json(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
                           identity: Identity) -> web.StreamResponse:
         data = await reply.read()
+        self.status = reply.status
+        if identity.mode.writes:  # committed before the client has a byte of the answer
+            completion = _loads_or_none(data)
+            committed = await self._record(body, identity, reply_from_completion(completion), partial=False,
+                                           tool_calls=reply_tool_calls(completion))
+            if committed is not Committed.DURABLE:
+                _say_write_degraded(headers, self._write_degraded() or committed.value)
         response = web.StreamResponse(status=reply.status, headers=headers)
         response.content_length = len(data)
         await response.prepare(self.request)
         await response.write(data)
-        self.status, self.bytes_out = reply.status, len(data)
-        if identity.mode.writes:  # shielded: a client that hangs up once it has the body must not cancel it
-            completion = _loads_or_none(data)
-            await asyncio.shield(self._record(body, identity, reply_from_completion(completion), partial=False,
-                                              tool_calls=reply_tool_calls(completion)))
+        self.bytes_out = len(data)
         await response.write_eof()
         return response
 
@@ -172,53 +185,66 @@ class ChatCall:
         self.status = reply.status
         assembler = ToolReplyAssembler()
         try:
-            await self._pump(reply, response, assembler)
+            failure = await self._pump(reply, response, assembler, body, identity)
         except (asyncio.CancelledError, ConnectionResetError):
             self.partial = True
-            if identity.mode.writes and (assembler.text or assembler.tool_texts):
-                await asyncio.shield(self._record(body, identity, assembler.text, partial=True,
-                                                  tool_calls=assembler.tool_texts))
+            await self._record_stream(body, identity, assembler, partial=True)
             raise
-        if identity.mode.writes and (assembler.text or assembler.tool_texts):
-            await asyncio.shield(self._record(body, identity, assembler.text, partial=not assembler.complete,
-                                              tool_calls=assembler.tool_texts))
+        # before the error event or the end of the body (a complete stream was committed before its last event)
+        await self._record_stream(body, identity, assembler, partial=not assembler.complete)
+        if failure is not None:
+            await response.write(sse_error_event(failure))
         await response.write_eof()
         return response
 
-    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ToolReplyAssembler) -> None:
+    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ToolReplyAssembler,
+                    body: dict[str, Any], identity: Identity) -> ProxyError | None:
         first = True
         try:
             async for chunk in reply.chunks():
                 if first:
                     self.state.metrics.observe("first_chunk", time.perf_counter() - self.started)
                     first = False
+                was_complete = assembler.complete
                 assembler.feed(chunk)
+                if assembler.complete and not was_complete:  # the event that completes the answer waits
+                    await self._record_stream(body, identity, assembler, partial=False)
                 await response.write(chunk)
                 self.bytes_out += len(chunk)
         except ProxyError as exc:
             self.state.metrics.upstream_errors.labels("mid_stream").inc()
             log.warning("upstream.stream_failed", error=exc.message)
             self.partial = True
-            await response.write(sse_error_event(exc))
+            return exc
+        return None
+
+    async def _record_stream(self, body: dict[str, Any], identity: Identity, assembler: ToolReplyAssembler, *,
+                             partial: bool) -> None:
+        if identity.mode.writes and (assembler.text or assembler.tool_texts) and not self.recorded:
+            await self._record(body, identity, assembler.text, partial=partial, tool_calls=assembler.tool_texts)
 
     async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool,
-                      tool_calls: tuple[str, ...] = ()) -> None:
-        if identity.user_id is None or identity.conversation_id is None:
-            return
-        messages = body["messages"]
+                      tool_calls: tuple[str, ...] = ()) -> Committed:
+        if identity.user_id is None or identity.conversation_id is None or self.recorded:
+            return Committed.DURABLE
+        self.recorded = True
+        messages, cap = body["messages"], self.state.settings.memory.max_turn_chars
         exchange = Exchange(
             request_id=self.request_id, user_id=identity.user_id, conversation_id=identity.conversation_id,
-            model=body["model"], route=self.route, user_messages=new_user_messages(messages),
-            assistant_text=text, partial=partial, finished_at=datetime.now(UTC),
-            system_prompt=system_prompt(messages), context=earlier_messages(messages),
+            model=body["model"], route=self.route,
+            user_messages=tuple(capped_turn(m, cap) for m in new_user_messages(messages)),
+            assistant_text=capped_turn(text, cap), partial=partial, finished_at=datetime.now(UTC),
+            system_prompt=capped_turn(system_prompt(messages) or "", cap) or None,
+            context=tuple((role, capped_turn(t, cap)) for role, t in earlier_messages(messages)),
             client_key=bearer_key(self.request.headers),
             tool_calls=tool_calls, tool_results=new_tool_results(messages),
         )
-        try:
-            await self.state.memory.record(exchange)
-        except Exception as exc:  # a failing write path never fails the chat; it is counted and logged
-            self.state.metrics.memory_degraded.labels("write").inc()
-            log.warning("memory.record_failed", error=type(exc).__name__, detail=str(exc)[:200])
+        return await self.state.commits.commit(exchange)
+
+    def _write_degraded(self) -> str | None:
+        memory = self.state.memory
+        fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+        return self.state.commits.degraded or fault
 
     def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
         total = time.perf_counter() - self.started
@@ -235,6 +261,13 @@ def bearer_key(headers: Mapping[str, str]) -> SecretStr | None:
     """The client's ``Authorization: Bearer`` key, masked, or None."""
     scheme, _, key = headers.get("Authorization", "").partition(" ")
     return SecretStr(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+
+
+def _say_write_degraded(headers: dict[str, str], reason: str | None) -> None:
+    """Add ``degraded=write:<reason>`` to ``X-Memory-Arms`` (the exchange is not, or not yet, stored)."""
+    arms = headers.get("X-Memory-Arms", "")
+    if reason and "degraded=write:" not in arms:
+        headers["X-Memory-Arms"] = ",".join(p for p in (arms, f"degraded=write:{reason}") if p)
 
 
 def _loads_or_none(data: bytes) -> Any:
@@ -273,11 +306,17 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def readyz(request: web.Request) -> web.Response:
-    """``GET /readyz``: ready when the chat path is; every memory feature listed as live or off, with why."""
+    """``GET /readyz``: ready when the chat path is (memory off for a storage fault included); every memory
+    feature listed as live or off, with why, and a storage fault named."""
     state = request.app[STATE]
+    memory = state.memory
+    fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+    storage = state.commits.degraded or fault if hasattr(state, "commits") else fault
     ready = not state.stopping
-    features = readiness(getattr(state.memory, "features", None), state.settings)
-    body = {"status": "ready" if ready else "not ready", "memory": state.memory.ready, "features": features}
+    features = readiness(getattr(memory, "features", None), state.settings)
+    body: dict[str, Any] = {"status": "ready" if ready else "not ready", "memory": memory.ready, "features": features}
+    if storage:
+        body["storage"] = storage
     return web.json_response(body, status=200 if ready else 503)
 
 

@@ -7,6 +7,7 @@ import dataclasses
 
 from aiohttp import web
 
+from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
 from proxy.memory.service import MemoryService
 from proxy.metrics import Metrics
@@ -21,6 +22,7 @@ class AppState:
     metrics: Metrics
     memory: MemoryService
     router: Router = dataclasses.field(init=False)  # set at startup: it needs the running loop
+    commits: ExchangeCommitter = dataclasses.field(init=False)  # set at startup, after the memory service
     stopping: bool = False
     read_slots: asyncio.Semaphore = dataclasses.field(init=False)  # memory.max_concurrent_reads
 

@@ -93,7 +93,7 @@ class FakeUpstream:
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        app = web.Application()
+        app = web.Application(client_max_size=16 * 2**20)  # as large as any body memproxy accepts
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
         return app

@@ -22,7 +22,8 @@ Durability: ``enqueue`` returns only once its commit is on disk (``synchronous=F
 ``synchronous=NORMAL`` (safe against a killed process; a power cut can at worst replay a finished job, and
 handlers are idempotent by job id). A running job holds a lease renewed by a heartbeat; a job whose lease ran
 out is taken again. At open, the queue takes an exclusive lock file, so any job still marked running belongs
-to a dead process and is taken again at once. All SQLite calls run on one dedicated thread.
+to a dead process and is taken again at once, without spending an attempt (up to ``ORPHAN_LIMIT``
+deaths). All SQLite calls run on one dedicated thread.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import asyncio
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import json
 import os
 import random
@@ -49,6 +51,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.faults import StorageHealth, is_storage_fault
+from proxy.memory.group_commit import GroupCommit
 from proxy.memory.migrations import JOBS_SCHEMA_VERSION, JOBS_STEPS, ensure_jobs_schema, plan
 
 log = structlog.get_logger("memproxy.jobs")
@@ -204,7 +208,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     lease_owner TEXT,
     lease_until REAL,
     progress TEXT NOT NULL DEFAULT '{}',
-    last_error TEXT
+    last_error TEXT,
+    orphaned INTEGER NOT NULL DEFAULT 0
 );
 CREATE UNIQUE INDEX IF NOT EXISTS jobs_debounce ON jobs(user_id, kind, dedupe_key)
     WHERE state = 'pending' AND dedupe_key IS NOT NULL;
@@ -231,12 +236,36 @@ ORDER BY j.run_after, j.seq
 LIMIT :limit
 """
 
+# At open, every job still marked running was interrupted by the death of the process running it (we hold the
+# lock). That is not the job's failure, so the attempt is given back: a crash storm (20 kill -9 in a minute,
+# the reads starving the job meanwhile) must not dead-letter an answered exchange. Only a job that was running
+# at ORPHAN_LIMIT process deaths is taken for a poison pill (it may be what kills the process).
+ORPHAN_LIMIT = 25
+_RECLAIM_ORPHANS = """
+UPDATE jobs SET
+    state = CASE WHEN orphaned + 1 >= :limit THEN 'dead' ELSE 'pending' END,
+    attempts = MAX(attempts - 1, 0), orphaned = orphaned + 1,
+    last_error = 'orphaned: the process running it died (' || (orphaned + 1) || ' times)',
+    lease_owner = NULL, lease_until = NULL, updated_at = :now, run_after = MIN(run_after, :now)
+WHERE state = 'running'
+"""
+
 _EXPIRE_LEASES = """
 UPDATE jobs SET
     state = CASE WHEN attempts >= :max THEN 'dead' ELSE 'pending' END,
     last_error = 'lease expired: the worker holding it stopped',
     lease_owner = NULL, lease_until = NULL, updated_at = :now
 WHERE state = 'running' AND (lease_until < :now OR lease_owner != :owner)
+"""
+
+# A debounced job going back to pending while a newer pending job holds its (user, kind, key) would break the
+# one-pending-per-key index (and, at open, stop memproxy from starting): it is folded into that twin instead,
+# which then runs no later than the folded job would have.
+_TWINS = """
+SELECT j.id AS id, t.id AS twin FROM jobs AS j
+JOIN jobs AS t ON t.user_id = j.user_id AND t.kind = j.kind AND t.dedupe_key = j.dedupe_key
+                  AND t.state = 'pending'
+WHERE j.state = 'running' AND j.dedupe_key IS NOT NULL AND {where}
 """
 
 _GAUGES = """
@@ -313,21 +342,43 @@ class _Db:
             if durable:
                 self.c.execute("PRAGMA synchronous=NORMAL")
 
-    def enqueue(self, row: JSON, job_id: str | None) -> str:
+    def enqueue_many(self, items: Sequence[tuple[JSON, str | None]]) -> list[str | BaseException]:
+        """Several enqueues in one durable transaction (one fsync); each in its own savepoint."""
+        results: list[str | BaseException] = []
         with self.txn(durable=True) as c:
-            if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
-                return job_id
-            if row["dedupe_key"] is not None:
-                existing = self._debounce(c, row)
-                if existing is not None:
-                    return existing
-            c.execute(
-                "INSERT INTO jobs (id, kind, user_id, payload, dedupe_key, state, run_after, first_trigger,"
-                " created_at, updated_at) VALUES (:id, :kind, :user_id, :payload, :dedupe_key, 'pending',"
-                " :run_after, :now, :now, :now)",
-                row,
-            )
-            return str(row["id"])
+            for row, job_id in items:
+                c.execute("SAVEPOINT one")
+                try:
+                    results.append(self._enqueue_one(c, row, job_id))
+                except sqlite3.IntegrityError as error:
+                    c.execute("ROLLBACK TO one")
+                    results.append(error)
+                c.execute("RELEASE one")
+        return results
+
+    def _enqueue_one(self, c: sqlite3.Connection, row: JSON, job_id: str | None) -> str:
+        if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
+            return job_id
+        if row["dedupe_key"] is not None:
+            existing = self._debounce(c, row)
+            if existing is not None:
+                return existing
+        c.execute(
+            "INSERT INTO jobs (id, kind, user_id, payload, dedupe_key, state, run_after, first_trigger,"
+            " created_at, updated_at) VALUES (:id, :kind, :user_id, :payload, :dedupe_key, 'pending',"
+            " :run_after, :now, :now, :now)",
+            row,
+        )
+        return str(row["id"])
+
+    def retry_storage_deferred(self, now: float) -> int:
+        """Make jobs that wait out a storage fault due now (the disk works again)."""
+        with self.txn() as c:
+            return c.execute(
+                "UPDATE jobs SET run_after = ? WHERE state = 'pending' AND run_after > ?"
+                " AND last_error LIKE 'storage fault:%'",
+                (now, now),
+            ).rowcount
 
     def _debounce(self, c: sqlite3.Connection, row: JSON) -> str | None:
         found = c.execute(
@@ -347,8 +398,20 @@ class _Db:
     def reclaim_orphans(self, owner: str, now: float) -> int:
         """Take back jobs left running by a process that is gone (we hold the lock, so all of them)."""
         with self.txn() as c:
-            cur = c.execute(_EXPIRE_LEASES, {"max": self.settings.max_attempts, "now": now, "owner": owner})
-            return cur.rowcount
+            folded = self._fold_twins(c, "TRUE", {}, now)
+            return c.execute(_RECLAIM_ORPHANS, {"limit": ORPHAN_LIMIT, "now": now}).rowcount + folded
+
+    def _fold_twins(self, c: sqlite3.Connection, where: str, params: JSON, run_by: float) -> int:
+        """Fold running debounced jobs matching ``where`` into their pending twins (see ``_TWINS``)."""
+        pairs = c.execute(_TWINS.format(where=where), params).fetchall()
+        for row in pairs:
+            c.execute("UPDATE jobs SET run_after = MIN(run_after, ?) WHERE id = ?", (run_by, row["twin"]))
+            c.execute(
+                "UPDATE jobs SET state = 'done', payload = '{}', lease_owner = NULL, lease_until = NULL,"
+                " last_error = ?, updated_at = ? WHERE id = ?",
+                (f"folded into pending job {row['twin']}", time.time(), row["id"]),
+            )
+        return len(pairs)
 
     def claim(self, limits: Mapping[str, int], owner: str, now: float) -> tuple[list[sqlite3.Row], float]:
         """Due jobs marked running, at most ``limits[kind]`` per kind and one per lane; and the next due time."""
@@ -374,6 +437,7 @@ class _Db:
         return picked, float(nxt) if nxt is not None else float("inf")
 
     def _expire(self, c: sqlite3.Connection, owner: str, now: float) -> None:
+        self._fold_twins(c, "j.lease_until < :now", {"now": now}, now)
         c.execute(
             _EXPIRE_LEASES.replace("OR lease_owner != :owner", ""),
             {"max": self.settings.max_attempts, "now": now},
@@ -390,6 +454,10 @@ class _Db:
         """Apply ``changes`` to a job this owner holds; False if it is no longer ours (e.g. forgotten)."""
         cols = ", ".join(f"{name} = :{name}" for name in changes)
         with self.txn() as c:
+            if changes.get("state") == "pending":
+                where = "j.id = :job_id AND j.lease_owner = :owner"
+                if self._fold_twins(c, where, {"job_id": job_id, "owner": owner}, float(changes["run_after"])):
+                    return True
             cur = c.execute(
                 f"UPDATE jobs SET {cols}, lease_owner = NULL, lease_until = NULL"  # noqa: S608 - fixed names
                 " WHERE id = :job_id AND state = 'running' AND lease_owner = :owner",
@@ -493,10 +561,13 @@ def _one_per_lane(rows: Sequence[sqlite3.Row], limit: int) -> list[sqlite3.Row]:
 class JobQueue:
     """The durable queue: enqueue, claim, finish, metrics and per-user state, all off the event loop."""
 
-    def __init__(self, settings: JobQueueSettings, *, rng: random.Random | None = None) -> None:
+    def __init__(self, settings: JobQueueSettings, *, rng: random.Random | None = None,
+                 health: StorageHealth | None = None) -> None:
         self.settings = settings
         self.owner = uuid.uuid4().hex
+        self.health = health or StorageHealth()
         self._db = _Db(settings)
+        self._commits: GroupCommit[tuple[JSON, str | None], str] = GroupCommit(self._write_enqueues)
         self._executor: ThreadPoolExecutor | None = None
         self._rng = rng or random.Random()
         self._wake: asyncio.Event | None = None
@@ -526,6 +597,7 @@ class JobQueue:
     async def _shutdown(self) -> None:
         if self._executor is None:
             return
+        await self._commits.aclose()
         await self._call(self._db.close)
         self._executor.shutdown(wait=True)
         self._executor = None
@@ -566,9 +638,31 @@ class JobQueue:
             "run_after": now if run_after is None else run_after,
             "now": now,
         }
-        new_id = await self._call(self._db.enqueue, row, job_id)
+        new_id = await self._commits.submit((row, job_id))
         self.wakeup.set()
         return new_id
+
+    async def _write_enqueues(self, items: list[tuple[JSON, str | None]]) -> list[str | BaseException]:
+        try:
+            results = await self._call(self._db.enqueue_many, items)
+        except (sqlite3.Error, OSError) as error:
+            if is_storage_fault(error):
+                self.health.fault("queue", error)
+            raise
+        self.health.ok("queue")
+        return results
+
+    @property
+    def commit_batches(self) -> tuple[int, int]:
+        """(durable commits, enqueues they carried) since start: the group commit's effect."""
+        return self._commits.batches, self._commits.items
+
+    async def retry_storage_deferred(self) -> int:
+        """Jobs waiting out a storage fault become due now; returns how many."""
+        count = await self._call(self._db.retry_storage_deferred, time.time())
+        if count:
+            self.wakeup.set()
+        return count
 
     async def claim(self, limits: Mapping[str, int]) -> tuple[list[Job], float]:
         """Claim due jobs, up to ``limits[kind]`` of each kind (one per lane); also when the next one is due."""
@@ -745,6 +839,8 @@ class JobRunner:
         self._stopping = asyncio.Event()
         self._main: asyncio.Task[None] | None = None
         self._last_purge = 0.0
+        self._health = queue.health
+        self._unsettled: dict[str, Callable[[], Awaitable[None]]] = {}  # outcomes the queue failed to record
 
     async def __aenter__(self) -> JobRunner:
         self._queue.on_forget(self._stop_user)
@@ -775,11 +871,14 @@ class JobRunner:
         if not any(n > 0 for n in free.values()):
             return float("inf")
         try:
+            await self._settle()
             jobs, next_due = await self._queue.claim(free)
             await self._purge_now_and_then()
-        except (sqlite3.Error, OSError) as error:
-            log.error("jobs.claim_failed", error=repr(error))
+        except (sqlite3.Error, OSError, JobError) as error:
+            self._queue_failed("jobs.claim_failed", error)
             return time.time() + self._settings.poll_interval_s
+        if jobs:  # a claim that found nothing may have written nothing: no proof that the disk works again
+            self._health.ok("queue")
         for job in jobs:
             self._inflight[job.id] = (job, group.create_task(self._run_one(job), name=f"job-{job.id}"))
         return next_due
@@ -808,7 +907,20 @@ class JobRunner:
             try:
                 await self._queue.renew(list(self._inflight))
             except (sqlite3.Error, OSError) as error:
-                log.error("jobs.renew_failed", error=repr(error))
+                self._queue_failed("jobs.renew_failed", error)
+
+    def _queue_failed(self, event: str, error: BaseException) -> None:
+        """A failure of the queue's own database: a storage fault is logged once per fault, others each time."""
+        if is_storage_fault(error):
+            self._health.fault("queue", error)
+        else:
+            log.error(event, error=repr(error))
+
+    async def _settle(self) -> None:
+        """Record the outcomes of finished jobs that the queue could not record at the time (disk fault)."""
+        for job_id, outcome in list(self._unsettled.items()):
+            await outcome()
+            del self._unsettled[job_id]
 
     async def _drain(self) -> None:
         tasks = [task for _, task in self._inflight.values()]
@@ -838,8 +950,11 @@ class JobRunner:
             await asyncio.shield(self._release_quietly(job))
             raise
         except (sqlite3.Error, OSError, JobError) as error:
-            # The queue itself failed to record the outcome: the lease runs out and the job is taken again.
-            log.error("jobs.bookkeeping_failed", error=repr(error))
+            # The queue failed to record the outcome: on a disk fault, hand the job back (without spending an
+            # attempt) once the disk works again; otherwise the lease runs out and the job is taken again.
+            self._queue_failed("jobs.bookkeeping_failed", error)
+            if is_storage_fault(error):
+                self._unsettled[job.id] = functools.partial(self._queue.release, job)
         finally:
             self._inflight.pop(job.id, None)
             self._queue.wakeup.set()
@@ -860,9 +975,24 @@ class JobRunner:
             log.warning("job.waiting", reason=error.reason, detail=str(error)[:300],
                         recheck_in_s=self._settings.waiting_recheck_s)
         except Exception as error:  # the worker's boundary: no handler error may stop it
-            await self._record_failure(job, error)
+            if is_storage_fault(error):
+                await self._wait_out_fault(job, error)
+            else:
+                await self._record_failure(job, error)
         else:
             await self._queue.complete(job)
+            await self._write_path_ok()
+
+    async def _wait_out_fault(self, job: Job, error: Exception) -> None:
+        """Our own disk failed under the job: it waits (backoff, no attempt spent), never dead-lettered."""
+        self._health.fault("write_path", error)
+        await self._queue.defer(job, f"storage fault: {type(error).__name__}: {str(error)[:300]}")
+
+    async def _write_path_ok(self) -> None:
+        if self._health.failing("write_path"):
+            self._health.ok("write_path")
+            count = await self._queue.retry_storage_deferred()
+            log.info("jobs.resumed_after_storage_fault", count=count)
 
     async def _record_failure(self, job: Job, error: Exception) -> None:
         reason = "timeout" if isinstance(error, TimeoutError) else f"{type(error).__name__}: {error}"

@@ -34,6 +34,7 @@ import structlog
 from lancedb.index import Bitmap, BTree, HnswSq
 
 from proxy.memory.errors import EmbedderMismatch, InvalidUserId, StoreError
+from proxy.memory.faults import StorageHealth, is_storage_fault
 from proxy.memory.migrations import check_records_schema
 from proxy.memory.records import SCHEMA_VERSION, Kind, MemoryRecord, arrow_schema, from_row
 
@@ -530,8 +531,10 @@ class BatchWriter(Generic[_T]):
         max_rows: int,
         interval_s: float,
         max_pending: int = 1024,
+        health: StorageHealth | None = None,
     ) -> None:
         self._flush = flush
+        self._health = health or StorageHealth()
         self._max_rows = max_rows
         self._interval = interval_s
         self._queue: asyncio.Queue[Any] = asyncio.Queue(max_pending)
@@ -596,8 +599,13 @@ class BatchWriter(Generic[_T]):
         try:
             errors = await self._flush(batch)
         except Exception as exc:  # every caller of the batch must hear about it, and the writer lives on
-            log.exception("memory.flush_failed", submissions=len(batch))
+            if is_storage_fault(exc):  # logged once per fault, not once per batch
+                self._health.fault("store", exc)
+            else:
+                log.exception("memory.flush_failed", submissions=len(batch))
             errors = [exc] * len(batch)
+        else:
+            self._health.ok("store")
         for submission, error in zip(batch, errors, strict=True):
             if submission.done.done():
                 continue
@@ -610,10 +618,12 @@ class BatchWriter(Generic[_T]):
 class Ticker:
     """Calls ``fn`` every ``interval_s`` seconds until closed; errors are logged, not fatal."""
 
-    def __init__(self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]],
+                 health: StorageHealth | None = None) -> None:
         self._name = name
         self._interval = interval_s
         self._fn = fn
+        self._health = health or StorageHealth()
         self._task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Ticker:
@@ -632,5 +642,10 @@ class Ticker:
             await asyncio.sleep(self._interval)
             try:
                 await self._fn()
-            except Exception:  # a failed maintenance round is retried at the next tick
-                log.exception("memory.maintenance_failed", task=self._name)
+            except Exception as exc:  # a failed maintenance round is retried at the next tick
+                if is_storage_fault(exc):  # once per fault, not once a second
+                    self._health.fault(self._name, exc)
+                else:
+                    log.exception("memory.maintenance_failed", task=self._name)
+            else:
+                self._health.ok(self._name)

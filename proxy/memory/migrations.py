@@ -25,7 +25,7 @@ from typing import Any
 from proxy.memory.errors import StoreError
 from proxy.memory.records import SCHEMA_VERSION
 
-JOBS_SCHEMA_VERSION = 2
+JOBS_SCHEMA_VERSION = 3
 MIGRATE_COMMAND = "memproxy migrate --config FILE"
 
 
@@ -52,9 +52,16 @@ def _add_waiting_column(conn: Any) -> None:
         conn.execute("ALTER TABLE jobs ADD COLUMN waiting TEXT")
 
 
+def _add_orphaned_column(conn: Any) -> None:
+    """How many process deaths interrupted a job (its attempt is given back); a no-op where the column exists."""
+    if "orphaned" not in {row[1] for row in conn.execute("PRAGMA table_info(jobs)")}:
+        conn.execute("ALTER TABLE jobs ADD COLUMN orphaned INTEGER NOT NULL DEFAULT 0")
+
+
 JOBS_STEPS: Mapping[int, Step] = {
     0: Step("record the schema version (layout unchanged)", _nothing),
     1: Step("add the jobs.waiting column (jobs waiting for a key or configuration)", _add_waiting_column),
+    2: Step("add the jobs.orphaned column (process deaths a job lived through)", _add_orphaned_column),
 }
 RECORDS_STEPS: Mapping[int, Step] = {}
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from datetime import date
 from typing import Any
 
+from proxy.memory.text_cap import MAX_QUERY_CHARS, cap_text
+
 _WORD = re.compile(r"\w+", re.UNICODE)
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _CJK_RUN = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
@@ -124,9 +126,9 @@ def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, 
     texts = user_texts(messages)
     if not texts:
         return None
-    latest = texts[-1].strip()
+    latest = cap_text(texts[-1], MAX_QUERY_CHARS).strip()  # a huge message costs a bounded search
     expanded = expand and len(texts) > 1 and is_anaphoric(latest, short_words)
-    text = f"{texts[-2].strip()}\n{latest}" if expanded else latest
+    text = f"{cap_text(texts[-2], MAX_QUERY_CHARS).strip()}\n{latest}" if expanded else latest
     return Query(text=text, latest=latest, terms=terms(text), expanded=expanded)
 
 

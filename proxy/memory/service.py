@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from datetime import datetime
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from pydantic import SecretStr
 
@@ -60,6 +60,16 @@ class MemoryService(Protocol):
 
     async def record(self, exchange: Exchange) -> None:
         """Durably hand a finished exchange to the write path (returns once it is committed)."""
+        ...
+
+
+@runtime_checkable
+class StorageStatus(Protocol):
+    """A memory service that can say its storage is failing (the shell then says so in the headers)."""
+
+    @property
+    def storage_fault(self) -> str | None:
+        """``component:reason`` while writes to the data directory fail, else None."""
         ...
 
 

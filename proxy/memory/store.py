@@ -44,6 +44,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.embedders import Embedder
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, InvalidCursor, StoreError
+from proxy.memory.faults import StorageHealth
 from proxy.memory.keyword import KeywordDoc, KeywordIndex, keyword_filter
 from proxy.memory.lance import (
     RECORD_COLUMNS,
@@ -101,8 +102,10 @@ class Page:
 class MemoryStore:
     """Every memory of every user; open with ``async with`` (starts the writer and maintenance tasks)."""
 
-    def __init__(self, settings: StoreSettings, embedder: Embedder, *, allow_mismatch: bool = False) -> None:
+    def __init__(self, settings: StoreSettings, embedder: Embedder, *, allow_mismatch: bool = False,
+                 health: StorageHealth | None = None) -> None:
         self.settings = settings
+        self.health = health or StorageHealth()
         self._embedder = embedder
         self._lance = MemoryTable(
             settings.path / "lance", embedder.model_id, embedder.dim, allow_mismatch=allow_mismatch
@@ -140,11 +143,13 @@ class MemoryStore:
             await self._recover()
             stack.push_async_callback(self._close_writes)
             self._writer = BatchWriter(
-                self._flush, self.settings.flush_max_rows, self.settings.flush_interval_ms / 1000
+                self._flush, self.settings.flush_max_rows, self.settings.flush_interval_ms / 1000, health=self.health
             )
             await stack.enter_async_context(self._writer)
-            await stack.enter_async_context(Ticker("memory-optimize", self.settings.optimize_interval_s, self.optimize))
-            await stack.enter_async_context(Ticker("memory-touch", TOUCH_FLUSH_S, self._flush_touches))
+            await stack.enter_async_context(
+                Ticker("memory-optimize", self.settings.optimize_interval_s, self.optimize, self.health)
+            )
+            await stack.enter_async_context(Ticker("memory-touch", TOUCH_FLUSH_S, self._flush_touches, self.health))
             self._stack = stack.pop_all()
         return self
 
