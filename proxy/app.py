@@ -8,6 +8,7 @@ on startup and drains them on shutdown.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -67,7 +68,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
     return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
                           jobs=settings.jobs_settings(), retrieval=settings.retrieval,
                           injection=settings.injection, rerank=settings.rerank, writer=settings.writer,
-                          extraction=settings.extraction, insights=settings.insights)
+                          extraction=settings.extraction, insights=settings.insights,
+                          cluster=settings.storage.cluster(os.environ))
 
 
 @contextlib.asynccontextmanager

@@ -19,19 +19,28 @@ import structlog
 
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
+from proxy.memory.cluster import (
+    ClusterRuntime,
+    ClusterSettings,
+    Journal,
+    LeaderInsightScheduler,
+    ReplicatedStore,
+    replica_name,
+)
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.fusion import Candidate
 from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
 from proxy.memory.llm import LLMClient
+from proxy.memory.objectstore import ObjectStore
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.writer import Writer, WriterSettings
+from proxy.memory.writer import Writer, WriterSettings, exchange_payload
 
 log = structlog.get_logger("memproxy.memory")
 
@@ -49,6 +58,7 @@ class EngineSettings:
     writer: WriterSettings
     extraction: ExtractionSettings
     insights: InsightSettings
+    cluster: ClusterSettings | None = None  # the table on object storage, shared with other replicas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,8 +91,8 @@ class MemoryEngine:
         self.settings = settings
         self._llm = llm
         self.embedder = build_embedder(settings.embedder)
-        self.store = MemoryStore(settings.store, self.embedder)
         self.jobs = JobQueue(settings.jobs)
+        self.store = self._build_store(settings)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
         self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model)
         self.names = NameIndexCache()
@@ -90,6 +100,29 @@ class MemoryEngine:
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
         self._queue_snapshot: QueueMetrics | None = None
+
+    def _build_store(self, settings: EngineSettings) -> MemoryStore:
+        """The embedded store, or one replica's view of a store on object storage (with its journal)."""
+        self.objects: ObjectStore | None = None
+        self.journal: Journal | None = None
+        if settings.cluster is None:
+            return MemoryStore(settings.store, self.embedder)
+        self.objects = ObjectStore(settings.cluster.location)
+        replica = replica_name()
+        store = ReplicatedStore(settings.store, self.embedder, settings.cluster, self.objects, replica)
+        self.journal = Journal(self.objects, replica, self.jobs, settings.cluster.dead_after_s)
+        return store
+
+    async def _enter_cluster(self, stack: contextlib.AsyncExitStack) -> None:
+        """Replica loops (lease, change feed, journal): after the queue and runner, stopped before them."""
+        store, settings = self.store, self.settings.cluster
+        if not isinstance(store, ReplicatedStore) or self.journal is None or settings is None:
+            await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
+            return
+        store.on_change(self.names.invalidate)
+        store.on_forget(self.jobs.forget_user)
+        await stack.enter_async_context(LeaderInsightScheduler(store, self.jobs, self.settings.insights))
+        await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
 
     @property
     def ready(self) -> bool:
@@ -99,6 +132,9 @@ class MemoryEngine:
     async def __aenter__(self) -> MemoryEngine:
         started = time.perf_counter()
         async with contextlib.AsyncExitStack() as stack:
+            if self.objects is not None:
+                stack.callback(self.objects.close)
+                await self.objects.ensure_bucket()
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
             stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
@@ -106,7 +142,7 @@ class MemoryEngine:
             await stack.enter_async_context(self.jobs)
             handlers = {**self.writer.handlers(), **self.insight_jobs.handlers()}
             await stack.enter_async_context(JobRunner(self.jobs, handlers))
-            await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
+            await self._enter_cluster(stack)
             self._stack = stack.pop_all()
         self._ready = True
         log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
@@ -152,7 +188,13 @@ class MemoryEngine:
     # ----------------------------------------------------------------------------------------- write path
 
     async def record(self, exchange: Exchange) -> None:
-        """Commit the finished exchange to the durable queue (the write path runs after)."""
+        """Commit the finished exchange to the durable queue (the write path runs after).
+
+        With replicas, the exchange is also on object storage when this returns (``Journal``).
+        """
+        if self.journal is not None:
+            await self.journal.record("exchange", exchange.user_id, exchange_payload(exchange))
+            return
         await self.writer.record(exchange)
 
     # ------------------------------------------------------------------------------------------ management
