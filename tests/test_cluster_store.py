@@ -48,11 +48,11 @@ async def replica(
     objects.close()
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 10.0) -> float:
-    """Seconds until ``check`` holds; fails after ``timeout``."""
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> float:
+    """Seconds until ``check`` holds; fails after ``within_s``."""
     started = time.monotonic()
     while not await check():
-        assert time.monotonic() - started < timeout, "condition not met in time"
+        assert time.monotonic() - started < within_s, "condition not met in time"
         await asyncio.sleep(0.05)
     return time.monotonic() - started
 
@@ -78,9 +78,11 @@ async def test_lease_has_one_holder_and_passes_on(endpoint: str) -> None:
     results = await asyncio.gather(a.refresh(), b.refresh())
     assert sorted(results) == [False, True]
     first, second = (a, b) if a.held else (b, a)
-    assert await first.refresh() and not await second.refresh()
+    assert await first.refresh()
+    assert not await second.refresh()
     await first.release()
-    assert await second.refresh() and not await first.refresh()
+    assert await second.refresh()
+    assert not await first.refresh()
     await asyncio.sleep(1.2)  # the holder stops renewing (killed): the lease expires
     assert await first.refresh()
     objects.close()
@@ -116,11 +118,13 @@ async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
     cluster = _cluster(endpoint, bucket_uri())
     async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
             replica(cluster, local, tmp_path / "b", "b") as (b, _):
-        writes = [store.add([fact("bob", f"fact {name} {i}")]) for i in range(40) for name, store in (("a", a), ("b", b))]
+        pairs = [(name, store) for name, store in (("a", a), ("b", b))]
+        writes = [store.add([fact("bob", f"fact {name} {i}")]) for i in range(40) for name, store in pairs]
         await asyncio.gather(*writes)
         await a._lance.table.checkout_latest()
         ids = [r.id for r in (await a.list("bob", limit=500)).data]
-        assert len(ids) == 80 and len(set(ids)) == 80
+        assert len(ids) == 80
+        assert len(set(ids)) == 80
 
 
 async def test_forget_user_reaches_the_other_replica(endpoint: str, local: LocalEmbedder, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ def test_storage_uri_from_config_and_aws_variables() -> None:
     assert cluster.location.child("lance") == "s3://bucket/pre/lance"
     assert "very-secret" not in repr(cluster) + repr(settings) + str(cluster.location.describe())
     assert load_settings(None, environ={}).storage.cluster({}) is None
-    with pytest.raises(ConfigError, match="storage.uri"):
+    with pytest.raises(ConfigError, match=r"storage\.uri"):
         load_settings(None, environ={"MEMPROXY_STORAGE__URI": "ftp://x/y"})
 
 
@@ -29,9 +29,12 @@ def test_config_options_win_over_aws_variables_and_local_uri_is_a_directory() ->
     location = StorageLocation.from_settings(
         "s3://b/p/", {"AWS_ENDPOINT": "https://minio:9000"}, {"AWS_ENDPOINT_URL": "http://127.0.0.1:9"}
     )
-    assert location.options["aws_endpoint"] == "https://minio:9000" and "allow_http" not in location.options
-    assert location.key("changes", "x.json") == "p/changes/x.json" and location.bucket == "b"
+    assert location.options["aws_endpoint"] == "https://minio:9000"
+    assert "allow_http" not in location.options
+    assert location.key("changes", "x.json") == "p/changes/x.json"
+    assert location.bucket == "b"
     settings = load_settings(None, environ={"MEMPROXY_STORAGE__URI": "/srv/memproxy"})
     assert settings.store_settings().path.as_posix() == "/srv/memproxy"
     assert settings.storage.cluster({}) is None
-    assert is_remote("s3://b/p") and not is_remote("/srv/memproxy")
+    assert is_remote("s3://b/p")
+    assert not is_remote("/srv/memproxy")

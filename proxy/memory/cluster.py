@@ -33,6 +33,7 @@ Where each piece of state lives, and why:
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import socket
 import time
@@ -56,6 +57,7 @@ log = structlog.get_logger("memproxy.cluster")
 
 MANIFEST_KEY = "manifest.json"
 LEASE_KEY = "leases/maintenance.json"
+_KEY_USERS_MAX = 700  # bytes of base64 user ids in a change's key (S3 keys go to 1024)
 CHANGES = "changes/"
 JOURNAL = "journal/"
 CLAIMS = "journal-claims/"
@@ -199,9 +201,12 @@ class ChangeFeed:
             return
         self._seq += 1
         at = _now_ms()
-        key = f"{CHANGES}{at:013d}-{self.replica}-{self._seq:08d}.json"
+        key = f"{CHANGES}{at:013d}-{self.replica}-{self._seq:08d}-{op}"
+        named = base64.urlsafe_b64encode("\n".join(users).encode()).decode().rstrip("=")
+        if len(named) <= _KEY_USERS_MAX:  # the usual case: readers need only the listing, no GET per change
+            key += f"~{named}"
         body = orjson.dumps({"users": users, "op": op, "replica": self.replica, "at_ms": at})
-        await self._objects.put(key, body)
+        await self._objects.put(f"{key}.json", body)
 
     async def poll(self) -> list[Change]:
         """Changes by other replicas not delivered yet, oldest first."""
@@ -216,16 +221,16 @@ class ChangeFeed:
             after = page[-1]
         out = []
         for key in keys:
-            at_ms, replica = _parse_change_key(key)
+            at_ms, replica, op, users = _parse_change_key(key)
             if key in self._seen or at_ms < self._since_ms:
                 continue
             self._seen[key] = at_ms
             if replica == self.replica:
                 continue
-            found = await self._objects.get(key)
-            if found is not None:
-                data = orjson.loads(found.body)
-                out.append(Change(key, at_ms, replica, tuple(data["users"]), str(data["op"])))
+            if users is None:
+                found = await self._objects.get(key)
+                users = tuple(orjson.loads(found.body)["users"]) if found is not None else ()
+            out.append(Change(key, at_ms, replica, users, op))
         self._forget_seen(floor)
         return out
 
@@ -242,11 +247,15 @@ class ChangeFeed:
         return len(old)
 
 
-def _parse_change_key(key: str) -> tuple[int, str]:
-    name = key.rsplit("/", 1)[-1].removesuffix(".json")
-    stamp, _, rest = name.partition("-")
-    replica = rest.rsplit("-", 1)[0]
-    return int(stamp), replica
+def _parse_change_key(key: str) -> tuple[int, str, str, tuple[str, ...] | None]:
+    """(time, replica, op, users) of a change key; users None when only the object's body names them."""
+    head, _, named = key.rsplit("/", 1)[-1].removesuffix(".json").partition("~")
+    stamp, _, rest = head.partition("-")
+    replica, _seq, op = rest.rsplit("-", 2)
+    users = None
+    if named:
+        users = tuple(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)).decode().split("\n"))
+    return int(stamp), replica, op, users
 
 
 # --- the replicated store ------------------------------------------------------------------------------
@@ -336,18 +345,24 @@ class ReplicatedStore(MemoryStore):
 
     # what other replicas did --------------------------------------------------------------------------
 
-    async def refresh_user(self, user_id: str) -> None:
-        """Make this replica's caches and keyword index agree with the table for one user."""
-        self._cache.drop(user_id)
-        for listener in self._listeners:
-            listener(user_id)
+    async def refresh_users(self, user_ids: Iterable[str]) -> None:
+        """Make this replica's caches and keyword index agree with the table for these users (one commit)."""
+        users = sorted(set(user_ids))
+        if not users:
+            return
+        for user_id in users:
+            self._cache.drop(user_id)
+            for listener in self._listeners:
+                listener(user_id)
         async with self._lock:
             await self._lance.table.checkout_latest()
-            docs = [doc async for batch in self._user_keyword_docs(user_id) for doc in batch]
-            await self._keyword.remove_user(user_id)
+            docs = [doc for user_id in users async for batch in self._user_keyword_docs(user_id) for doc in batch]
+            for user_id in users:
+                await self._keyword.remove_user(user_id)
             await self._keyword.upsert(docs)
             await self._keyword.commit()
-        self._cache.drop(user_id)  # a load that started before the new version is not kept
+        for user_id in users:
+            self._cache.drop(user_id)  # a load that started before the new version is not kept
 
     async def _user_keyword_docs(self, user_id: str) -> AsyncIterator[list[Any]]:
         async for batch in self._lance.batches(_REPAIR_COLUMNS, record_filter(user_id)):
@@ -554,15 +569,16 @@ class ClusterRuntime:
     async def sync(self) -> None:
         """Apply other replicas' changes: forgets, then writes (now and again ``settle_s`` later)."""
         now = time.monotonic()
-        for change in await self.store.feed.poll():
-            for user in change.users:
-                if change.op == "forget":
-                    await self.store.apply_forget(user)
-                self._recheck[user] = now + self.settings.settle_s
-                await self.store.refresh_user(user)
-        for user in [u for u, due in self._recheck.items() if due <= now]:
+        changes = await self.store.feed.poll()
+        for user in dict.fromkeys(u for change in changes if change.op == "forget" for u in change.users):
+            await self.store.apply_forget(user)
+        changed = {user for change in changes for user in change.users}
+        due = {user for user, at in self._recheck.items() if at <= now}
+        for user in due:
             del self._recheck[user]
-            await self.store.refresh_user(user)
+        for user in changed:
+            self._recheck[user] = now + self.settings.settle_s
+        await self.store.refresh_users(changed | due)
         self.synced_at = time.time()
 
     async def _journal_round(self) -> None:
