@@ -179,6 +179,21 @@ async def _has_code(session: aiohttp.ClientSession, base: str, user: str) -> boo
     return _code(user) in await injectable(session, base, user, "What is my locker code?")
 
 
+async def _stored_once_each(
+    session: aiohttp.ClientSession, base: str, acknowledged: dict[str, list[str]], within_s: float
+) -> dict[str, int]:
+    """Tokens whose exchange is not stored exactly once (user turn + echo = 2 turns), once that settles."""
+    deadline = time.monotonic() + within_s
+    while True:
+        wrong: dict[str, int] = {}
+        for user, tokens in acknowledged.items():
+            texts = await turns(session, base, user)
+            wrong.update({t: n for t in tokens if (n := sum(t in text for text in texts)) != 2})
+        if not wrong or time.monotonic() > deadline:
+            return wrong
+        await asyncio.sleep(1.0)
+
+
 # --- the tests -----------------------------------------------------------------------------------------
 
 
@@ -235,13 +250,10 @@ async def test_kill_9_under_write_load_loses_nothing_acknowledged(cluster: Clust
         assert before_kill > 0, errors
         assert total > before_kill, (before_kill, total, errors)  # the survivors took the killed one's users
 
-        for user in users:  # each acknowledged exchange: its user turn and the echo, once each
-            async def stored_once(u: str = user) -> bool:
-                texts = await turns(session, cluster.router, u)
-                return all(sum(token in text for text in texts) == 2 for token in acknowledged[u])
-
-            await eventually(stored_once, within_s=120)
-            assert await _has_code(session, cluster.router, user)  # served by the survivors, with memories
+        wrong = await _stored_once_each(session, cluster.router, acknowledged, within_s=180)
+        assert wrong == {}, f"acknowledged exchanges not stored exactly once (token: turns found): {wrong}"
+        for user in users:  # served by the survivors, with their memories
+            assert await _has_code(session, cluster.router, user)
         victim.start(fresh_disk=True)
         victim.wait_ready()
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import random
 import socket
 import time
 import uuid
@@ -473,13 +474,19 @@ class Journal:
     async def adopt_orphans(self) -> int:
         """Take over the entries of dead replicas (each claimed by exactly one replica); returns how many."""
         live = await self.live_replicas()
-        taken = 0
+        orphans = []
         for key in await self._objects.list(JOURNAL):
             owner, _, name = key.removeprefix(JOURNAL).partition("/")
-            if owner in live or not name.endswith(".json"):
-                continue
-            if await self._adopt(key, name.removesuffix(".json"), live):
-                taken += 1
+            if owner not in live and name.endswith(".json"):
+                orphans.append((key, name.removesuffix(".json")))
+        random.shuffle(orphans)  # adopters racing for one dead replica's entries mostly take different ones
+        limit = asyncio.Semaphore(8)
+
+        async def adopt(key: str, job_id: str) -> bool:
+            async with limit:
+                return await self._adopt(key, job_id, live)
+
+        taken = sum(await asyncio.gather(*(adopt(key, job_id) for key, job_id in orphans)))
         self.adopted += taken
         if taken:
             log.warning("cluster.journal_adopted", jobs=taken)
@@ -535,6 +542,7 @@ class ClusterRuntime:
         self._tasks = [
             asyncio.create_task(self._every(self.settings.lease_s / 3, self.store.lease.refresh), name="lease"),
             asyncio.create_task(self._every(self.settings.sync_interval_s, self.sync), name="replica-sync"),
+            asyncio.create_task(self._every(self.settings.dead_after_s / 5, self.journal.heartbeat), name="heartbeat"),
             asyncio.create_task(self._every(2.0, self._journal_round), name="journal"),
         ]
         log.info(
@@ -582,6 +590,5 @@ class ClusterRuntime:
         self.synced_at = time.time()
 
     async def _journal_round(self) -> None:
-        await self.journal.heartbeat()
         await self.journal.sweep()
         await self.journal.adopt_orphans()

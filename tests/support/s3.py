@@ -6,18 +6,16 @@ import sys
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 from tests.support.processes import Process, child_env
 
-MOTO_SERVER = Path(sys.executable).with_name("moto_server")
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_REGION": "us-east-1"}
 
 
 @contextmanager
 def moto_server() -> Iterator[str]:
-    """moto's S3 server on a free port of 127.0.0.1; yields its endpoint URL."""
-    proc = Process([str(MOTO_SERVER), "-H", "127.0.0.1", "-p", "0"], child_env(**CREDENTIALS))
+    """moto's S3 server (requests serialised: see moto_serial) on a free port of 127.0.0.1; yields its URL."""
+    proc = Process([sys.executable, "-m", "tests.support.moto_serial", "--port", "0"], child_env(**CREDENTIALS))
     try:
         port = proc.wait_for(r"Running on http://127\.0\.0\.1:(\d+)", timeout=60).group(1)
         yield f"http://127.0.0.1:{port}"
