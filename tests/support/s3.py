@@ -13,15 +13,25 @@ CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing
 
 
 @contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 server (requests serialised: see moto_serial) on a free port of 127.0.0.1; yields its URL."""
+def moto_server_process() -> Iterator[tuple[Process, str]]:
+    """moto's S3 server (requests serialised: see moto_serial) on a free port of 127.0.0.1; yields it and its URL.
+
+    Its output has one line per request (the benchmark counts them).
+    """
     proc = Process([sys.executable, "-m", "tests.support.moto_serial", "--port", "0"], child_env(**CREDENTIALS))
     try:
         port = proc.wait_for(r"Running on http://127\.0\.0\.1:(\d+)", timeout=60).group(1)
-        yield f"http://127.0.0.1:{port}"
+        yield proc, f"http://127.0.0.1:{port}"
     finally:
         proc.stop()
         proc.cleanup()
+
+
+@contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's S3 server on a free port of 127.0.0.1; yields its endpoint URL."""
+    with moto_server_process() as (_, url):
+        yield url
 
 
 def bucket_uri(prefix: str = "memproxy") -> str:
