@@ -180,8 +180,14 @@ def _start_replicas(n: int, env: dict[str, str]) -> list[tuple[Process, int]]:
         proc = Process([str(MEMPROXY), "serve", "--port", str(port)],
                        child_env(**env, MEMPROXY_STORAGE__PATH=data))
         out.append((proc, port))
-    for proc, _ in out:
-        proc.wait_for(r'"event":\s*"server.started"', timeout=300)
+    try:
+        for proc, _ in out:
+            proc.wait_for(r'"event":\s*"server.started"', timeout=300)
+    except BaseException:
+        for proc, _ in out:
+            proc.stop()
+            proc.cleanup()
+        raise
     return out
 
 
@@ -190,8 +196,7 @@ async def _throughput(args: argparse.Namespace, endpoint: str, uri: str, users: 
     rows = []
     with fake_upstream_process(latency_ms=5) as (_, upstream):
         env = {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "MEMPROXY_STORAGE__URI": uri,
-               "MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-bench",
-               "MEMPROXY_LOGGING__LEVEL": "warning"}
+               "MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-bench"}
         replicas = _start_replicas(3, env)
         try:
             for n in (1, 2, 3):

@@ -256,7 +256,7 @@ class MemoryTable:
                 storage_options=self.shared.storage_options,
                 read_consistency_interval=self.shared.read_consistency,
             )
-        manifest = await self.manifests.read()
+        manifest = found = await self.manifests.read()
         if manifest is None:
             manifest = Manifest("memories_1", self.model_id, self.dim)
         self._check_model(manifest)
@@ -267,7 +267,8 @@ class MemoryTable:
             self._table = await self._db.create_table(
                 manifest.table, schema=arrow_schema(manifest.dim), exist_ok=self.shared is not None
             )
-        await self.manifests.write(manifest)
+        if found is None or self.shared is None:  # replicas: the first one writes it
+            await self.manifests.write(manifest)
         self.manifest = manifest
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
