@@ -48,6 +48,17 @@ async def replica(
     objects.close()
 
 
+@contextlib.asynccontextmanager
+async def two_replicas(
+    endpoint: str, local: LocalEmbedder, tmp_path: Path
+) -> AsyncIterator[tuple[ReplicatedStore, ReplicatedStore]]:
+    """Replicas A and B on a fresh bucket."""
+    cluster = _cluster(endpoint, bucket_uri())
+    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
+            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+        yield a, b
+
+
 async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> float:
     """Seconds until ``check`` holds; fails after ``within_s``."""
     started = time.monotonic()
@@ -92,9 +103,7 @@ async def test_a_write_on_one_replica_is_found_on_the_other(
     endpoint: str, local: LocalEmbedder, tmp_path: Path
 ) -> None:
     """A fact stored through replica A is found by both arms of replica B (whose cache was warm) within seconds."""
-    cluster = _cluster(endpoint, bucket_uri())
-    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
-            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
         await a.add([fact("alice", "Alice keeps bees on her roof")])
 
         async def b_sees_bees() -> bool:  # and B's cache is warm for alice from then on
@@ -115,9 +124,7 @@ async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
     endpoint: str, local: LocalEmbedder, tmp_path: Path
 ) -> None:
     """Two replicas writing 40 facts each for the same user at once: exactly 80 distinct records in the table."""
-    cluster = _cluster(endpoint, bucket_uri())
-    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
-            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
         pairs = [(name, store) for name, store in (("a", a), ("b", b))]
         writes = [store.add([fact("bob", f"fact {name} {i}")]) for i in range(40) for name, store in pairs]
         await asyncio.gather(*writes)
@@ -129,9 +136,7 @@ async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
 
 async def test_forget_user_reaches_the_other_replica(endpoint: str, local: LocalEmbedder, tmp_path: Path) -> None:
     """Forgetting a user through replica A leaves nothing that replica B's arms (warm cache) can return."""
-    cluster = _cluster(endpoint, bucket_uri())
-    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
-            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
         await a.add([fact("carol", "Carol's locker code is 4471"), fact("dave", "Dave likes jazz")])
 
         async def b_has_carol() -> bool:

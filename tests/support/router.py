@@ -29,9 +29,12 @@ def render(workdir: Path, listen: int, replicas: Sequence[str]) -> Path:
     """The shipped config with ``listen`` and the replica addresses swapped in, inside a main config."""
     conf = SHIPPED_CONF.read_text()
     conf, listens = re.subn(r"listen 8080;", f"listen 127.0.0.1:{listen};", conf)
-    names = iter(replicas)
-    conf, servers = re.subn(r"server memproxy-\d+:8080", lambda _: f"server {next(names)}", conf)
-    assert (listens, servers) == (1, len(replicas)), "the shipped nginx config changed shape"
+    lines = re.findall(r"^( *)server memproxy-\d+:8080( [^;\n]*)?;\n", conf, re.MULTILINE)
+    assert listens == 1, "the shipped nginx config changed shape"
+    assert lines, "the shipped nginx config changed shape"
+    indent, options = lines[0]
+    servers = "".join(f"{indent}server {address}{options};\n" for address in replicas)
+    conf = re.sub(r"(^ *server memproxy-\d+:8080[^;\n]*;\n)+", lambda _: servers, conf, count=1, flags=re.MULTILINE)
     (workdir / "memproxy.conf").write_text(conf)
     temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in ("client_body", "proxy", "fastcgi",
                                                                               "uwsgi", "scgi"))
