@@ -86,7 +86,7 @@ bench/.venv-litellm/bin/litellm:
 bench-load: install-test bench/.venv-litellm/bin/litellm
 	$(BIN)/python bench/load.py $(ARGS)
 
-bench-cluster: $(VENV)/.test
+bench-cluster: $(VENV)/.test $(VENV)/.nginx
 	$(BIN)/python bench/cluster.py $(ARGS)
 
 clean:
