@@ -82,6 +82,7 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
                 await stack.enter_async_context(client)
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), router))
         metrics.add_gauges("memproxy_jobs", engine.gauges, refresh=engine.refresh_metrics)
+        metrics.add_gauges("memproxy_cluster", engine.cluster_gauges)
         yield engine
 
 

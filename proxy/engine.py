@@ -105,6 +105,7 @@ class MemoryEngine:
         """The embedded store, or one replica's view of a store on object storage (with its journal)."""
         self.objects: ObjectStore | None = None
         self.journal: Journal | None = None
+        self.cluster: ClusterRuntime | None = None
         if settings.cluster is None:
             return MemoryStore(settings.store, self.embedder)
         self.objects = ObjectStore(settings.cluster.location)
@@ -122,7 +123,11 @@ class MemoryEngine:
         store.on_change(self.names.invalidate)
         store.on_forget(self.jobs.forget_user)
         await stack.enter_async_context(LeaderInsightScheduler(store, self.jobs, self.settings.insights))
-        await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
+        self.cluster = await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
+
+    def cluster_gauges(self) -> dict[str, float]:
+        """The replica's cluster numbers (lease, sync age, adoptions, object-store requests); none when alone."""
+        return self.cluster.gauges() if self.cluster is not None else {}
 
     @property
     def ready(self) -> bool:

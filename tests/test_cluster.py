@@ -197,6 +197,22 @@ async def _stored_once_each(
 # --- the tests -----------------------------------------------------------------------------------------
 
 
+async def test_background_work_runs_on_exactly_one_replica(cluster: Cluster) -> None:
+    """Exactly one replica holds the maintenance lease (compaction, purges, insight schedule), per /metrics."""
+
+    async def one_holder() -> bool:
+        held = []
+        async with _session() as session:
+            for replica in cluster.replicas:
+                async with session.get(f"{replica.url}/metrics") as response:
+                    text = await response.text()
+                held += [float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith("memproxy_cluster_lease_held")]
+        return sorted(held) == [0.0, 0.0, 1.0]
+
+    await eventually(one_holder, within_s=30)
+
+
 def test_shipped_nginx_config_passes_nginx_t(tmp_path: Path) -> None:
     """``nginx -t`` accepts deploy/nginx/memproxy.conf (ports and addresses swapped in)."""
     result = check(render(tmp_path, free_port(), ["127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3"]))

@@ -564,6 +564,16 @@ class ClusterRuntime:
             await self.journal.sweep()
         await self.store.lease.release()
 
+    def gauges(self) -> dict[str, float]:
+        """This replica's view of the cluster, as plain numbers (``memproxy_cluster_*`` in /metrics)."""
+        objects = self.store.objects
+        return {
+            "lease_held": float(self.store.lease.held),
+            "sync_age_seconds": time.time() - self.synced_at if self.synced_at else -1.0,
+            "journal_adopted": float(self.journal.adopted),
+            "object_store_requests": float(objects.requests),
+        }
+
     async def _every(self, interval_s: float, fn: Callable[[], Awaitable[object]]) -> None:
         while not self._stopping.is_set():
             try:
