@@ -337,6 +337,7 @@ class ReplicatedStore(MemoryStore):
         also removes old versions; until then the deleted rows are unreachable by any read.
         """
         await self.feed.publish([user_id], op="forget")
+        await self._drain_writes()
         counts = await super().forget_user(user_id, purge=False)
         if any(counts.values()):  # the purge is the lease holder's, noted on object storage
             self._purge_path.unlink(missing_ok=True)
@@ -369,10 +370,20 @@ class ReplicatedStore(MemoryStore):
         async for batch in self._lance.batches(_REPAIR_COLUMNS, record_filter(user_id)):
             yield _keyword_docs(batch)
 
+    async def _drain_writes(self) -> None:
+        """Wait until every write submitted so far is flushed.
+
+        A job stopped by a forget may have handed records to the batch writer already; they are written even
+        though the job was cancelled, so the forget deletes after them, not before.
+        """
+        if self._writer is not None:
+            await self._writer.submit([])
+
     async def apply_forget(self, user_id: str) -> None:
         """Another replica forgot the user: drop their queued jobs here, then any row a job wrote meanwhile."""
         for listener in self._forget_listeners:
             await listener(user_id)
+        await self._drain_writes()
         async with self._lock:
             await self._lance.table.checkout_latest()
             if await self._lance.count(user_id):
