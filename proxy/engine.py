@@ -120,7 +120,7 @@ class MemoryEngine:
         if not isinstance(store, ReplicatedStore) or self.journal is None or settings is None:
             await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
             return
-        store.on_change(self.names.invalidate)
+        store.on_change(self._reload_read_cache)
         store.on_forget(self.jobs.forget_user)
         await stack.enter_async_context(LeaderInsightScheduler(store, self.jobs, self.settings.insights))
         self.cluster = await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
@@ -128,6 +128,12 @@ class MemoryEngine:
     def cluster_gauges(self) -> dict[str, float]:
         """The replica's cluster numbers (lease, sync age, adoptions, object-store requests); none when alone."""
         return self.cluster.gauges() if self.cluster is not None else {}
+
+    async def _reload_read_cache(self, user_id: str) -> None:
+        """Drop the user's read-cache entries, and any that a load in flight (from before a change) puts back."""
+        self.names.invalidate(user_id)
+        await self.names.wait_for_loads()
+        self.names.invalidate(user_id)
 
     @property
     def ready(self) -> bool:

@@ -290,11 +290,11 @@ class ReplicatedStore(MemoryStore):
         self.objects = objects
         self.feed = ChangeFeed(objects, replica, lookback_s=max(30.0, cluster.settle_s * 2))
         self.lease = Lease(objects, replica, cluster.lease_s)
-        self._listeners: list[Callable[[str], None]] = []
+        self._listeners: list[Callable[[str], Awaitable[object]]] = []
         self._forget_listeners: list[Callable[[str], Awaitable[object]]] = []
 
-    def on_change(self, listener: Callable[[str], None]) -> None:
-        """Call ``listener(user_id)`` when another replica changed the user's records (read caches)."""
+    def on_change(self, listener: Callable[[str], Awaitable[object]]) -> None:
+        """Await ``listener(user_id)`` after the user's records changed elsewhere or were forgotten (read caches)."""
         self._listeners.append(listener)
 
     def on_forget(self, listener: Callable[[str], Awaitable[object]]) -> None:
@@ -342,6 +342,7 @@ class ReplicatedStore(MemoryStore):
         if any(counts.values()):  # the purge is the lease holder's, noted on object storage
             self._purge_path.unlink(missing_ok=True)
             await self.objects.put(f"purges/{_now_ms():013d}-{uuid.uuid4().hex[:8]}", b"1")
+        await self._notify(user_id)
         await self.feed.publish([user_id], op="forget")
         return counts
 
@@ -354,8 +355,6 @@ class ReplicatedStore(MemoryStore):
             return
         for user_id in users:
             self._cache.drop(user_id)
-            for listener in self._listeners:
-                listener(user_id)
         async with self._lock:
             await self._lance.table.checkout_latest()
             docs = [doc for user_id in users async for batch in self._user_keyword_docs(user_id) for doc in batch]
@@ -365,6 +364,11 @@ class ReplicatedStore(MemoryStore):
             await self._keyword.commit()
         for user_id in users:
             self._cache.drop(user_id)  # a load that started before the new version is not kept
+            await self._notify(user_id)
+
+    async def _notify(self, user_id: str) -> None:
+        for listener in self._listeners:
+            await listener(user_id)
 
     async def _user_keyword_docs(self, user_id: str) -> AsyncIterator[list[Any]]:
         async for batch in self._lance.batches(_REPAIR_COLUMNS, record_filter(user_id)):
@@ -392,8 +396,7 @@ class ReplicatedStore(MemoryStore):
             self._touches.pop(user_id, None)
             await self._keyword.remove_user(user_id)
             await self._keyword.commit()
-        for listener in self._listeners:
-            listener(user_id)
+        await self._notify(user_id)
 
     # background work: only the lease holder ----------------------------------------------------------
 
