@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,13 @@ $(VENV)/.chromium: | $(BIN)/python
 	else apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver; fi
 	touch $@
 
+# nginx for the cluster test (Debian package; CI runs as root).
+$(VENV)/.nginx: | $(BIN)/python
+	@if command -v nginx >/dev/null || [ -x /usr/sbin/nginx ]; then :; \
+	else apt-get update -qq && (DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx-light \
+	|| DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nginx); fi
+	touch $@
+
 install: $(VENV)/.runtime
 
 install-test: $(VENV)/.test tests/node/node_modules/.installed $(VENV)/.chromium
@@ -42,6 +49,10 @@ serve: install
 
 test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# 3 replicas on moto's S3 server behind nginx with deploy/nginx/memproxy.conf (tests/test_cluster.py).
+test-cluster: $(VENV)/.test $(VENV)/.nginx
+	MEMPROXY_TEST_CLUSTER=1 $(BIN)/python -m pytest tests/test_cluster.py tests/test_cluster_store.py $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check proxy insights tests bench scripts
@@ -74,6 +85,9 @@ bench/.venv-litellm/bin/litellm:
 
 bench-load: install-test bench/.venv-litellm/bin/litellm
 	$(BIN)/python bench/load.py $(ARGS)
+
+bench-cluster: $(VENV)/.test $(VENV)/.nginx
+	$(BIN)/python bench/cluster.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache

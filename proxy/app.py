@@ -8,6 +8,7 @@ on startup and drains them on shutdown.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
@@ -96,7 +97,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
     return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
                           jobs=settings.jobs_settings(), retrieval=settings.retrieval,
                           injection=settings.injection, rerank=settings.rerank, writer=writer,
-                          extraction=settings.extraction, insights=settings.insights)
+                          extraction=settings.extraction, insights=settings.insights,
+                          cluster=settings.storage.cluster(os.environ))
 
 
 def latest_chats(settings: Settings) -> LatestChats:
@@ -118,6 +120,7 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
         engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), llm, latest, board))
         metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
         metrics.add_gauges("memproxy_jobs", engine.storage_gauges)
+        metrics.add_gauges("memproxy_cluster", engine.cluster_gauges)
         metrics.registry.register(FeatureCollector(board, engine.waiting))
         if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
             yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))

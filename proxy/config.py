@@ -27,9 +27,11 @@ from pydantic import (
 
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
+from proxy.memory.cluster import ClusterSettings
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
+from proxy.memory.objectstore import StorageLocation
 from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
@@ -133,9 +135,40 @@ class ClientSettings(_Frozen):
 
 
 class StorageSettings(_Frozen):
-    """The data directory: LanceDB, Tantivy and the job queue live under it."""
+    """The data directory (LanceDB, Tantivy, the job queue), or the memory table on object storage (``uri``)."""
 
     path: Path = Path("./data")
+    # Replicas (proxy/memory/cluster.py): s3://bucket/prefix puts the memory table there and keeps only
+    # derived state (keyword index, caches) and the local job queue under ``path``; a local path is ``path``.
+    uri: str | None = None
+    options: dict[str, SecretStr] = {}  # LanceDB storage options (aws_endpoint, ...); AWS_* variables fill gaps
+    sync_interval_s: float = Field(default=1.0, gt=0)  # how often a replica looks for the others' writes
+    lease_s: float = Field(default=15.0, gt=0)  # maintenance lease; a dead holder's is taken after this
+    dead_after_s: float = Field(default=15.0, gt=0)  # a replica silent this long has its journal adopted
+
+    @field_validator("uri")
+    @classmethod
+    def _storage_uri(cls, value: str | None) -> str | None:
+        if value and "://" in value and not value.startswith("s3://"):
+            raise ValueError("must be a local path or s3://bucket/prefix")
+        if value and value.startswith("s3://") and not value[5:].split("/")[0]:
+            raise ValueError("s3:// needs a bucket: s3://bucket/prefix")
+        return value or None
+
+    @property
+    def local_dir(self) -> Path:
+        """Where this process keeps its files: ``uri`` when it is a local path, else ``path``."""
+        return Path(self.uri) if self.uri and "://" not in self.uri else self.path
+
+    def cluster(self, environ: Mapping[str, str]) -> ClusterSettings | None:
+        """How replicas share the store when ``uri`` is object storage (None: the embedded default)."""
+        if not self.uri or "://" not in self.uri:
+            return None
+        options = {key: secret.get_secret_value() for key, secret in self.options.items()}
+        location = StorageLocation.from_settings(self.uri, options, environ)
+        return ClusterSettings(
+            location, sync_interval_s=self.sync_interval_s, lease_s=self.lease_s, dead_after_s=self.dead_after_s
+        )
 
 
 class AdminSettings(_Frozen):
@@ -225,11 +258,11 @@ class Settings(_Frozen):
 
     def store_settings(self) -> StoreSettings:
         """The store's settings, rooted in the data directory."""
-        return StoreSettings(path=self.storage.path, **self.store.model_dump())
+        return StoreSettings(path=self.storage.local_dir, **self.store.model_dump())
 
     def jobs_settings(self) -> JobQueueSettings:
         """The job queue's settings, its database in the data directory."""
-        return JobQueueSettings(path=self.storage.path / "jobs.sqlite3", **self.jobs.model_dump())
+        return JobQueueSettings(path=self.storage.local_dir / "jobs.sqlite3", **self.jobs.model_dump())
 
 
 class ConfigError(Exception):

@@ -19,6 +19,14 @@ import structlog
 
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
+from proxy.memory.cluster import (
+    ClusterRuntime,
+    ClusterSettings,
+    Journal,
+    LeaderInsightScheduler,
+    ReplicatedStore,
+    replica_name,
+)
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.faults import StorageHealth
@@ -28,13 +36,14 @@ from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
 from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import LLMClient
+from proxy.memory.objectstore import ObjectStore
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.writer import Writer, WriterSettings
+from proxy.memory.writer import Writer, WriterSettings, exchange_payload
 
 log = structlog.get_logger("memproxy.memory")
 
@@ -52,6 +61,7 @@ class EngineSettings:
     writer: WriterSettings
     extraction: ExtractionSettings
     insights: InsightSettings
+    cluster: ClusterSettings | None = None  # the table on object storage, shared with other replicas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -88,8 +98,8 @@ class MemoryEngine:
         self.features = features or FeatureBoard()
         self.embedder = build_embedder(settings.embedder)
         self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
-        self.store = MemoryStore(settings.store, self.embedder, health=self.health)
         self.jobs = JobQueue(settings.jobs, health=self.health)
+        self.store = self._build_store(settings)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
         self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model,
                                         latest_model=self.latest.model)
@@ -98,6 +108,41 @@ class MemoryEngine:
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
         self._queue_snapshot: QueueMetrics | None = None
+
+    def _build_store(self, settings: EngineSettings) -> MemoryStore:
+        """The embedded store, or one replica's view of a store on object storage (with its journal)."""
+        self.objects: ObjectStore | None = None
+        self.journal: Journal | None = None
+        self.cluster: ClusterRuntime | None = None
+        if settings.cluster is None:
+            return MemoryStore(settings.store, self.embedder, health=self.health)
+        self.objects = ObjectStore(settings.cluster.location)
+        replica = replica_name()
+        store = ReplicatedStore(settings.store, self.embedder, settings.cluster, self.objects, replica,
+                                health=self.health)
+        self.journal = Journal(self.objects, replica, self.jobs, settings.cluster.dead_after_s)
+        return store
+
+    async def _enter_cluster(self, stack: contextlib.AsyncExitStack) -> None:
+        """Replica loops (lease, change feed, journal): after the queue and runner, stopped before them."""
+        store, settings = self.store, self.settings.cluster
+        if not isinstance(store, ReplicatedStore) or self.journal is None or settings is None:
+            await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
+            return
+        store.on_change(self._reload_read_cache)
+        store.on_forget(self.jobs.forget_user)
+        await stack.enter_async_context(LeaderInsightScheduler(store, self.jobs, self.settings.insights))
+        self.cluster = await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
+
+    def cluster_gauges(self) -> dict[str, float]:
+        """The replica's cluster numbers (lease, sync age, adoptions, object-store requests); none when alone."""
+        return self.cluster.gauges() if self.cluster is not None else {}
+
+    async def _reload_read_cache(self, user_id: str) -> None:
+        """Drop the user's read-cache entries, and any that a load in flight (from before a change) puts back."""
+        self.names.invalidate(user_id)
+        await self.names.wait_for_loads()
+        self.names.invalidate(user_id)
 
     @property
     def ready(self) -> bool:
@@ -112,6 +157,9 @@ class MemoryEngine:
     async def __aenter__(self) -> MemoryEngine:
         started = time.perf_counter()
         async with contextlib.AsyncExitStack() as stack:
+            if self.objects is not None:
+                stack.callback(self.objects.close)
+                await self.objects.ensure_bucket()
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
             stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
@@ -119,7 +167,7 @@ class MemoryEngine:
             await stack.enter_async_context(self.jobs)
             handlers = guard_handlers({**self.writer.handlers(), **self.insight_jobs.handlers()}, self.features)
             await stack.enter_async_context(JobRunner(self.jobs, handlers))
-            await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
+            await self._enter_cluster(stack)
             self._stack = stack.pop_all()
         self._ready = True
         log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
@@ -169,6 +217,10 @@ class MemoryEngine:
         route and key for memory-side calls, and wake the user's waiting jobs when it brought something new."""
         if self.latest.remember(exchange.user_id, exchange.model, exchange.route, exchange.client_key):
             await self.jobs.resume_waiting(exchange.user_id)
+        if self.journal is not None:  # with replicas, the exchange is also on object storage when this returns
+            await self.journal.record("exchange", exchange.user_id,
+                                      exchange_payload(exchange, self.settings.extraction))
+            return
         await self.writer.record(exchange)
 
     # ------------------------------------------------------------------------------------------ management

@@ -102,6 +102,9 @@ def run_command(args: argparse.Namespace) -> None:
             print(f"memproxy: {exc}", file=sys.stderr)
             raise SystemExit(1) from None
         return
+    if settings.storage.uri and "://" in settings.storage.uri:  # replicas share it: docs/scaling.md
+        print("config error: storage.uri: memproxy reindex works on a local store only", file=sys.stderr)
+        raise SystemExit(EXIT_CONFIG)
     configure_logging("warning")
     count = uvloop.run(reindex(settings))
     print(f"re-embedded {count} memories with {settings.embedder.model}")

@@ -188,7 +188,7 @@ async def wait_for_drain(base: str, within_s: float = 120.0) -> float:
             running = await _gauge(session, base, "memproxy_jobs_running")
             quiet = quiet + 1 if ready == 0 and running == 0 else 0
             if quiet >= 2:
-                return await _gauge(session, base, "memproxy_jobs_dead")
+                return await _gauge(session, base, "memproxy_jobs_dead_letters")
             await asyncio.sleep(0.3)
     raise AssertionError("the write path did not drain")
 

@@ -149,6 +149,37 @@ class Manifest:
         os.replace(tmp, path)
 
 
+class LocalManifest:
+    """The manifest as a file beside the local tables."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    async def read(self) -> Manifest | None:
+        """The manifest, or None before the first open."""
+        return Manifest.read(self.path)
+
+    async def write(self, manifest: Manifest) -> None:
+        """Replace the manifest atomically."""
+        manifest.write(self.path)
+
+
+@dataclass(frozen=True)
+class SharedTable:
+    """A table on object storage that several replicas use (``proxy/memory/cluster.py`` builds it).
+
+    ``manifests`` has async ``read()``/``write(manifest)`` (an object next to the table); reads see other
+    replicas' commits within ``read_consistency``; a purge keeps versions younger than ``purge_cleanup`` and
+    never deletes unreferenced files (they may be another replica's commit in flight).
+    """
+
+    uri: str
+    storage_options: dict[str, str]
+    manifests: Any
+    read_consistency: timedelta
+    purge_cleanup: timedelta
+
+
 # --- the table -----------------------------------------------------------------------------------------
 
 
@@ -189,8 +220,12 @@ class ReadGate:
 class MemoryTable:
     """The LanceDB table of memories under ``path``; ``open`` it, then use it from one event loop."""
 
-    def __init__(self, path: Path, model_id: str, dim: int, *, allow_mismatch: bool = False) -> None:
+    def __init__(
+        self, path: Path, model_id: str, dim: int, *, allow_mismatch: bool = False, shared: SharedTable | None = None
+    ) -> None:
         self.path = path
+        self.shared = shared
+        self.manifests: Any = shared.manifests if shared else LocalManifest(path / "manifest.json")
         self.model_id = model_id
         self.dim = dim
         self.allow_mismatch = allow_mismatch
@@ -215,8 +250,15 @@ class MemoryTable:
     async def open(self) -> None:
         """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
         self.path.mkdir(parents=True, exist_ok=True)
-        self._db = await lancedb.connect_async(self.path)
-        manifest = Manifest.read(self.path / "manifest.json")
+        if self.shared is None:
+            self._db = await lancedb.connect_async(self.path)
+        else:
+            self._db = await lancedb.connect_async(
+                self.shared.uri,
+                storage_options=self.shared.storage_options,
+                read_consistency_interval=self.shared.read_consistency,
+            )
+        manifest = found = await self.manifests.read()
         if manifest is None:
             manifest = Manifest("memories_1", self.model_id, self.dim)
         manifest = replace(
@@ -227,10 +269,13 @@ class MemoryTable:
             self._table = await self._db.open_table(manifest.table)
             await self._add_missing_columns()
         else:
-            self._table = await self._db.create_table(manifest.table, schema=arrow_schema(manifest.dim))
-        manifest.write(self.path / "manifest.json")
+            self._table = await self._db.create_table(
+                manifest.table, schema=arrow_schema(manifest.dim), exist_ok=self.shared is not None
+            )
+        if found is None or self.shared is None:  # replicas: the first one writes it
+            await self.manifests.write(manifest)
         self.manifest = manifest
-        for name in names:
+        for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
 
@@ -317,7 +362,10 @@ class MemoryTable:
             await self.table.update(updates_sql={"importance": "importance"}, where=where)
         await self._rebuild_scalar_indexes()  # the Bitmap index keeps the user's id as a key otherwise
         async with self.gate.exclusive():
-            await self.table.optimize(cleanup_older_than=_PURGE_CLEANUP, delete_unverified=True)
+            if self.shared is None:
+                await self.table.optimize(cleanup_older_than=_PURGE_CLEANUP, delete_unverified=True)
+            else:  # files of another replica's commit in flight are unreferenced too: leave those
+                await self.table.optimize(cleanup_older_than=self.shared.purge_cleanup)
 
     async def _rebuild_scalar_indexes(self) -> None:
         if await self.table.count_rows() == 0:
@@ -477,7 +525,7 @@ class MemoryTable:
         self._table = fresh
         await self.ensure_scalar_indexes()  # the ANN index follows at the next maintenance round
         manifest = Manifest(name, self.model_id, self.dim)
-        manifest.write(self.path / "manifest.json")
+        await self.manifests.write(manifest)
         self.manifest = manifest
         self.mismatch = None
         if old is not None:

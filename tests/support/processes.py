@@ -26,6 +26,11 @@ class Process:
         self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=dict(env), cwd=cwd)
 
     @property
+    def log_path(self) -> str:
+        """The file the output goes to."""
+        return self._log.name
+
+    @property
     def lines(self) -> list[str]:
         """Every line printed so far."""
         return Path(self._log.name).read_text(errors="replace").splitlines()

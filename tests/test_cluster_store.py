@@ -1,0 +1,173 @@
+"""Replicas over object storage: two stores on one moto S3 bucket, real LanceDB, Tantivy and the shipped model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from proxy.memory.cluster import ClusterRuntime, ClusterSettings, Journal, Lease, ReplicatedStore
+from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.jobs import JobQueue, JobQueueSettings
+from proxy.memory.objectstore import ObjectStore, StorageLocation
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store import StoreSettings
+from tests.support.s3 import bucket_uri, moto_server, s3_environ
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1, shared by the module's tests."""
+    with moto_server() as url:
+        yield url
+
+
+def _cluster(endpoint: str, uri: str) -> ClusterSettings:
+    location = StorageLocation.from_settings(uri, {}, s3_environ(endpoint))
+    return ClusterSettings(location, sync_interval_s=0.2, lease_s=3.0, settle_s=2.0, dead_after_s=3.0)
+
+
+@contextlib.asynccontextmanager
+async def replica(
+    cluster: ClusterSettings, local: LocalEmbedder, path: Path, name: str
+) -> AsyncIterator[tuple[ReplicatedStore, ClusterRuntime]]:
+    """One replica: its store on the shared bucket, its own local disk, queue and loops."""
+    objects = ObjectStore(cluster.location)
+    await objects.ensure_bucket()
+    store = ReplicatedStore(StoreSettings(path=path), local, cluster, objects, name)
+    queue = JobQueue(JobQueueSettings(path=path / "jobs.sqlite3"))
+    async with store, queue, ClusterRuntime(store, Journal(objects, name, queue, 3.0), cluster) as runtime:
+        yield store, runtime
+    objects.close()
+
+
+@contextlib.asynccontextmanager
+async def two_replicas(
+    endpoint: str, local: LocalEmbedder, tmp_path: Path
+) -> AsyncIterator[tuple[ReplicatedStore, ReplicatedStore]]:
+    """Replicas A and B on a fresh bucket."""
+    cluster = _cluster(endpoint, bucket_uri())
+    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
+            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+        yield a, b
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 10.0) -> float:
+    """Seconds until ``check`` holds; fails after ``within_s``."""
+    started = time.monotonic()
+    while not await check():
+        assert time.monotonic() - started < within_s, "condition not met in time"
+        await asyncio.sleep(0.05)
+    return time.monotonic() - started
+
+
+def fact(user: str, text: str) -> MemoryRecord:
+    """A fact of ``user``."""
+    return MemoryRecord(user_id=user, kind=Kind.FACT, text=text)
+
+
+async def found(store: ReplicatedStore, local: LocalEmbedder, user: str, query: str) -> dict[str, Any]:
+    """What each arm of ``store`` returns for ``query`` (texts)."""
+    vector = (await local.embed_query(query)).reshape(-1)
+    dense = [hit.record.text for hit in await store.vector_search(user, vector, 5)]
+    keyword = [hit.record.text for hit in await store.keyword_search(user, query, 5)]
+    return {"dense": dense, "keyword": keyword}
+
+
+async def test_lease_has_one_holder_and_passes_on(endpoint: str) -> None:
+    """Two replicas race for the maintenance lease: one wins; it passes on at release and after expiry."""
+    objects = ObjectStore(_cluster(endpoint, bucket_uri()).location)
+    await objects.ensure_bucket()
+    a, b = Lease(objects, "a", ttl_s=1.0), Lease(objects, "b", ttl_s=1.0)
+    results = await asyncio.gather(a.refresh(), b.refresh())
+    assert sorted(results) == [False, True]
+    first, second = (a, b) if a.held else (b, a)
+    assert await first.refresh()
+    assert not await second.refresh()
+    await first.release()
+    assert await second.refresh()
+    assert not await first.refresh()
+    await asyncio.sleep(1.2)  # the holder stops renewing (killed): the lease expires
+    assert await first.refresh()
+    objects.close()
+
+
+async def test_a_write_on_one_replica_is_found_on_the_other(
+    endpoint: str, local: LocalEmbedder, tmp_path: Path
+) -> None:
+    """A fact stored through replica A is found by both arms of replica B (whose cache was warm) within seconds."""
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
+        await a.add([fact("alice", "Alice keeps bees on her roof")])
+
+        async def b_sees_bees() -> bool:  # and B's cache is warm for alice from then on
+            return (await found(b, local, "alice", "bees"))["dense"] == ["Alice keeps bees on her roof"]
+
+        await eventually(b_sees_bees)
+        await a.add([fact("alice", "Alice is allergic to walnuts")])
+
+        async def b_sees_both() -> bool:
+            arms = await found(b, local, "alice", "walnuts allergy")
+            return "Alice is allergic to walnuts" in arms["dense"] and "Alice is allergic to walnuts" in arms["keyword"]
+
+        delay = await eventually(b_sees_both)
+        assert delay < 5.0
+
+
+async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
+    endpoint: str, local: LocalEmbedder, tmp_path: Path
+) -> None:
+    """Two replicas writing 40 facts each for the same user at once: exactly 80 distinct records in the table."""
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
+        pairs = [(name, store) for name, store in (("a", a), ("b", b))]
+        writes = [store.add([fact("bob", f"fact {name} {i}")]) for i in range(40) for name, store in pairs]
+        await asyncio.gather(*writes)
+        await a._lance.table.checkout_latest()
+        ids = [r.id for r in (await a.list("bob", limit=500)).data]
+        assert len(ids) == 80
+        assert len(set(ids)) == 80
+
+
+async def test_forget_user_reaches_the_other_replica(endpoint: str, local: LocalEmbedder, tmp_path: Path) -> None:
+    """Forgetting a user through replica A leaves nothing that replica B's arms (warm cache) can return."""
+    async with two_replicas(endpoint, local, tmp_path) as (a, b):
+        await a.add([fact("carol", "Carol's locker code is 4471"), fact("dave", "Dave likes jazz")])
+
+        async def b_has_carol() -> bool:
+            return bool((await found(b, local, "carol", "locker code"))["keyword"])
+
+        await eventually(b_has_carol)
+        await a.forget_user("carol")
+
+        async def b_forgot() -> bool:
+            arms = await found(b, local, "carol", "locker code")
+            return arms == {"dense": [], "keyword": []}
+
+        await eventually(b_forgot)
+        assert (await found(b, local, "dave", "jazz"))["dense"] == ["Dave likes jazz"]
+
+
+async def test_a_dead_replicas_journal_is_replayed_by_exactly_one_other(endpoint: str, tmp_path: Path) -> None:
+    """An exchange journaled by a replica that died is enqueued once, by one live replica, under its job id."""
+    location = _cluster(endpoint, bucket_uri()).location
+    objects = ObjectStore(location)
+    await objects.ensure_bucket()
+    queues = [JobQueue(JobQueueSettings(path=tmp_path / f"{n}.sqlite3")) for n in ("dead", "b", "c")]
+    async with queues[0], queues[1], queues[2]:
+        dead = Journal(objects, "dead", queues[0], dead_after_s=3.0)
+        job_id = await dead.record("exchange", "erin", {"text": "hello"})
+        b, c = Journal(objects, "b", queues[1], 3.0), Journal(objects, "c", queues[2], 3.0)
+        await b.heartbeat()
+        await c.heartbeat()
+        taken = await asyncio.gather(b.adopt_orphans(), c.adopt_orphans())
+        assert sorted(taken) == [0, 1]
+        holders = [q for q in queues[1:] if await q.get(job_id) is not None]
+        assert len(holders) == 1
+        assert (await holders[0].get(job_id) or {})["user_id"] == "erin"
+    objects.close()
