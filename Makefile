@@ -52,7 +52,7 @@ test: install-test
 
 # 3 replicas on moto's S3 server behind nginx with deploy/nginx/memproxy.conf (tests/test_cluster.py).
 test-cluster: $(VENV)/.test $(VENV)/.nginx
-	MEMPROXY_TEST_CLUSTER=1 $(BIN)/python -m pytest tests/test_cluster.py tests/test_cluster_store.py $(PYTEST_ARGS)
+	MEMPROXY_TEST_CLUSTER=1 $(BIN)/python -m pytest tests/test_cluster.py $(PYTEST_ARGS)
 
 lint: install-test
 	$(BIN)/ruff check proxy insights tests bench scripts
