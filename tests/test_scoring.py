@@ -160,6 +160,18 @@ def test_bounded_scores_lie_in_zero_one_and_the_best_possible_scores_one() -> No
     assert final_scale(settings) == 1.0
 
 
+def test_recency_lifts_facts_not_turns() -> None:
+    """A turn said yesterday gets no recency bonus over an equally relevant turn of last year; a fact does."""
+    def turn(age: timedelta) -> Candidate:
+        record = MemoryRecord(user_id="u", kind=Kind.TURN, text=f"turn {age.days}", created_at=NOW - age)
+        return Candidate(record=record, arm_scores={"bm25": 1.0}, fused=0.5)
+
+    scored = score_candidates([turn(timedelta(days=365)), turn(timedelta(days=1))], NOW, RetrievalSettings())
+    assert scored[0].final == scored[1].final
+    facts = [_created("old", 0.5, timedelta(days=365)), _created("new", 0.5, timedelta(days=1))]
+    assert score_candidates(facts, NOW, RetrievalSettings())[0].record.text == "new"
+
+
 def test_no_relevance_scores_zero() -> None:
     """Without any relevant candidate (all fused scores 0, or none at all) every final score is 0."""
     settings = RetrievalSettings()

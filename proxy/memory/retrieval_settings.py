@@ -54,7 +54,7 @@ class RetrievalSettings(BaseModel):
     # important; "minmax" = the seed's sum of min-max normalised relevance, recency and importance
     max_candidates: int = Field(100, ge=1)  # the most relevant this many (after fusion and boosts) are scored
     scoring: Literal["bounded", "minmax"] = "bounded"
-    recency_bonus: float = Field(0.1, ge=0)  # bounded: x (1 + this) for a memory created just now
+    recency_bonus: float = Field(0.2, ge=0)  # bounded: x (1 + this) for a fact created just now
     recency_half_life_days: float = Field(30.0, gt=0)  # bounded: the recency bonus halves every this many days
     importance_bonus: float = Field(0.0, ge=0, le=1)  # bounded: x (1 + this x (importance - 5) / 5)
     relevance_weight: float = Field(1.0, ge=0)  # minmax only

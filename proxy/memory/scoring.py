@@ -7,7 +7,11 @@ Two formulas, chosen by ``RetrievalSettings.scoring``:
   possible memory scores 1. Relevance is the fused score over the best fused score of the request (a ratio,
   not min-max, so that how much more relevant one memory is than another survives). Age is the time since
   the memory was *created*, in absolute days: a week-old fact is a week old whether the other candidates are
-  seconds or years old, and a stale fact that was injected yesterday does not pass for current. Since the
+  seconds or years old, and a stale fact that was injected yesterday does not pass for current. The recency
+  bonus goes to facts only: a fact is a claim about the user's present ("lives in Paris"), so the newer of
+  two near-identical facts is the current one; turns and summaries are a dated record of what was said, as
+  true months later, and the turn window already keeps them recent (on LoCoMo, where questions ask about
+  any session, a recency bonus on turns only cost recall). Since the
   multiplier lies in ``[1 - 0.8 importance_bonus, 1 + recency_bonus + importance_bonus]``, time and
   importance can reorder memories whose relevance is within that ratio (near-ties: the newer of two
   near-identical facts wins) and can never lift a memory above one that is more relevant by more than it
@@ -31,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.fusion import Candidate, min_max
-from proxy.memory.records import MemoryRecord
+from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
 
 DAY_S = 86_400.0
@@ -65,16 +69,26 @@ def dominance_ratio(settings: RetrievalSettings) -> float:
 
 
 def bounded_scores(
-    relevance: npt.ArrayLike, age_s: npt.ArrayLike, importance: npt.ArrayLike, settings: RetrievalSettings
+    relevance: npt.ArrayLike,
+    age_s: npt.ArrayLike,
+    importance: npt.ArrayLike,
+    settings: RetrievalSettings,
+    current: npt.ArrayLike | None = None,
 ) -> FloatArray:
-    """Final scores in [0, 1]: relevance (over the best) times the bounded time and importance multiplier."""
+    """Final scores in [0, 1]: relevance (over the best) times the bounded time and importance multiplier.
+
+    ``current`` says which memories the recency bonus applies to (facts; None: all).
+    """
     rel = np.maximum(np.asarray(relevance, dtype=np.float64), 0.0)
     top = float(rel.max()) if rel.size else 0.0
     if top <= 0.0:
         return np.zeros_like(rel)
+    recency_part = recency_weights(age_s, settings.recency_half_life_days)
+    if current is not None:
+        recency_part = recency_part * np.asarray(current, dtype=np.float64)
     multiplier = (
         1.0
-        + settings.recency_bonus * recency_weights(age_s, settings.recency_half_life_days)
+        + settings.recency_bonus * recency_part
         + settings.importance_bonus * importance_weights(importance)
     )
     return (rel / top) * multiplier / max_multiplier(settings)
@@ -141,6 +155,7 @@ def score_candidates(candidates: Sequence[Candidate], now: datetime, settings: R
             ages_s(candidates, now),
             [c.record.importance for c in candidates],
             settings,
+            [c.record.kind is Kind.FACT for c in candidates],
         ).tolist()
     scored = [c.scored(total) for c, total in zip(candidates, totals, strict=True)]
     return sorted(scored, key=lambda c: -c.final)
