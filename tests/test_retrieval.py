@@ -405,7 +405,7 @@ def test_plan_caps_facts_and_past_by_settings() -> None:
     """Only the best max_facts facts and max_past turns become items, scaled into [0, 1]."""
     facts = [_candidate(_fact("maya", f"fact {i}"), 3.0 - i / 10) for i in range(5)]
     turns = [_candidate(_turn("maya", f"turn {i}", "c1"), 2.0 - i / 10) for i in range(5)]
-    settings = _settings(max_facts=2, max_past=1)
+    settings = _settings(max_facts=2, max_past=1, scoring="minmax")  # totals up to 3, the sum of its weights
     items = plan_items([*facts, *turns], [], [], NOW, settings)
     assert [(i.section, i.text) for i in items] == [
         (Section.ABOUT_USER, "fact 0"),
@@ -413,6 +413,12 @@ def test_plan_caps_facts_and_past_by_settings() -> None:
         (Section.PAST, "turn 0"),
     ]
     assert items[0].score == pytest.approx(1.0)
+
+
+def test_plan_keeps_bounded_scores_as_they_are() -> None:
+    """With the default scoring, final scores are already in [0, 1] and become item scores unchanged."""
+    items = plan_items([_candidate(_fact("maya", "fact"), 0.8)], [], [], NOW, _settings())
+    assert [i.score for i in items] == [pytest.approx(0.8)]
 
 
 def test_summary_cooldown_skips_a_summary_injected_minutes_ago() -> None:
@@ -432,7 +438,7 @@ def test_summary_cooldown_skips_a_summary_injected_minutes_ago() -> None:
 def test_recent_message_that_is_also_relevant_is_listed_once() -> None:
     """A relevant message from another chat appears under recent activity only, with its better score."""
     turn = _turn("maya", "Printer ink is so expensive", "c1", days_ago=0.5)
-    items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings())
+    items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings(scoring="minmax"))
     assert [(i.section, i.score) for i in items] == [(Section.RECENT, pytest.approx(1.0))]
 
 
