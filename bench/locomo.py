@@ -332,6 +332,9 @@ def variants() -> list[Variant]:
     out = [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in steps]
     out += [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in ABLATIONS.items()]
     out += [Variant(f"+{corpus}", harness_settings(), corpus=corpus) for corpus in CORPORA if corpus != WRITER_CORPUS]
+    # Parts that act on facts only (recency) or on names that facts carry (entity): measured where facts exist.
+    out += [Variant(f"+context+observations{name}", harness_settings(**ABLATIONS[name]), corpus="context+observations")
+            for name in ("-recency", "-entity")]  # fmt: skip
     out.append(Variant("product", RetrievalSettings(), corpus="context+observations", block=True))
     return out
 
@@ -631,13 +634,13 @@ def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict
 
 def table(document: Mapping[str, Any]) -> str:
     """The printed table: per variant, all ten conversations, then R@10 / MRR on tune and test."""
-    head = (f"{'variant':<22}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
+    head = (f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
             f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}")
     lines = [head, "-" * len(head)]
     for name, v in document["variants"].items():
         o, tu, te = v["overall"], v["tune"], v["test"]
         cells = "".join(f"{o[m]:>7.3f}" for m in METRICS)
-        lines.append(f"{name:<22}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
+        lines.append(f"{name:<32}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
                      f"{te['evidence_recall@10']:>10.3f}{te['mrr']:>9.3f}")
     default = document["variants"].get(document["default_variant"])
     if default:
