@@ -27,9 +27,11 @@ earlier measurement: every memory last accessed at the retrieval clock (one day 
 all conversations), so the ``minmax`` recency term is constant across candidates; the default scoring ages
 memories from their creation, so for it the two clocks differ only by the retrieval time. Importance is the
 store's default 5 for every memory (the dataset has no ratings), so ``importance_bonus`` cannot be measured
-here. Subject records are not created by the harness: LoCoMo's observations name only their speaker, the
-same two names on every fact of a conversation, so subjects would link every fact to one of two subjects
-and say nothing about which one answers a question; ``+subjects`` therefore measures nothing here.
+here. Subjects: the memories with facts also hold the subject records the write path would create for them
+(``proxy.memory.subjects``); LoCoMo's observations name only their speaker, so a conversation has two
+subjects, each linked to all of one speaker's facts: subject fusion can only favour the facts of the speaker
+a question names (``+context+observations+subject fusion`` measures that at its former weight 0.4; it is off
+by default), and the chain's ``+subjects`` step, over turns alone, has no subjects to use.
 
 Neutralised for every variant but ``product``: the 14-day window of past turns (``turn_window_days=None``:
 the dataset spans months, and the questions ask about all of it), and the parts that never change the
@@ -75,6 +77,7 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.subjects import new_subject, relinked, subject_names
 from proxy.memory.writer import WriterSettings, context_vector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -316,7 +319,7 @@ def variants() -> list[Variant]:
     """
     base = RetrievalSettings()
     entity = {**_OFF, "entity_k": base.entity_k}
-    subjects = {**entity, "subject_weight": base.subject_weight}
+    subjects = {**entity, "subject_weight": SUBJECT_WEIGHT}
     steps = [
         ("bm25", {**_OFF, "dense_weight": 0.0, "bm25_weight": 1.0}),
         ("dense", {**_OFF, "dense_weight": 1.0, "bm25_weight": 0.0}),
@@ -335,10 +338,13 @@ def variants() -> list[Variant]:
     # Parts that act on facts only (recency) or on names that facts carry (entity): measured where facts exist.
     out += [Variant(f"+context+observations{name}", harness_settings(**ABLATIONS[name]), corpus="context+observations")
             for name in ("-recency", "-entity")]  # fmt: skip
+    out.append(Variant("+context+observations+subject fusion", harness_settings(subject_weight=SUBJECT_WEIGHT),
+                       corpus="context+observations"))
     out.append(Variant("product", RetrievalSettings(), corpus="context+observations", block=True))
     return out
 
 
+SUBJECT_WEIGHT = 0.4  # subject fusion's weight before it was measured with subjects present (now off by default)
 # The default with one part off: each part's gain (default minus this) on tune and on test.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "-entity": {"entity_k": 0, "entity_weight": 0.0},
@@ -419,8 +425,19 @@ def corpora(
         turns_of = {r.id: (t.dia_id,) for r, t in zip(turns, conv.turns, strict=True)}
         facts = fact_records(user_id, conv, vectors["facts"], accessed) if name.endswith("observations") else []
         turns_of.update({r.id: r.source_ids for r in facts})
-        out[name] = Corpus(user_id, turns + facts, turns_of)
+        out[name] = Corpus(user_id, turns + facts + subject_records(facts), turns_of)
     return out
+
+
+def subject_records(facts: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+    """The subjects the write path would keep for these facts (``proxy.memory.subjects``), embedded by the store."""
+    by_name: dict[str, MemoryRecord] = {}
+    for fact in facts:
+        for name in subject_names(fact).values():
+            known = by_name.get(name)
+            by_name[name] = new_subject(fact, name) if known is None else known.replace(
+                source_ids=relinked(known, add=fact.id))
+    return list(by_name.values())
 
 
 def context_texts(turns: Sequence[Turn]) -> list[str]:

@@ -40,6 +40,7 @@ HISTORY = {
     "I have a cat called Miso.": "User has a cat called Miso.",
     "I am learning Portuguese on weekends.": "User is learning Portuguese on weekends.",
     "I drive an old green Volvo.": "User drives an old green Volvo.",
+    "My parents live in a small village by the sea.": "User's parents live in a small village by the sea.",
 }
 # What the scripted extraction model answers for each user message.
 EXTRACTED = {

@@ -296,7 +296,8 @@ async def test_subject_fusion_lifts_linked_memories(store: MemoryStore, embedder
         user_id="maya", kind=Kind.SUBJECT, text="guitar music", subject_kind="topic", source_ids=(linked.id,)
     )
     await store.add([linked, other, subject])
-    result = await retrieve(store, embedder, _ask("guitar music gear I bought"), "maya", _settings(), NOW)
+    settings = _settings(subject_weight=0.4)  # off by default
+    result = await retrieve(store, embedder, _ask("guitar music gear I bought"), "maya", settings, NOW)
     by_id = {c.id: c for c in result.candidates}
     assert by_id[linked.id].boosts.get("subject", 0.0) > 0.0
     assert "subject" not in by_id[other.id].boosts
@@ -326,8 +327,8 @@ async def test_subject_search_is_skipped_once_the_user_is_known_to_have_no_subje
     cache = ReadCache(ttl_s=3600)
     question = _ask("Which records does Maya collect?")
     spy = PoolSpy(store)
-    first = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
-    later = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
+    first = await retrieve(spy, embedder, question, "maya", _settings(subject_weight=0.4), NOW, names=cache)
+    later = await retrieve(spy, embedder, question, "maya", _settings(subject_weight=0.4), NOW, names=cache)
     first_kinds, later_kinds = ({k for pool in pools for k in pool.kinds} for pools in spy.vector_pools)
     assert Kind.SUBJECT in first_kinds
     assert Kind.SUBJECT not in later_kinds
