@@ -8,17 +8,35 @@ directory) with the real embedder (batched). Every category 1-4 question with va
 user message holding the question); its ranked list is ``result.candidates`` mapped to turn ids.
 
 Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
-configuration (``RetrievalSettings()``), and the default over richer memories of the same conversation:
+configuration (``RetrievalSettings()``), the default with one of its parts switched off (``-entity``,
+``-neighbours``, ``-dates``, ``-days``, ``-recency``: each part's gain on tune and on test), the seed's
+``minmax`` scoring, and the default over richer memories of the same conversation:
 ``+turns`` (each turn embedded alone, as the writer did before it stored context vectors), ``+context`` when
 the writer's layout is another (``WRITER_CORPUS``), ``+observations`` (the dataset's ``observation`` facts,
 LLM-extracted per session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
-turns; this measures what write-time fact extraction adds without an LLM here), and both.
+turns; this measures what write-time fact extraction adds without an LLM here), and both. ``product``
+is the shipped configuration exactly (``RetrievalSettings()`` and ``InjectionSettings()``: the 14-day turn
+window, the recent messages, the 600-token budget) over turns with context vectors and observations standing
+in for extracted facts; its ranking is what the memory block would hold, best first (so at most a few
+items: its @10 figures are "in the block").
 
-Neutralised for every variant (the dataset cannot exercise them): recency (every record has the same
-``last_accessed_at``, equal to the retrieval clock, so recency is constant across candidates; importance is
-the store's default 5 for all), the 14-day window of past turns (``turn_window_days=None``: the dataset spans
-months), and the parts that never change the ranking (``recent_messages=0``, ``max_insights=0``, arm
-timeouts of 60 s so that a busy machine does not degrade an arm).
+The clock (``--clock``): ``dataset`` (the default) is the product as it runs: every memory is created and last
+accessed at its own session's date, and each question is asked one day after its own conversation's last
+session, so recency and the turn window see the dataset's real spread of weeks and months. ``neutral`` is the
+earlier measurement: every memory last accessed at the retrieval clock (one day after the last session of
+all conversations), so the ``minmax`` recency term is constant across candidates; the default scoring ages
+memories from their creation, so for it the two clocks differ only by the retrieval time. Importance is the
+store's default 5 for every memory (the dataset has no ratings), so ``importance_bonus`` cannot be measured
+here. Subjects: the memories with facts also hold the subject records the write path would create for them
+(``proxy.memory.subjects``); LoCoMo's observations name only their speaker, so a conversation has two
+subjects, each linked to all of one speaker's facts: subject fusion can only favour the facts of the speaker
+a question names (``+context+observations+subject fusion`` measures that at its former weight 0.4; it is off
+by default), and the chain's ``+subjects`` step, over turns alone, has no subjects to use.
+
+Neutralised for every variant but ``product``: the 14-day window of past turns (``turn_window_days=None``:
+the dataset spans months, and the questions ask about all of it), and the parts that never change the
+ranking (``recent_messages=0``, ``max_insights=0``, arm timeouts of 60 s so that a busy machine does not
+degrade an arm).
 
 Numbers are tuned on conversations 0-4 ("tune") and reported on 5-9 ("test") and all ten. Each question's
 embedding is computed once and reused by every variant; embeddings are cached on disk by text (``--cache``).
@@ -53,12 +71,13 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.memory.embedders import Embedder, EmbedderSettings, Vectors, build_embedder
-from proxy.memory.fusion import Candidate
+from proxy.memory.injection import inject
 from proxy.memory.read_cache import ReadCache
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
-from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.subjects import new_subject, relinked, subject_names
 from proxy.memory.writer import WriterSettings, context_vector
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,6 +86,7 @@ RESULTS = ROOT / "bench" / "results" / "locomo.json"
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "memproxy" / "locomo-embeddings"
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}
 TUNE, TEST = range(5), range(5, 10)
+CLOCKS = ("dataset", "neutral")
 TURN_SPACING = timedelta(seconds=30)
 ID_NAMESPACE = uuid.UUID("1b4e28ba-2fa1-11d2-883f-0016d3cca427")
 CONTEXT_WEIGHT = WriterSettings().context_weight
@@ -203,11 +223,11 @@ def load_conversations(path: Path) -> list[Conversation]:
 # --- metrics (pure) ---------------------------------------------------------------------------------------
 
 
-def ranked_turns(candidates: Sequence[Candidate], turns_of: Mapping[str, Sequence[str]]) -> list[str]:
-    """A question's ranking as turn ids: each candidate's turns (a fact's linked turns), first occurrence kept."""
+def ranked_turns(ids: Sequence[str], turns_of: Mapping[str, Sequence[str]]) -> list[str]:
+    """A question's ranking as turn ids: each memory's turns (a fact's linked turns), first occurrence kept."""
     ranked: dict[str, None] = {}
-    for candidate in candidates:
-        ranked.update(dict.fromkeys(d for d in turns_of.get(candidate.id, ()) if d not in ranked))
+    for rid in ids:
+        ranked.update(dict.fromkeys(d for d in turns_of.get(rid, ()) if d not in ranked))
     return list(ranked)
 
 
@@ -268,11 +288,16 @@ def summarise(rows: Sequence[Row]) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class Variant:
-    """A named read-path configuration and the memories it searches (turns only, or turns and facts)."""
+    """A named read-path configuration and the memories it searches (turns only, or turns and facts).
+
+    ``block``: rank what the memory block would hold (``inject`` under ``InjectionSettings()``), not every
+    candidate.
+    """
 
     name: str
     settings: RetrievalSettings
     corpus: str = "turns"
+    block: bool = False
 
 
 _OFF = {"entity_k": 0, "gating": False, "subject_weight": 0.0, "neighbour_weight": 0.0, "date_weight": 0.0,
@@ -294,7 +319,7 @@ def variants() -> list[Variant]:
     """
     base = RetrievalSettings()
     entity = {**_OFF, "entity_k": base.entity_k}
-    subjects = {**entity, "subject_weight": base.subject_weight}
+    subjects = {**entity, "subject_weight": SUBJECT_WEIGHT}
     steps = [
         ("bm25", {**_OFF, "dense_weight": 0.0, "bm25_weight": 1.0}),
         ("dense", {**_OFF, "dense_weight": 1.0, "bm25_weight": 0.0}),
@@ -308,8 +333,27 @@ def variants() -> list[Variant]:
         ("default", {}),
     ]
     out = [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in steps]
+    out += [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in ABLATIONS.items()]
     out += [Variant(f"+{corpus}", harness_settings(), corpus=corpus) for corpus in CORPORA if corpus != WRITER_CORPUS]
+    # Parts that act on facts only (recency) or on names that facts carry (entity): measured where facts exist.
+    out += [Variant(f"+context+observations{name}", harness_settings(**ABLATIONS[name]), corpus="context+observations")
+            for name in ("-recency", "-entity")]  # fmt: skip
+    out.append(Variant("+context+observations+subject fusion", harness_settings(subject_weight=SUBJECT_WEIGHT),
+                       corpus="context+observations"))
+    out.append(Variant("product", RetrievalSettings(), corpus="context+observations", block=True))
     return out
+
+
+SUBJECT_WEIGHT = 0.4  # subject fusion's weight before it was measured with subjects present (now off by default)
+# The default with one part off: each part's gain (default minus this) on tune and on test.
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "-entity": {"entity_k": 0, "entity_weight": 0.0},
+    "-neighbours": {"neighbour_weight": 0.0},
+    "-dates": {"date_weight": 0.0},
+    "-days": {"day_weight": 0.0},
+    "-recency": {"recency_bonus": 0.0},
+    "minmax": {"scoring": "minmax"},
+}
 
 
 # --- memories ---------------------------------------------------------------------------------------------
@@ -329,23 +373,29 @@ class Corpus:
     turns_of: dict[str, tuple[str, ...]]
 
 
-def turn_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime) -> list[MemoryRecord]:
-    """The conversation's turns as one user's turn records (speaker A as ``user``, B as ``assistant``)."""
+def turn_records(
+    user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None
+) -> list[MemoryRecord]:
+    """The conversation's turns as one user's turn records (speaker A as ``user``, B as ``assistant``), last
+    accessed at ``accessed`` (None: when created)."""
     first = conv.turns[0].speaker if conv.turns else ""
     return [
         MemoryRecord(user_id=user_id, kind=Kind.TURN, text=t.memory_text, id=record_id(user_id, t.dia_id),
-                     created_at=t.at, last_accessed_at=accessed, embedding=vectors[i],
+                     created_at=t.at, last_accessed_at=accessed or t.at, embedding=vectors[i],
                      conversation_id=f"{conv.sample_id}:session_{t.session}",
                      role="user" if t.speaker == first else "assistant")
         for i, t in enumerate(conv.turns)
     ]  # fmt: skip
 
 
-def fact_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime) -> list[MemoryRecord]:
+def fact_records(
+    user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None
+) -> list[MemoryRecord]:
     """The conversation's observations as facts: the speaker as entity, the linked turn ids as sources."""
     return [
         MemoryRecord(user_id=user_id, kind=Kind.FACT, text=o.text, id=record_id(user_id, f"fact{i}"),
-                     created_at=o.at + timedelta(microseconds=i), last_accessed_at=accessed,
+                     created_at=o.at + timedelta(microseconds=i),
+                     last_accessed_at=accessed or o.at + timedelta(microseconds=i),
                      embedding=vectors[i], conversation_id=f"{conv.sample_id}:session_{o.session}",
                      entities=(o.speaker,), source_ids=o.dia_ids)
         for i, o in enumerate(conv.observations)
@@ -359,7 +409,7 @@ WRITER_CORPUS = "context"
 
 
 def corpora(
-    conv: Conversation, vectors: Mapping[str, Vectors], accessed: datetime, names: Iterable[str] = CORPORA
+    conv: Conversation, vectors: Mapping[str, Vectors], accessed: datetime | None, names: Iterable[str] = CORPORA
 ) -> dict[str, Corpus]:
     """The harness users of one conversation, one per memory layout (``CORPORA``).
 
@@ -375,8 +425,19 @@ def corpora(
         turns_of = {r.id: (t.dia_id,) for r, t in zip(turns, conv.turns, strict=True)}
         facts = fact_records(user_id, conv, vectors["facts"], accessed) if name.endswith("observations") else []
         turns_of.update({r.id: r.source_ids for r in facts})
-        out[name] = Corpus(user_id, turns + facts, turns_of)
+        out[name] = Corpus(user_id, turns + facts + subject_records(facts), turns_of)
     return out
+
+
+def subject_records(facts: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+    """The subjects the write path would keep for these facts (``proxy.memory.subjects``), embedded by the store."""
+    by_name: dict[str, MemoryRecord] = {}
+    for fact in facts:
+        for name in subject_names(fact).values():
+            known = by_name.get(name)
+            by_name[name] = new_subject(fact, name) if known is None else known.replace(
+                source_ids=relinked(known, add=fact.id))
+    return list(by_name.values())
 
 
 def context_texts(turns: Sequence[Turn]) -> list[str]:
@@ -515,7 +576,11 @@ async def _ask(
     run.retrieve_ms.setdefault(variant.name, []).append((time.perf_counter() - started) * 1000)
     if result.degraded:
         run.degraded[variant.name] = run.degraded.get(variant.name, 0) + 1
-    return ranked_turns(result.candidates, corpus.turns_of)
+    if variant.block:
+        terms = result.query.terms if result.query else ()
+        block = inject(messages, result.items, terms, InjectionSettings()).items
+        return ranked_turns([i.id for i in sorted(block, key=lambda i: -i.score)], corpus.turns_of)
+    return ranked_turns([c.id for c in result.candidates], corpus.turns_of)
 
 
 async def _conversation(
@@ -535,11 +600,24 @@ async def _conversation(
         bar.update(1)
 
 
+def clock(conversations: Sequence[Conversation], conv: Conversation, name: str) -> tuple[datetime, datetime | None]:
+    """When ``conv``'s questions are asked, and when its memories were last accessed (None: when created).
+
+    ``dataset``: one day after the conversation's own last session, memories accessed when created.
+    ``neutral``: one day after the last session of all ``conversations``, every memory accessed then.
+    """
+    fallback = datetime(2024, 1, 1, tzinfo=UTC)
+    if name == "dataset":
+        return max((t.at for t in conv.turns), default=fallback) + timedelta(days=1), None
+    now = max((t.at for c in conversations for t in c.turns), default=fallback) + timedelta(days=1)
+    return now, now
+
+
 async def run_benchmark(
     conversations: Sequence[Conversation], embedder: Embedder, chosen: Sequence[Variant], workdir: Path,
-    cache_dir: Path | None = None,
+    cache_dir: Path | None = None, clock_name: str = "dataset",
 ) -> Run:
-    """Embed, ingest and ask everything; the per-variant rows of every question."""
+    """Embed, ingest and ask everything under one clock (``CLOCKS``); the per-variant rows of every question."""
     run = Run()
     started = time.perf_counter()
     vectors = VectorCache(embedder, cache_dir)
@@ -548,14 +626,13 @@ async def run_benchmark(
     run.seconds["embed"] = round(time.perf_counter() - started, 1)
     run.seconds["texts_embedded"] = vectors.computed
     asking = PrecomputedQueries(embedder, queries)
-    last = max((t.at for c in conversations for t in c.turns), default=datetime(2024, 1, 1, tzinfo=UTC))
-    now = last + timedelta(days=1)
     total = sum(len(c.questions) for c in conversations)
     started = time.perf_counter()
     async with MemoryStore(StoreSettings(path=workdir / "store"), embedder) as store:
         with tqdm(total=total, desc="questions", unit="q", file=sys.stderr) as bar:
             for i, conv in enumerate(conversations):
-                users = corpora(conv, per_conversation[i], now, {v.corpus for v in chosen})
+                now, accessed = clock(conversations, conv, clock_name)
+                users = corpora(conv, per_conversation[i], accessed, {v.corpus for v in chosen})
                 await _conversation(store, asking, conv, users, chosen, now, run, bar)
     run.seconds["ingest_and_retrieve"] = round(time.perf_counter() - started, 1)
     return run
@@ -580,13 +657,13 @@ def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict
 
 def table(document: Mapping[str, Any]) -> str:
     """The printed table: per variant, all ten conversations, then R@10 / MRR on tune and test."""
-    head = (f"{'variant':<22}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
+    head = (f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
             f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}")
     lines = [head, "-" * len(head)]
     for name, v in document["variants"].items():
         o, tu, te = v["overall"], v["tune"], v["test"]
         cells = "".join(f"{o[m]:>7.3f}" for m in METRICS)
-        lines.append(f"{name:<22}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
+        lines.append(f"{name:<32}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
                      f"{te['evidence_recall@10']:>10.3f}{te['mrr']:>9.3f}")
     default = document["variants"].get(document["default_variant"])
     if default:
@@ -594,6 +671,14 @@ def table(document: Mapping[str, Any]) -> str:
         for name, c in default["by_category"].items():
             lines.append(f"  {name:<14} n={c['n']:<4} " + " ".join(f"{c[m]:.3f}" for m in METRICS))
     return "\n".join(lines)
+
+
+CLOCK_NOTES = {
+    "dataset": "the dataset's own clock: every record created and last accessed at its session's date; each "
+               "question asked one day after its own conversation's last session; importance 5 for all",
+    "neutral": "neutralised: every record's last_accessed_at equals the retrieval clock (one day after the last "
+               "session of all conversations), so the minmax recency term is constant; importance 5 for all",
+}
 
 
 def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: Run, embedder: Embedder) -> dict[
@@ -611,8 +696,8 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "split": {"tune": list(TUNE), "test": list(TEST)},
         "harness_overrides": HARNESS,
         "retrieval_overrides": dict(pair.split("=", 1) for pair in args.retrieval),
-        "recency": "neutralised: every record's last_accessed_at equals the retrieval clock (recency constant, "
-                   "so its min-max term is the same for all candidates); importance 5 for all",
+        "clock": args.clock,
+        "recency": CLOCK_NOTES[args.clock],
         "ranking": "result.candidates of proxy.memory.retrieval.retrieve, mapped to turn ids (a fact to its "
                    "linked turns), first occurrence kept; MRR over that whole list (0 when no gold turn is in it)",
         "seconds": run.seconds,
@@ -636,7 +721,8 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     embedder_settings = EmbedderSettings.model_validate({**EMBEDDER.model_dump(), **dict(args.embedder)})
     async with build_embedder(embedder_settings) as embedder:
         with tempfile.TemporaryDirectory(prefix="locomo-") as tmp:
-            run = await run_benchmark(conversations, embedder, chosen, Path(tmp), None if args.no_cache else args.cache)
+            cache = None if args.no_cache else args.cache
+            run = await run_benchmark(conversations, embedder, chosen, Path(tmp), cache, args.clock)
         run.seconds["total"] = round(time.perf_counter() - started, 1)
         return report(run, chosen, _meta(args, conversations, run, embedder))
 
@@ -648,6 +734,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results")
     parser.add_argument("--cache", type=Path, default=CACHE, help="directory of the embedding cache")
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
+    parser.add_argument("--clock", choices=CLOCKS, default="dataset",
+                        help="dataset: each memory dated by its session, asked a day after its conversation's last "
+                             "session (default); neutral: every memory last accessed at the retrieval clock")
     parser.add_argument("--conversations", type=int, nargs="*", help="only these conversation indexes")
     parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
     parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",

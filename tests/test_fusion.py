@@ -274,7 +274,7 @@ def test_fuse_applies_switched_on_boosts_in_order() -> None:
     query = build_query([{"role": "user", "content": "What about jazz in March 2026?"}])
     assert query is not None
     music = ArmHit(_rec("music", "s", kind=Kind.SUBJECT, source_ids=("jazz",)), 0.5)
-    settings = RetrievalSettings(neighbour_weight=0.3, date_weight=0.1)
+    settings = RetrievalSettings(subject_weight=0.4, neighbour_weight=0.3, date_weight=0.1)
     result = fuse({DENSE: _hits((JAZZ, 0.9), (INK, 0.5))}, query, settings, subject_hits=[music])
     top = result.candidates[0]
     assert top.id == "jazz"

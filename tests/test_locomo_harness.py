@@ -10,12 +10,14 @@ import pytest
 
 from bench.locomo import (
     Row,
+    clock,
     load_conversations,
     question_metrics,
     run_benchmark,
     summarise,
     variants,
 )
+from proxy.memory.retrieval_settings import RetrievalSettings
 from tests.support.embedder import HashingEmbedder
 
 
@@ -80,6 +82,28 @@ def test_loading_keeps_valid_category_1_to_4_questions_and_normalises_evidence(l
     assert first.turns[2].memory_text == f"Ann: We hiked the Cascade trail on Saturday{caption}"
     assert first.turns[4].at.isoformat() == "2023-06-20T14:00:00+00:00"
     assert first.observations[1].dia_ids == ("D1:4",)
+
+
+def test_the_dataset_clock_asks_each_conversation_a_day_after_its_own_last_session(locomo_file: Path) -> None:
+    """Dataset clock: conv-a is asked on 21 June 2023 and conv-b on 3 March 2024, memories dated as told;
+    neutral clock: both on 3 March 2024, every memory last accessed then."""
+    first, second = load_conversations(locomo_file)
+    asked_a, accessed_a = clock([first, second], first, "dataset")
+    asked_b, _ = clock([first, second], second, "dataset")
+    assert (asked_a.date().isoformat(), asked_b.date().isoformat()) == ("2023-06-21", "2024-03-03")
+    assert accessed_a is None
+    neutral_a, accessed = clock([first, second], first, "neutral")
+    assert neutral_a == accessed == asked_b
+
+
+def test_variants_include_the_product_and_the_seed_scoring() -> None:
+    """The product variant is the shipped settings exactly over turns and facts, ranked as the block holds them;
+    ``minmax`` is the seed's scoring."""
+    chosen = {v.name: v for v in variants()}
+    product = chosen["product"]
+    assert product.settings == RetrievalSettings()
+    assert (product.corpus, product.block) == ("context+observations", True)
+    assert chosen["minmax"].settings.scoring == "minmax"
 
 
 def test_metrics_of_a_known_ranking() -> None:

@@ -7,7 +7,8 @@ from datetime import date
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.query import build_query, is_anaphoric, query_dates, query_days, stem, terms
+from proxy.memory.keyword import stem_analyzer, word_analyzer
+from proxy.memory.query import build_query, is_anaphoric, query_dates, query_days, stem, terms, words
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:
@@ -91,6 +92,31 @@ def test_stem_makes_inflections_agree() -> None:
     assert stem("hiking") == stem("hikes") == stem("hiked") == stem("hike")
     assert stem("stories") == stem("story")
     assert stem("glass") == "glass"
+
+
+# Inflections, irregulars, Porter2 special cases, accents, apostrophes, digits: words the light stemmer
+# and Tantivy's disagreed on, and words they agreed on.
+WORD_LIST = (  # noqa: SIM905 - a word list reads best as text
+    "running runs ran runner studied studies studying study hiking hikes hiked hike stories story glass "
+    "classes generously generate generation organisation organization happily happiness cats caresses ponies "
+    "ties caress dying lying skies news innings proceed exceed succeed arsenal universal universe agreed "
+    "feed bled sing singing wrote written gardening gardens painted painting paintings photographs "
+    "photography café naïve zürich 2023 3rd adopted adoption volunteering volunteered fitness marathon"
+).split()
+
+
+def test_stems_are_the_keyword_index_stems() -> None:
+    """The read path stems every word of a list exactly as the keyword index's ``text_stem`` field does."""
+    index = stem_analyzer()
+    for word in WORD_LIST:
+        assert [stem(word)] == index.analyze(word), word
+    assert (stem("running"), stem("studied")) == ("run", "studi")
+
+
+def test_words_are_the_keyword_index_words() -> None:
+    """Query words split text exactly as the index's ``text`` field (Hindi vowel signs, underscores included)."""
+    for text in ("Maya's snake_case note: hiking in Zürich!", "हिन्दी भाषा", "東京大学に行った", "x" * 50 + " ok"):
+        assert words(text) == word_analyzer().analyze(text)
 
 
 def test_query_dates_reads_months_and_years() -> None:

@@ -296,7 +296,8 @@ async def test_subject_fusion_lifts_linked_memories(store: MemoryStore, embedder
         user_id="maya", kind=Kind.SUBJECT, text="guitar music", subject_kind="topic", source_ids=(linked.id,)
     )
     await store.add([linked, other, subject])
-    result = await retrieve(store, embedder, _ask("guitar music gear I bought"), "maya", _settings(), NOW)
+    settings = _settings(subject_weight=0.4)  # off by default
+    result = await retrieve(store, embedder, _ask("guitar music gear I bought"), "maya", settings, NOW)
     by_id = {c.id: c for c in result.candidates}
     assert by_id[linked.id].boosts.get("subject", 0.0) > 0.0
     assert "subject" not in by_id[other.id].boosts
@@ -326,8 +327,8 @@ async def test_subject_search_is_skipped_once_the_user_is_known_to_have_no_subje
     cache = ReadCache(ttl_s=3600)
     question = _ask("Which records does Maya collect?")
     spy = PoolSpy(store)
-    first = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
-    later = await retrieve(spy, embedder, question, "maya", _settings(), NOW, names=cache)
+    first = await retrieve(spy, embedder, question, "maya", _settings(subject_weight=0.4), NOW, names=cache)
+    later = await retrieve(spy, embedder, question, "maya", _settings(subject_weight=0.4), NOW, names=cache)
     first_kinds, later_kinds = ({k for pool in pools for k in pool.kinds} for pools in spy.vector_pools)
     assert Kind.SUBJECT in first_kinds
     assert Kind.SUBJECT not in later_kinds
@@ -405,7 +406,7 @@ def test_plan_caps_facts_and_past_by_settings() -> None:
     """Only the best max_facts facts and max_past turns become items, scaled into [0, 1]."""
     facts = [_candidate(_fact("maya", f"fact {i}"), 3.0 - i / 10) for i in range(5)]
     turns = [_candidate(_turn("maya", f"turn {i}", "c1"), 2.0 - i / 10) for i in range(5)]
-    settings = _settings(max_facts=2, max_past=1)
+    settings = _settings(max_facts=2, max_past=1, scoring="minmax")  # totals up to 3, the sum of its weights
     items = plan_items([*facts, *turns], [], [], NOW, settings)
     assert [(i.section, i.text) for i in items] == [
         (Section.ABOUT_USER, "fact 0"),
@@ -413,6 +414,12 @@ def test_plan_caps_facts_and_past_by_settings() -> None:
         (Section.PAST, "turn 0"),
     ]
     assert items[0].score == pytest.approx(1.0)
+
+
+def test_plan_keeps_bounded_scores_as_they_are() -> None:
+    """With the default scoring, final scores are already in [0, 1] and become item scores unchanged."""
+    items = plan_items([_candidate(_fact("maya", "fact"), 0.8)], [], [], NOW, _settings())
+    assert [i.score for i in items] == [pytest.approx(0.8)]
 
 
 def test_summary_cooldown_skips_a_summary_injected_minutes_ago() -> None:
@@ -432,7 +439,7 @@ def test_summary_cooldown_skips_a_summary_injected_minutes_ago() -> None:
 def test_recent_message_that_is_also_relevant_is_listed_once() -> None:
     """A relevant message from another chat appears under recent activity only, with its better score."""
     turn = _turn("maya", "Printer ink is so expensive", "c1", days_ago=0.5)
-    items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings())
+    items = plan_items([_candidate(turn, 3.0)], [], [turn], NOW, _settings(scoring="minmax"))
     assert [(i.section, i.score) for i in items] == [(Section.RECENT, pytest.approx(1.0))]
 
 

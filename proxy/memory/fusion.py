@@ -16,13 +16,12 @@ import functools
 import itertools
 import math
 import operator
-import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import date, timedelta
 from typing import NamedTuple, Protocol
 
-from proxy.memory.query import STOPWORDS, Query, has_cjk, query_dates, query_days, stem, stems, words
+from proxy.memory.query import STOPWORDS, Query, cased_words, has_cjk, query_dates, query_days, stem, stems, words
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
 
@@ -274,11 +273,8 @@ def written_names(text: str) -> frozenset[str]:
     Crude on purpose, and cheap enough to run over every candidate of a request: a sentence-initial word
     ("Yesterday") counts too, which costs little, since only words the query also holds are ever used.
     """
-    tokens = (t.lower() for t in _WORD.findall(text) if t[0].isupper())
+    tokens = (t.lower() for t in cased_words(text) if t[0].isupper())
     return frozenset(t for t in tokens if _usable_name(t) and t not in STOPWORDS)
-
-
-_WORD = re.compile(r"\w+", re.UNICODE)  # as ``query.words`` tokenises, so that query words and names agree
 
 
 def text_name_scores(query_text: str, records: Iterable[MemoryRecord]) -> dict[str, float]:

@@ -14,11 +14,13 @@ first message with role ``system``.
 Budget: items are first cut to ``max_item_tokens`` (the excerpt holding most query terms), items already
 present in the conversation are left out, then the lowest-scored items are dropped until the whole block
 (preamble included) fits ``budget_tokens``. Token counts are estimates (``estimate_tokens``), no tokenizer
-download: ASCII letter runs cost one token per 6 letters (rounded up), digit runs one per 3, each CJK
-character one, other letter runs one per 3 characters, every other visible character one (two outside the
-Basic Multilingual Plane, e.g. emoji), whitespace nothing. On 2,000 LoCoMo turns this over-counts cl100k
-by 12% and o200k by 16% (per turn: 0.95-1.24x cl100k, 5th-95th percentile), so the budget is conservative
-for English; Chinese can run ~1.5x over it with cl100k (o200k: under).
+at run time, meant as an upper bound of the common chat tokenizers (cl100k, o200k, DeepSeek's) for every
+script: ASCII letter runs cost one token per 6 letters (rounded up), digit runs one per 3, CJK characters
+(Han, kana, Hangul) 8 per 5, Cyrillic, Greek and accented Latin letters 3 per 4, letters (and combining
+marks) of every other script 5 per 4, every other visible character one (four outside the Basic
+Multilingual Plane, e.g. emoji), whitespace nothing. English is over-counted by about a fifth; Chinese,
+Korean, Japanese, Arabic, Hindi, Thai, Russian and emoji text stay at or above the real counts
+(``tests/test_injection_tokens.py`` checks them against the real tokenizers).
 """
 
 from __future__ import annotations
@@ -97,27 +99,37 @@ class Injection:
 
 # --- token estimate ---------------------------------------------------------------------------------------
 
-_CJK_CLASS = "\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_CJK_CLASS = "\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
+_EUROPEAN = "\u00c0-\u024f\u0370-\u052f"  # accented Latin, Greek, Cyrillic
+_MARKS = (  # combining marks (not word characters to ``re``) and the Indic and Thai blocks, counted as letters
+    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed"
+    "\u0900-\u0dff\u0e31-\u0e4e"
+)
+_WORD_LETTER = r"(?=[^\W\d_])"  # the next character is a letter (a word character, not a digit or "_")
 _LATIN = re.compile(r"[A-Za-z]+")
 _DIGITS = re.compile(r"\d+")
-_CJK_CHAR = re.compile(rf"[{_CJK_CLASS}]")
-_LETTERS = re.compile(rf"[^\W\d_A-Za-z{_CJK_CLASS}]+")
-_OTHER = re.compile(r"[^\w\s]|_")
+_CJK_RUN = re.compile(rf"(?:{_WORD_LETTER}[{_CJK_CLASS}])+")
+_EUROPEAN_RUN = re.compile(rf"(?:{_WORD_LETTER}[{_EUROPEAN}])+")
+_LETTERS = re.compile(rf"(?:[^\W\d_A-Za-z{_CJK_CLASS}{_EUROPEAN}]|(?!\d)[{_MARKS}])+")
+_OTHER = re.compile(rf"[^\w\s{_MARKS}]|_")
 _ASTRAL_OTHER = re.compile(r"[^\w\s\x00-\uffff]")
 
 
 def estimate_tokens(text: str) -> int:
     """A cheap, tokenizer-free estimate of how many tokens ``text`` costs (see the module docstring).
 
-    Word characters split into ASCII letter runs, digit runs, CJK characters and other letter runs; every
-    other non-space character is one piece. The classes do not overlap, so each is counted on its own.
+    Word characters split into ASCII letter runs, digit runs, CJK runs, European letter runs and runs of
+    other letters with their combining marks; every other non-space character is one piece (four outside the
+    BMP). The classes do not overlap, so each is counted on its own, and the total adds up over
+    whitespace-separated parts.
     """
     latin = sum((len(run) + 5) // 6 for run in _LATIN.findall(text))
     digits = sum((len(run) + 2) // 3 for run in _DIGITS.findall(text))
-    letters = sum((len(run) + 2) // 3 for run in _LETTERS.findall(text))
-    cjk = len(_CJK_CHAR.findall(text))
-    other = len(_OTHER.findall(text)) + len(_ASTRAL_OTHER.findall(text))
-    return latin + digits + letters + cjk + other
+    cjk = sum((8 * len(run) + 4) // 5 for run in _CJK_RUN.findall(text))
+    european = sum((3 * len(run) + 3) // 4 for run in _EUROPEAN_RUN.findall(text))
+    letters = sum((5 * len(run) + 3) // 4 for run in _LETTERS.findall(text))
+    other = len(_OTHER.findall(text)) + 3 * len(_ASTRAL_OTHER.findall(text))
+    return latin + digits + cjk + european + letters + other
 
 
 # --- quoting ----------------------------------------------------------------------------------------------

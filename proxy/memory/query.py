@@ -4,20 +4,33 @@ The query is the latest user message; when that message is short or leans on wha
 ("and her?", "what about that one"), the previous user turn is put in front of it so the arms have
 something to match. ``terms`` is the one tokeniser of the read path (keyword gating, entity names,
 excerpts): lowercase word tokens with a small English stop list, CJK runs as overlapping bigrams like the
-store's CJK field, and ``stem`` a deliberately light suffix stripper used only to compare words.
+store's CJK field.
+
+One analysis of words, the keyword index's own: ``words`` is Tantivy's ``simple`` tokenizer with long tokens
+removed and lowercasing (the index's ``text`` field), and ``stem`` is Tantivy's English Snowball stemmer (the
+index's ``text_stem`` field: "running" -> "run", "studied" -> "studi"), both run by Tantivy itself, so that
+what the read path calls a word or a stem is exactly what BM25 matched.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import date
 from typing import Any
 
+from tantivy import Filter, TextAnalyzerBuilder, Tokenizer
+
 from proxy.memory.text_cap import MAX_QUERY_CHARS, cap_text
 
-_WORD = re.compile(r"\w+", re.UNICODE)
+MAX_TOKEN_CHARS = 40  # as the keyword index: longer tokens are dropped
+_CASED_WORDS = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS)).build()
+_WORDS = (
+    TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS)).filter(Filter.lowercase())
+).build()
+_STEMMER = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.stemmer("english")).build()
 _CJK = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]")
 _CJK_RUN = re.compile(r"[\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff]+")
 
@@ -72,17 +85,19 @@ def has_cjk(text: str) -> bool:
 
 
 def words(text: str) -> list[str]:
-    """Lowercase word tokens (no stop list, no bigrams), as names and excerpts see them."""
-    return _WORD.findall(text.lower())
+    """Lowercase word tokens (no stop list, no bigrams), as the keyword index's ``text`` field sees them."""
+    return list(_WORDS.analyze(text))
 
 
+def cased_words(text: str) -> list[str]:
+    """The same tokens as ``words`` with their case kept (to tell names written with a capital)."""
+    return list(_CASED_WORDS.analyze(text))
+
+
+@functools.lru_cache(maxsize=65_536)  # a vocabulary is small; every request stems the same words again
 def stem(word: str) -> str:
-    """A light suffix-stripped form used only to compare words ("hiking", "hikes" and "hike" agree)."""
-    for suffix in ("ies", "ing", "ed", "es", "s"):
-        if word.endswith(suffix) and len(word) - len(suffix) >= 3 and not word.endswith("ss"):
-            word = word[: -len(suffix)] + ("y" if suffix == "ies" else "")
-            break
-    return word[:-1] if len(word) > 3 and word.endswith("e") else word
+    """The index's Snowball (Porter2) English stem of one lowercase word ("hiking", "hikes", "hike" -> "hike")."""
+    return "".join(_STEMMER.analyze(word)) or word
 
 
 def _cjk_bigrams(run: str) -> list[str]:

@@ -56,7 +56,7 @@ from proxy.memory.records import Kind, MemoryRecord, Pool
 from proxy.memory.rerank import ARM as RERANK
 from proxy.memory.rerank import Reranker
 from proxy.memory.retrieval_settings import RetrievalSettings
-from proxy.memory.scoring import recency, score_candidates
+from proxy.memory.scoring import final_scale, recency, score_candidates
 
 __all__ = [
     "INSIGHT_PRIORITY",
@@ -321,7 +321,7 @@ def plan_items(
 ) -> list[MemoryItem]:
     """The block items before the budget: top facts, top past turns/summaries, insights, recent messages.
 
-    Candidates score their final score over the sum of the scoring weights (so [0, 1]); insights
+    Candidates score their final score scaled to [0, 1] (``scoring.final_scale``); insights
     ``INSIGHT_PRIORITY`` x confidence; recent messages ``RECENT_PRIORITY`` x recency, or their candidate
     score when higher (a recent message that is also relevant is listed once, under recent activity). The
     injection budget drops the lowest of these first. Records the screens flagged are never among them.
@@ -329,8 +329,7 @@ def plan_items(
     candidates = [c for c in candidates if c.record.flagged is None]  # flagged by the screens: never injected
     insights = [r for r in insights if r.flagged is None]
     recent = [r for r in recent if r.flagged is None]
-    total = settings.relevance_weight + settings.recency_weight + settings.importance_weight
-    scale = 1.0 / total if total > 0 else 1.0
+    scale = final_scale(settings)
     relevance = {c.id: c.final * scale for c in candidates}
     recent_ids = {r.id for r in recent}
     facts = [c for c in candidates if c.record.kind is Kind.FACT][: settings.max_facts]

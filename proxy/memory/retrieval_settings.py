@@ -42,20 +42,27 @@ class RetrievalSettings(BaseModel):
     gating: bool = False
     gating_top_n: int = Field(5, ge=1)  # BM25 results inspected by the gate
     gating_min_term_fraction: float = Field(0.5, ge=0, le=1)
-    # subject fusion: score += subject_weight * max cos(q, s) over the memory's subjects in the top-N
-    subject_weight: float = Field(0.4, ge=0)  # 0 turns it off
+    # subject fusion: score += subject_weight * max cos(q, s) over the memory's subjects in the top-N; off by
+    # default: with the subjects the write path creates, 0.4 cost LoCoMo R@10 0.022 (tune) / 0.013 (test), and
+    # the entity arm already brings in the memories of a subject the query names
+    subject_weight: float = Field(0.0, ge=0)  # 0 turns it off
     subject_top_n: int = Field(40, ge=1)
     # general boosts from the calibration (all additive; 0 turns each off; tuned with bench/locomo.py)
     neighbour_weight: float = Field(0.5, ge=0)  # + a * best adjacent turn's fused score
     neighbour_window_s: float = Field(60.0, ge=0)  # turns this close in one conversation are adjacent
     date_weight: float = Field(0.3, ge=0)  # + w when a memory's date matches a month/year the query names
     day_weight: float = Field(0.5, ge=0)  # + w more when it is within a day of a whole day the query names
-    # scoring: relevance + recency + importance, each min-max normalised across the candidates
+    # scoring (see proxy/memory/scoring.py): "bounded" = relevance x a bounded bonus for being new and
+    # important; "minmax" = the seed's sum of min-max normalised relevance, recency and importance
     max_candidates: int = Field(100, ge=1)  # the most relevant this many (after fusion and boosts) are scored
-    relevance_weight: float = Field(1.0, ge=0)
-    recency_weight: float = Field(1.0, ge=0)
-    importance_weight: float = Field(1.0, ge=0)
-    recency_decay: float = Field(0.995, gt=0, le=1)  # per hour since last access (or creation)
+    scoring: Literal["bounded", "minmax"] = "bounded"
+    recency_bonus: float = Field(0.2, ge=0)  # bounded: x (1 + this) for a fact created just now
+    recency_half_life_days: float = Field(30.0, gt=0)  # bounded: the recency bonus halves every this many days
+    importance_bonus: float = Field(0.0, ge=0, le=1)  # bounded: x (1 + this x (importance - 5) / 5)
+    relevance_weight: float = Field(1.0, ge=0)  # minmax only
+    recency_weight: float = Field(1.0, ge=0)  # minmax only
+    importance_weight: float = Field(1.0, ge=0)  # minmax only
+    recency_decay: float = Field(0.995, gt=0, le=1)  # minmax, and recent messages: per hour since last access
     # what gets injected
     max_facts: int = Field(8, ge=0)
     max_past: int = Field(6, ge=0)  # relevant past turns and summaries

@@ -9,7 +9,8 @@ One finished chat becomes one durable ``exchange`` job (``Writer.record``). Its 
   and enqueues the ``facts`` job of the exchange.
 - ``facts``: the memory-side model extracts facts, the screens of ``extraction`` drop what must not be
   stored, and each remaining fact is reconciled with the user's nearest valid facts (add, supersede,
-  invalidate or skip as duplicate). Then a debounced ``insights`` job is enqueued (consumed by the insights module).
+  invalidate or skip as duplicate), and the subject records of the names it carries follow (``subjects``).
+  Then a debounced ``insights`` job is enqueued (consumed by the insights module).
 - ``summary``: summarises the conversation's turns not yet summarised into one rolling summary per
   conversation (the previous one is superseded, kept as history).
 
@@ -53,6 +54,7 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
+from proxy.memory.subjects import SubjectLinker
 from proxy.memory.tool_turns import tool_turn_texts
 
 log = structlog.get_logger("memproxy.writer")
@@ -221,6 +223,7 @@ class Writer:
         self._store = store
         self._queue = queue
         self._extractor = extractor
+        self._subjects = SubjectLinker(store)  # subject records follow the facts (see ``subjects``)
 
     def handlers(self) -> dict[str, Handler]:
         """The job kinds this writer handles, for the ``JobRunner``."""
@@ -368,12 +371,17 @@ class Writer:
         return record.replace(text=outcome.fact.text)
 
     async def _apply(self, user_id: str, plan: Plan, record: MemoryRecord) -> None:
+        # Subjects are linked before the fact is stored: once a fact can be found, so can its subjects.
         if plan.action == "add":
+            await self._subjects.link(record)
             await self._store.add([record])
         elif plan.action == "supersede" and plan.target_id is not None:
+            await self._subjects.link(record)
             await self._store.supersede(user_id, plan.target_id, record)
+            await self._subjects.unlink(user_id, plan.target_id)
         elif plan.action == "invalidate" and plan.target_id is not None:
             await self._store.update(user_id, plan.target_id, valid=False)
+            await self._subjects.unlink(user_id, plan.target_id)
         log.info("memory.fact", action=plan.action, fact_id=record.id, target_id=plan.target_id)
 
     # ---------------------------------------------------------------------------------------- summary
