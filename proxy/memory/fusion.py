@@ -85,11 +85,15 @@ class Fusion:
 
 
 def min_max(values: Sequence[float]) -> list[float]:
-    """Values mapped onto [0, 1] by min-max; when all are equal, every value maps to 1."""
+    """Values mapped onto [0, 1] by min-max; when all are equal, every value maps to 1.
+
+    "Equal" is relative (1e-6, about float32's precision, in which Tantivy scores): two hits with the same
+    BM25 score up to rounding must not become a whole point apart.
+    """
     if not values:
         return []
     low, high = min(values), max(values)
-    if high - low <= 1e-12:
+    if high - low <= max(1e-12, 1e-6 * max(abs(high), abs(low))):
         return [1.0] * len(values)
     return [(v - low) / (high - low) for v in values]
 
