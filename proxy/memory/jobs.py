@@ -223,6 +223,16 @@ UPDATE jobs SET
 WHERE state = 'running' AND (lease_until < :now OR lease_owner != :owner)
 """
 
+# A debounced job taken back from a dead worker meets the pending job its key gained meanwhile: the taken-back
+# one (it holds the progress) stays, the pending one goes (both do the same thing, from the same state).
+_MERGE_ORPHANED_DEBOUNCE = """
+DELETE FROM jobs
+WHERE state = 'pending' AND dedupe_key IS NOT NULL AND EXISTS (
+    SELECT 1 FROM jobs AS r
+    WHERE r.state = 'running' AND r.user_id = jobs.user_id AND r.kind = jobs.kind AND r.dedupe_key = jobs.dedupe_key
+      AND r.attempts < :max AND (r.lease_until < :now OR r.lease_owner != :owner))
+"""
+
 _GAUGES = """
 SELECT
     COALESCE(SUM(state = 'pending' AND run_after <= :now), 0),
@@ -324,7 +334,9 @@ class _Db:
     def reclaim_orphans(self, owner: str, now: float) -> int:
         """Take back jobs left running by a process that is gone (we hold the lock, so all of them)."""
         with self.txn() as c:
-            cur = c.execute(_EXPIRE_LEASES, {"max": self.settings.max_attempts, "now": now, "owner": owner})
+            params = {"max": self.settings.max_attempts, "now": now, "owner": owner}
+            c.execute(_MERGE_ORPHANED_DEBOUNCE, params)
+            cur = c.execute(_EXPIRE_LEASES, params)
             return cur.rowcount
 
     def claim(self, limits: Mapping[str, int], owner: str, now: float) -> tuple[list[sqlite3.Row], float]:
@@ -351,6 +363,10 @@ class _Db:
         return picked, float(nxt) if nxt is not None else float("inf")
 
     def _expire(self, c: sqlite3.Connection, owner: str, now: float) -> None:
+        c.execute(
+            _MERGE_ORPHANED_DEBOUNCE.replace("OR r.lease_owner != :owner", ""),
+            {"max": self.settings.max_attempts, "now": now},
+        )
         c.execute(
             _EXPIRE_LEASES.replace("OR lease_owner != :owner", ""),
             {"max": self.settings.max_attempts, "now": now},
