@@ -410,7 +410,8 @@ async def test_summary_after_enough_new_turns_rolls_forward(tmp_path: Path, llm:
     assert (current[0].start_at, current[0].end_at) == (turns[0].created_at, turns[-1].created_at)
     second_call = user_payload(llm.calls("memory_summary")[1])
     assert second_call["previous_summary"] == "The user planned a trip to Rome."
-    assert [t["text"] for t in second_call["turns"]] == ["Book a hotel", "Sure.", "Near the Pantheon", "Sure."]
+    turns = ["user: Book a hotel", "assistant: Sure.", "user: Near the Pantheon", "assistant: Sure."]
+    assert second_call["turns"] == turns
 
 
 async def test_idle_conversation_is_summarised(tmp_path: Path, llm: FakeLLM) -> None:

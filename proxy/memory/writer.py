@@ -68,22 +68,25 @@ class WriterSettings(BaseModel):
 
     model: str | None = None  # None: the model (and so the route) of the chat that produced the exchange
     summary_idle_s: float = Field(default=1800.0, gt=0)
-    summary_max_new_turns: int = Field(default=20, ge=1)
+    summary_max_new_turns: int = Field(default=40, ge=1)
     summary_max_turns_per_call: int = Field(default=60, ge=2)
     insights_debounce_s: float = Field(default=900.0, ge=0)
-    reconcile_neighbours: int = Field(default=5, ge=1, le=20)
-    reconcile_min_similarity: float = Field(default=0.3, ge=-1.0, le=1.0)
+    reconcile_neighbours: int = Field(default=3, ge=1, le=20)
+    # MiniLM: an update of a fact scores >= 0.6 against it ("lives in London" / "moved to Paris" 0.60), unrelated
+    # facts of one user ~0.27 ("likes jazz" / "has a dog"); LoCoMo's facts of one speaker: 98% >= 0.5
+    reconcile_min_similarity: float = Field(default=0.5, ge=-1.0, le=1.0)
     # a turn's vector: unit (1 - w) * its own + w * (previous turn + it); 0 embeds each turn alone. 0.5 lifted
     # LoCoMo evidence recall@10 from 0.718 to 0.730 (bench/locomo.py, "+context"), at twice the embedding work
     context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
     # a conversation is summarised only once it has this many turns (a one-message chat needs no summary)
     summary_min_turns: int = Field(default=8, ge=1)
     # facts are extracted over a window of a user's exchanges: one call once this many wait...
-    facts_window_exchanges: int = Field(default=8, ge=1)
-    # ...or this long after the first of them
-    facts_window_wait_s: float = Field(default=5.0, ge=0.0)
+    facts_window_exchanges: int = Field(default=10, ge=1)
+    # ...or this long after the first of them (turns are searchable at once; facts wait at most this long). A chat
+    # sends a message every 10-60 s: 5 s makes windows of one exchange, i.e. a call per message
+    facts_window_wait_s: float = Field(default=20.0, ge=0.0)
     # characters of each assistant reply shown to extraction (context only)
-    facts_reply_chars: int = Field(default=300, ge=0)
+    facts_reply_chars: int = Field(default=120, ge=0)
     # exchanges whose user messages pass no cheap local check (proxy/memory/prefilter.py) skip extraction
     prefilter: bool = True
     prefilter_min_words: int = Field(default=DEFAULT_MIN_WORDS, ge=1)
@@ -188,17 +191,15 @@ def window_item(job_id: str, p: ExchangePayload, source_ids: Sequence[str], repl
     """What the facts window keeps of one exchange (the reply cut to what extraction is shown)."""
     return {
         "job": job_id, "conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id,
-        "user_messages": list(p.user_messages), "reply": p.reply[:reply_chars], "finished_at": p.finished_at,
+        "user_messages": list(p.user_messages), "reply": p.reply[:reply_chars], "added_at": time.time(),
         "source_ids": list(source_ids),
     }  # fmt: skip
 
 
-def _add_to_window(item: dict[str, Any], now: float) -> Any:
+def _add_to_window(item: dict[str, Any]) -> Any:
     def update(state: dict[str, Any] | None) -> dict[str, Any]:
-        state = state or {"items": [], "jobs": [], "first_at": now}
+        state = state or {"items": [], "jobs": []}
         if item["job"] not in state["jobs"]:
-            if not state["items"]:
-                state["first_at"] = now
             state["items"] = [*state["items"], item][-_MAX_PENDING_TURNS:]
             state["jobs"] = [*state["jobs"], item["job"]][-200:]
         return state
@@ -206,15 +207,33 @@ def _add_to_window(item: dict[str, Any], now: float) -> Any:
     return update
 
 
-def _taken_from_window(jobs: Sequence[str]) -> Any:
+def _take_window(job_id: str, size: int) -> Any:
+    """Mark the oldest ``size`` exchanges no job has taken as taken by ``job_id`` (a retry finds its own)."""
+
     def update(state: dict[str, Any] | None) -> dict[str, Any]:
-        state = state or {"items": [], "jobs": [], "first_at": 0.0}
-        done = set(jobs)
-        items = [item for item in state["items"] if item["job"] not in done]
-        first_at = min((item["finished_at"] for item in items), default=0.0)
-        return {**state, "items": items, "first_at": first_at}
+        state = state or {"items": [], "jobs": []}
+        free = size - sum(1 for item in state["items"] if item.get("taken_by") == job_id)
+        items = []
+        for item in state["items"]:
+            if free > 0 and not item.get("taken_by"):
+                item, free = {**item, "taken_by": job_id}, free - 1
+            items.append(item)
+        return {**state, "items": items}
 
     return update
+
+
+def _done_with_window(job_id: str) -> Any:
+    def update(state: dict[str, Any] | None) -> dict[str, Any]:
+        state = state or {"items": [], "jobs": []}
+        return {**state, "items": [item for item in state["items"] if item.get("taken_by") != job_id]}
+
+    return update
+
+
+def untaken(state: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The window's exchanges that no facts job has taken yet."""
+    return [item for item in (state or {}).get("items", []) if not item.get("taken_by")]
 
 
 def _add_pending(job_id: str, turn_ids: Sequence[str]) -> Any:
@@ -281,14 +300,16 @@ class Writer:
     async def _add_to_window(self, job: Job, p: ExchangePayload, source_ids: Sequence[str]) -> None:
         """Queue the exchange for extraction: due when the window is full or ``facts_window_wait_s`` after its first."""
         item = window_item(job.id, p, source_ids, self.settings.facts_reply_chars)
-        state = await self._queue.update_state(job.user_id, WINDOW_KEY, _add_to_window(item, time.time()))
+        state = await self._queue.update_state(job.user_id, WINDOW_KEY, _add_to_window(item))
         await self._enqueue_window(job.user_id, state, p.model, p.request_id)
 
     async def _enqueue_window(self, user_id: str, state: Mapping[str, Any] | None, model: str, request_id: Any) -> None:
-        if not state or not state["items"]:
+        waiting = untaken(state)
+        if not waiting:
             return
-        full = len(state["items"]) >= self.settings.facts_window_exchanges
-        run_after = time.time() if full else float(state["first_at"]) + self.settings.facts_window_wait_s
+        full = len(waiting) >= self.settings.facts_window_exchanges
+        first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
+        run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
         payload = {"model": model, "request_id": request_id}
         await self._queue.enqueue("facts", user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after)
 
@@ -348,8 +369,9 @@ class Writer:
             p = _parse(FactsPayload, job.payload)
             items = [window_item(job.id, p, p.source_ids, self.settings.facts_reply_chars)]
         else:
-            state = await self._queue.get_state(job.user_id, WINDOW_KEY) or {}
-            items = list(state.get("items", []))[: self.settings.facts_window_exchanges]
+            taken = _take_window(job.id, self.settings.facts_window_exchanges)
+            state = await self._queue.update_state(job.user_id, WINDOW_KEY, taken) or {}
+            items = [item for item in state.get("items", []) if item.get("taken_by") == job.id]
         await job.checkpoint("window", items)
         return items
 
@@ -358,8 +380,7 @@ class Writer:
         model = self._model_of(items[-1])
         request_id = items[-1].get("request_id")
         if "user_messages" not in job.payload:
-            taken = _taken_from_window([item["job"] for item in items])
-            state = await self._queue.update_state(job.user_id, WINDOW_KEY, taken)
+            state = await self._queue.update_state(job.user_id, WINDOW_KEY, _done_with_window(job.id))
             await self._enqueue_window(job.user_id, state, str(items[-1]["model"]), request_id)
         payload = {"reason": "exchange", "model": model, "request_id": request_id}
         run_after = time.time() + self.settings.insights_debounce_s
