@@ -116,3 +116,37 @@ async def test_reconcile_needs_no_model_when_nothing_is_near(tmp_path: Path) -> 
         ["The user has a beagle named Rex", "The user's sister lives in Oslo",
          "The user's sister lives in Oslo with her husband", "The user works night shifts as a nurse"]
     )  # fmt: skip
+
+
+def item_facts(name: str, body: dict[str, Any]) -> Any:
+    """One fact per "I own item number N" message, naming its exchange; everything is new."""
+    if name == "memory_facts":
+        found = window_user_messages(body)
+        return facts(*[fact(text.replace("I own", "The user owns"), exchange=n) for n, text in found])
+    if name == "memory_reconcile_many":
+        return {"decisions": []}
+    return decision("ADD")
+
+
+async def test_many_exchanges_are_each_stored_once_and_searchable(tmp_path: Path) -> None:
+    """A burst of 60 exchanges from 6 users: every turn stored once and found by keyword, every fact once, in
+    windows (far fewer extraction calls than exchanges)."""
+    settings = {"facts_window_exchanges": 5, "facts_window_wait_s": 1.0}
+    async with FakeLLM(item_facts) as llm, running(tmp_path, llm, **settings) as h:
+        chats = [h.chat(f"I own item number {n}", user=f"u{n % 6}", reply=f"Reply {n}") for n in range(60)]
+        await asyncio.gather(*chats)
+        await h.settle(within_s=60)
+        deadline = time.monotonic() + 20
+        while sum([len(await h.facts(f"u{u}")) for u in range(6)]) < 60:
+            assert time.monotonic() < deadline, "facts missing"
+            await asyncio.sleep(0.1)
+        await h.settle(within_s=60)
+        records = [r for u in range(6) for r in (await h.store.list(f"u{u}", limit=500, include_invalid=True)).data]
+        found = [await h.store.keyword_search(f"u{n % 6}", f"item number {n}", 3, kinds=[Kind.TURN]) for n in range(60)]
+    texts = sorted(r.text for r in records)
+    assert texts == sorted(
+        [f"I own item number {n}" for n in range(60)] + [f"Reply {n}" for n in range(60)]
+        + [f"The user owns item number {n}" for n in range(60)]
+    )  # fmt: skip
+    assert all(any(hit.record.text == f"I own item number {n}" for hit in hits) for n, hits in enumerate(found))
+    assert len(llm.calls("memory_facts")) <= 30  # windows of 5, cut short by the 1 s wait on a slow machine

@@ -300,8 +300,8 @@ class _Db:
             if durable:
                 self.c.execute("PRAGMA synchronous=NORMAL")
 
-    def enqueue(self, row: JSON, job_id: str | None) -> str:
-        with self.txn(durable=True) as c:
+    def enqueue(self, row: JSON, job_id: str | None, durable: bool = True) -> str:
+        with self.txn(durable=durable) as c:
             if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
                 return job_id
             if row["dedupe_key"] is not None:
@@ -528,11 +528,15 @@ class JobQueue:
         dedupe_key: str | None = None,
         run_after: float | None = None,
         job_id: str | None = None,
+        durable: bool = True,
     ) -> str:
         """Add a job and return its id once the commit is durable.
 
         ``dedupe_key`` debounces (see the module doc); ``job_id`` makes the enqueue idempotent: if a job with
         that id exists (in any state, including done within ``done_retention_s``) nothing is added.
+        ``durable=False`` skips the fsync: for a follow-up enqueued by a running job, whose own completion is
+        committed later in the same write-ahead log (a power cut that loses the follow-up loses that
+        completion too, and the job runs again).
         """
         now = time.time()
         row = {
@@ -544,7 +548,7 @@ class JobQueue:
             "run_after": now if run_after is None else run_after,
             "now": now,
         }
-        new_id = await self._call(self._db.enqueue, row, job_id)
+        new_id = await self._call(self._db.enqueue, row, job_id, durable)
         self.wakeup.set()
         return new_id
 

@@ -311,7 +311,7 @@ class Writer:
         first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
         run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
         payload = {"model": model, "request_id": request_id}
-        await self._queue.enqueue("facts", user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after)
+        await self._queue.enqueue("facts", user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after, durable=False)
 
     async def _with_context(
         self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
@@ -341,7 +341,7 @@ class Writer:
         due_now = len(state["pending"]) >= self.settings.summary_max_new_turns
         run_after = time.time() + (0.0 if due_now else self.settings.summary_idle_s)
         payload = {"conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id}
-        await self._queue.enqueue("summary", job.user_id, payload, dedupe_key=key, run_after=run_after)
+        await self._queue.enqueue("summary", job.user_id, payload, dedupe_key=key, run_after=run_after, durable=False)
 
     # ------------------------------------------------------------------------------------------ facts
 
@@ -384,7 +384,9 @@ class Writer:
             await self._enqueue_window(job.user_id, state, str(items[-1]["model"]), request_id)
         payload = {"reason": "exchange", "model": model, "request_id": request_id}
         run_after = time.time() + self.settings.insights_debounce_s
-        await self._queue.enqueue("insights", job.user_id, payload, dedupe_key="insights", run_after=run_after)
+        await self._queue.enqueue(
+            "insights", job.user_id, payload, dedupe_key="insights", run_after=run_after, durable=False
+        )
 
     def _model_of(self, item: Mapping[str, Any]) -> str:
         return self.settings.model or str(item["model"])
@@ -526,7 +528,7 @@ class Writer:
                 return
         after = await self._queue.update_state(job.user_id, key, _summarised(pending, summary_id))
         if after and len(after["pending"]) >= self.settings.summary_max_new_turns:
-            await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key)
+            await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key, durable=False)
 
     async def _summarise(
         self, job: Job, conversation_id: str, pending: Sequence[str], previous_id: str | None, summary_id: str
