@@ -78,7 +78,8 @@ class WriterSettings(BaseModel):
     # a turn's vector: unit (1 - w) * its own + w * (previous turn + it); 0 embeds each turn alone. 0.5 lifted
     # LoCoMo evidence recall@10 from 0.718 to 0.730 (bench/locomo.py, "+context"), at twice the embedding work
     context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
-    # a conversation is summarised only once it has this many turns (a one-message chat needs no summary)
+    # a conversation is (re-)summarised only once this many of its turns are not in its summary yet (a one-message
+    # chat needs none; a short tail stays as turns, which are searchable themselves)
     summary_min_turns: int = Field(default=8, ge=1)
     # facts are extracted over a window of a user's exchanges: one call once this many wait...
     facts_window_exchanges: int = Field(default=10, ge=1)
@@ -242,7 +243,6 @@ def _add_pending(job_id: str, turn_ids: Sequence[str]) -> Any:
         if job_id not in state["jobs"]:
             state["pending"] = [*state["pending"], *turn_ids][-_MAX_PENDING_TURNS:]
             state["jobs"] = [*state["jobs"], job_id][-50:]
-            state["turns"] = state.get("turns", 0) + len(turn_ids)
         return state
 
     return update
@@ -336,8 +336,8 @@ class Writer:
         """Count the turns towards the conversation's summary; schedule it once the conversation is long enough."""
         key = f"summary:{p.conversation_id}"
         state = await self._queue.update_state(job.user_id, key, _add_pending(job.id, turn_ids))
-        if not state or state.get("turns", 0) < self.settings.summary_min_turns:
-            return
+        if not state or len(state["pending"]) < self.settings.summary_min_turns:
+            return  # short conversations, and short tails of summarised ones, stay as turns
         due_now = len(state["pending"]) >= self.settings.summary_max_new_turns
         run_after = time.time() + (0.0 if due_now else self.settings.summary_idle_s)
         payload = {"conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id}
