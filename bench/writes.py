@@ -327,7 +327,7 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, flo
     """The sustained section of writes.json."""
     rows = []
     for i, minute in enumerate(minutes):
-        done = marks[i + 1].get("step_job.exchange_count", 0) - marks[i].get("step_job.exchange_count", 0)
+        done = marks[i + 1].get("step_job_exchange_count", 0) - marks[i].get("step_job_exchange_count", 0)
         lat = minute.searchable_s or [float("nan")]
         rows.append({
             "arrivals": minute.arrivals, "drained": int(done), "ready_at_end": int(marks[i + 1].get("ready", 0)),
@@ -513,5 +513,7 @@ if __name__ == "__main__":
     print_tables(figures)
     arguments.out.parent.mkdir(parents=True, exist_ok=True)
     previous = json.loads(arguments.out.read_text()) if arguments.out.exists() else {}
-    merged = {**previous, **figures} if arguments.mode != "both" else figures
+    kept = {key: previous[key] for key in ("sustained", "replay") if key in previous and arguments.mode != "both"}
+    merged = {**kept, **figures}
+    merged["checks"] = [{"passed": ok, "check": text} for ok, text in checks(merged)]
     arguments.out.write_text(json.dumps(merged, indent=2, default=str) + "\n")
