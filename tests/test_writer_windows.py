@@ -150,3 +150,15 @@ async def test_many_exchanges_are_each_stored_once_and_searchable(tmp_path: Path
     )  # fmt: skip
     assert all(any(hit.record.text == f"I own item number {n}" for hit in hits) for n, hits in enumerate(found))
     assert len(llm.calls("memory_facts")) <= 30  # windows of 5, cut short by the 1 s wait on a slow machine
+
+
+async def test_a_remember_request_is_extracted_without_waiting(tmp_path: Path) -> None:
+    """"Remember that ..." closes the window at once: the fact is there without waiting the window's time."""
+    settings = {"facts_window_wait_s": 600.0, "facts_window_exchanges": 10}
+    async with FakeLLM(window_facts) as llm, running(tmp_path, llm, **settings) as h:
+        await h.chat("I have a dog named Rex")
+        await h.chat("Remember that my sister lives in Oslo")
+        await wait_for(h, Kind.FACT, 2)
+        texts = sorted(f.text for f in await h.facts())
+    assert "The user has a dog named Rex" in texts
+    assert any("Oslo" in text for text in texts)

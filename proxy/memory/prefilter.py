@@ -41,6 +41,11 @@ def worth_extracting(text: str, min_words: int = DEFAULT_MIN_WORDS) -> bool:
     return len(found) >= min_words
 
 
+def asks_to_remember(texts: Iterable[str]) -> bool:
+    """Whether a user message asks to remember something (its extraction should not wait for a window)."""
+    return any(_MEMORY_CUE.search(" ".join(words(text))) for text in texts)
+
+
 def any_worth_extracting(texts: Iterable[str], min_words: int = DEFAULT_MIN_WORDS) -> bool:
     """Whether any of the user messages of an exchange passes the pre-filter."""
     return any(worth_extracting(text, min_words) for text in texts)

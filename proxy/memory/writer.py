@@ -50,7 +50,7 @@ from proxy.memory.extraction import (
 )
 from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
 from proxy.memory.llm import LLMUnavailable
-from proxy.memory.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting
+from proxy.memory.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting, asks_to_remember
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
@@ -193,7 +193,7 @@ def window_item(job_id: str, p: ExchangePayload, source_ids: Sequence[str], repl
     return {
         "job": job_id, "conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id,
         "user_messages": list(p.user_messages), "reply": p.reply[:reply_chars], "added_at": time.time(),
-        "source_ids": list(source_ids),
+        "source_ids": list(source_ids), "remember": asks_to_remember(p.user_messages),
     }  # fmt: skip
 
 
@@ -298,7 +298,8 @@ class Writer:
         return not self.settings.prefilter or any_worth_extracting(p.user_messages, self.settings.prefilter_min_words)
 
     async def _add_to_window(self, job: Job, p: ExchangePayload, source_ids: Sequence[str]) -> None:
-        """Queue the exchange for extraction: due when the window is full or ``facts_window_wait_s`` after its first."""
+        """Queue the exchange for extraction: due when the window is full, holds a "remember ...", or
+        ``facts_window_wait_s`` after its first."""
         item = window_item(job.id, p, source_ids, self.settings.facts_reply_chars)
         state = await self._queue.update_state(job.user_id, WINDOW_KEY, _add_to_window(item))
         await self._enqueue_window(job.user_id, state, p.model, p.request_id)
@@ -307,7 +308,7 @@ class Writer:
         waiting = untaken(state)
         if not waiting:
             return
-        full = len(waiting) >= self.settings.facts_window_exchanges
+        full = len(waiting) >= self.settings.facts_window_exchanges or any(i.get("remember") for i in waiting)
         first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
         run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
         payload = {"model": model, "request_id": request_id}
