@@ -34,6 +34,7 @@ import os
 import platform
 import random
 import re
+import sqlite3
 import sys
 import tempfile
 import time
@@ -288,13 +289,22 @@ async def probe_loop(session: aiohttp.ClientSession, base: str, minutes: list[Mi
         await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - sent)))
 
 
-async def minute_marks(session: aiohttp.ClientSession, base: str, pid: int, count: int, started: float
-                       ) -> list[dict[str, float]]:  # fmt: skip
-    """The queue's gauges and RSS at the end of each minute."""
+def queue_counts(data: Path) -> dict[str, float]:
+    """Jobs due and waiting, and exchange jobs finished so far, read from the queue's SQLite file (read-only;
+    memproxy's own gauges are a snapshot that goes stale when its queue is busy)."""
+    with contextlib.closing(sqlite3.connect(f"file:{data / 'jobs.sqlite3' / 'jobs.sqlite3'}?mode=ro", uri=True)) as c:
+        c.execute("PRAGMA busy_timeout=10000")
+        ready = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'pending' AND run_after <= ?", (time.time(),))
+        done = c.execute("SELECT COUNT(*) FROM jobs WHERE kind = 'exchange' AND state = 'done'")
+        return {"ready": float(ready.fetchone()[0]), "exchanges_done": float(done.fetchone()[0])}
+
+
+async def minute_marks(data: Path, pid: int, count: int, started: float) -> list[dict[str, float]]:
+    """The queue's counts and RSS at the end of each minute."""
     marks = []
     for i in range(1, count + 1):
         await asyncio.sleep(max(0.0, started + 60 * i - time.monotonic()))
-        marks.append({**await gauges(session, base), "rss_mb": rss_mb(pid)})
+        marks.append({**await asyncio.to_thread(queue_counts, data), "rss_mb": rss_mb(pid)})
     return marks
 
 
@@ -307,12 +317,12 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             await wait_drained(session, base, 120)
             rss_before = rss_mb(pid)
             minutes = [Minute() for _ in range(args.minutes)]
-            before = await gauges(session, base)
+            before = await asyncio.to_thread(queue_counts, data)
             started = time.monotonic()
             end = started + 60 * args.minutes
             rng = random.Random(0)
             async with asyncio.TaskGroup() as group:
-                marks_task = group.create_task(minute_marks(session, base, pid, args.minutes, started))
+                marks_task = group.create_task(minute_marks(data, pid, args.minutes, started))
                 for _ in range(args.concurrency):
                     group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
                 group.create_task(probe_loop(session, base, minutes, started, end))
@@ -327,7 +337,7 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, flo
     """The sustained section of writes.json."""
     rows = []
     for i, minute in enumerate(minutes):
-        done = marks[i + 1].get("step_job_exchange_count", 0) - marks[i].get("step_job_exchange_count", 0)
+        done = marks[i + 1]["exchanges_done"] - marks[i]["exchanges_done"]
         lat = minute.searchable_s or [float("nan")]
         rows.append({
             "arrivals": minute.arrivals, "drained": int(done), "ready_at_end": int(marks[i + 1].get("ready", 0)),
