@@ -153,7 +153,7 @@ async def test_many_exchanges_are_each_stored_once_and_searchable(tmp_path: Path
 
 
 async def test_a_remember_request_is_extracted_without_waiting(tmp_path: Path) -> None:
-    """"Remember that ..." closes the window at once: the fact is there without waiting the window's time."""
+    """ "Remember that ..." closes the window at once: the fact is there without waiting the window's time."""
     settings = {"facts_window_wait_s": 600.0, "facts_window_exchanges": 10}
     async with FakeLLM(window_facts) as llm, running(tmp_path, llm, **settings) as h:
         await h.chat("I have a dog named Rex")
