@@ -449,8 +449,13 @@ class Writer:
         async with job.timed("reconcile"):
             plans = await self._decide(self._model_of(items[-1]), found, near)
         decided: dict[str, Any] = {}
+        targets: set[str] = set()
         for i, plan in enumerate(plans):
             settled = await self._settled(plan, found[i], items) if plan is not None else None
+            if settled is not None and settled.target_id is not None:
+                if settled.target_id in targets:  # two facts of one window change the same stored fact: keep both
+                    settled = Plan("add", found[i].screened.fact.text)
+                targets.add(settled.target_id or "")
             if settled is not None:
                 embedding = [float(x) for x in vectors[i]] if settled.action == "add" else None
                 if settled.action == "supersede" and settled.text == found[i].screened.fact.text:
