@@ -290,9 +290,10 @@ async def probe_loop(session: aiohttp.ClientSession, base: str, minutes: list[Mi
 
 
 def queue_counts(data: Path) -> dict[str, float]:
-    """Jobs due and waiting, and exchange jobs finished so far, read from the queue's SQLite file (read-only;
-    memproxy's own gauges are a snapshot that goes stale when its queue is busy)."""
-    with contextlib.closing(sqlite3.connect(f"file:{data / 'jobs.sqlite3' / 'jobs.sqlite3'}?mode=ro", uri=True)) as c:
+    """Jobs due and waiting, and exchange jobs finished so far, read (SELECT only) from the queue's SQLite file;
+    memproxy's own gauges are a snapshot that goes stale when its queue is busy. Not ``mode=ro``: a read-only
+    connection may not map the WAL index and then reads the last checkpoint, not the latest commits."""
+    with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3")) as c:
         c.execute("PRAGMA busy_timeout=10000")
         ready = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'pending' AND run_after <= ?", (time.time(),))
         done = c.execute("SELECT COUNT(*) FROM jobs WHERE kind = 'exchange' AND state = 'done'")
