@@ -9,7 +9,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster bench-writes clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -88,6 +88,11 @@ bench-load: install-test bench/.venv-litellm/bin/litellm
 
 bench-cluster: $(VENV)/.test $(VENV)/.nginx
 	$(BIN)/python bench/cluster.py $(ARGS)
+
+# The write side: 10 min of sustained full-mode chat, then LoCoMo replayed for the memory side's cost
+# (ARGS="--mode replay" or "--minutes 2" for shorter runs).
+bench-writes: install-test
+	$(BIN)/python bench/writes.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache

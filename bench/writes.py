@@ -1,17 +1,26 @@
-"""Write-path throughput and freshness (``python bench/writes.py``).
+"""The write side under a busy app and what it costs to learn (``make bench-writes``).
 
-A real store (LanceDB + Tantivy, the shipped MiniLM embedder unless ``--embedder hashing``) in a temporary
-directory, the durable job queue and the writer, with a fake memory-side LLM on loopback (one fact per
-exchange, reconciliation always ADD). Measures:
+Runs ``memproxy serve`` (the CLI, a fresh data directory, product defaults unless told otherwise) against a
+fake upstream in this process that answers at once: the chat itself and the memory-side calls (extraction,
+reconciliation, summaries, insights), which it counts with their prompt tokens (tiktoken ``cl100k_base``,
+messages plus the response schema).
 
-1. enqueue: the durable commit an HTTP handler waits for, one exchange at a time (p50/p99);
-2. drain: a backlog of exchanges processed to the end (turns, facts extraction and reconciliation), as
-   exchanges/s and jobs/s, with the fake LLM answering at once;
-3. freshness: from the end of a reply (just before its enqueue) until a keyword search finds the new turn,
-   p50/p99, idle and under load (other users' exchanges arriving, a slow LLM keeping fact jobs busy, the
-   sampled user's own fact jobs in flight).
+- **sustained** (``--minutes``, 10 for the bar): a closed loop of ``--concurrency`` clients in full mode, 200
+  users, one message each, no conversation header, so the proxy serves at the read path's capacity. Each
+  second one probe exchange carries a unique word; the probe polls the management API until that turn is
+  listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
+  (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
+  p99, memproxy's RSS. After the load: wait until the queue is empty, RSS again.
+- **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
+  one exchange from its speaker (the other speaker's next turn is the assistant's reply, a session is a
+  conversation). The fake memory-side model stands in for a perfect extractor: it answers an extraction call
+  with the dataset's observations cited on the turns it was shown. Reports memory-side calls and prompt
+  tokens per exchange, facts kept vs the dataset's observations, and the share of the observations' turns
+  that reached extraction (the pre-filter's recall, end to end). Summaries run 2 s after a conversation's last
+  turn (LoCoMo's sessions are days apart; the default waits 30 min). Insights (15 min after a user's last
+  activity, one call per cluster, owned by the insights module) do not run within the replay and are not counted.
 
-Prints a table and writes ``bench/results/writes.json``.
+Writes ``bench/results/writes.json``; prints both tables.
 """
 
 from __future__ import annotations
@@ -19,220 +28,503 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import json
-import logging
 import os
 import platform
+import random
+import re
+import sqlite3
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
-from datetime import UTC, datetime
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import structlog
+import aiohttp
+from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.loadgen import percentile
-from proxy.memory.embedders import Embedder, EmbedderSettings, build_embedder
-from proxy.memory.extraction import ExtractionSettings, Extractor
-from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.records import Kind
-from proxy.memory.service import Exchange
-from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.writer import Writer, WriterSettings
-from tests.support.embedder import HashingEmbedder
-from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload
+from bench.locomo import DATA, Conversation, load_conversations
+from tests.fake_upstream import minimal_instance
+from tests.support.processes import memproxy_process
 
 RESULTS = Path(__file__).resolve().parent / "results" / "writes.json"
+ADMIN_KEY = "bench-writes-admin-key"
+PROBE_INTERVAL_S = 1.0
 
 
-def respond(name: str, body: dict[str, Any]) -> Any:
-    """Fake LLM: one fact per exchange ("I like topic N" -> "The user likes topic N"), always ADD."""
-    if name == "memory_facts":
-        message = user_payload(body)["user_messages"][0]
-        return facts(fact(message.replace("I like", "The user likes")))
-    if name == "memory_summary":
-        return {"summary": "The user listed topics they like.", "topics": ["topics"]}
-    return decision("ADD")
+def _tokenizer() -> Any:
+    """cl100k_base from the copy LiteLLM ships (no download; LiteLLM itself is not imported)."""
+    spec = importlib.util.find_spec("litellm")
+    if spec is not None and spec.origin is not None:
+        os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(Path(spec.origin).parent / "litellm_core_utils" / "tokenizers"))
+    import tiktoken
+
+    return tiktoken.get_encoding("cl100k_base")
+
+
+# ------------------------------------------------------------------------------------ the fake upstream
 
 
 @dataclass
-class Bench:
-    """The running write path."""
+class Ledger:
+    """What the memory side asked the model: calls and prompt tokens per call name."""
 
-    store: MemoryStore
-    queue: JobQueue
-    writer: Writer
-    llm: FakeLLM
-    sent: int = 0
-
-    async def send(self, user: str, text: str) -> tuple[float, float]:
-        """Record an exchange; returns (reply end, enqueue seconds)."""
-        self.sent += 1
-        end = datetime.now(UTC)
-        exchange = Exchange(
-            request_id=f"r{self.sent}", user_id=user, conversation_id=f"{user}-c", model="bench-model",
-            route="default", user_messages=(text,), assistant_text=f"Here is more about {text}.",
-            partial=False, finished_at=end,
-        )  # fmt: skip
-        started = time.perf_counter()
-        await self.writer.record(exchange)
-        return end.timestamp(), time.perf_counter() - started
-
-    async def idle(self) -> None:
-        """Wait until no job is due or running."""
-        while True:
-            metrics = await self.queue.metrics()
-            if metrics.ready == 0 and metrics.running == 0:
-                return
-            await asyncio.sleep(0.01)
+    calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    chat_calls: int = 0
+    shown: set[str] = field(default_factory=set)  # user messages shown to extraction
+    windows: list[int] = field(default_factory=list)  # exchanges per extraction call
 
 
-@contextlib.asynccontextmanager
-async def write_path(data: Path, embedder: Embedder, concurrency: int) -> AsyncIterator[Bench]:
-    """Store, queue, fake LLM, client and writer (runner not started)."""
-    async with contextlib.AsyncExitStack() as stack:
-        llm = await stack.enter_async_context(FakeLLM(respond))
-        store = await stack.enter_async_context(MemoryStore(StoreSettings(path=data / "store"), embedder))
-        queue = await stack.enter_async_context(
-            JobQueue(JobQueueSettings(path=data / "queue", concurrency=concurrency, poll_interval_s=0.05))
-        )
-        client = await stack.enter_async_context(OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm.base_url)))
-        settings = WriterSettings(summary_idle_s=3600, insights_debounce_s=3600)
-        yield Bench(store, queue, Writer(settings, store, queue, Extractor(ExtractionSettings(), client)), llm)
+class Upstream:
+    """An OpenAI-compatible fake answering at once; ``replies`` maps a user message to the chat's answer and
+    ``observations`` maps a user message to the facts a perfect extractor would find in it."""
+
+    def __init__(self) -> None:
+        self.ledger = Ledger()
+        self.replies: dict[str, str] = {}
+        self.observations: dict[str, list[str]] = {}
+        self._encoding = _tokenizer()
+        self._runner: web.AppRunner | None = None
+        self.base_url = ""
+
+    async def __aenter__(self) -> Upstream:
+        app = web.Application(client_max_size=64 * 2**20)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.base_url = f"http://127.0.0.1:{self._runner.addresses[0][1]}/v1"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    def prompt_tokens(self, body: Mapping[str, Any]) -> int:
+        """Tokens of the messages' contents and of the response schema (providers bill both)."""
+        texts = [str(m.get("content") or "") for m in body.get("messages", [])]
+        schema = (body.get("response_format") or {}).get("json_schema")
+        texts += [json.dumps(schema)] if schema else []
+        return sum(len(self._encoding.encode(text)) for text in texts)
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        schema = ((body.get("response_format") or {}).get("json_schema") or {}).get("name")
+        if schema is None:
+            self.ledger.chat_calls += 1
+            messages = body.get("messages", [])
+            last = str(messages[-1].get("content", "")) if messages else ""
+            return _completion(self.replies.get(last, "OK."))
+        self.ledger.calls[schema] += 1
+        self.ledger.tokens[schema] += self.prompt_tokens(body)
+        return _completion(json.dumps(self._memory_answer(schema, body)))
+
+    def _memory_answer(self, schema: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        try:
+            data = json.loads(body["messages"][-1]["content"])
+        except (KeyError, IndexError, TypeError, ValueError):
+            data = {}
+        if schema == "memory_facts":
+            return {"facts": self._facts(data)}
+        if schema == "memory_reconcile":
+            return {"decision": "ADD", "target": 0, "text": ""}
+        if schema == "memory_reconcile_many":
+            return {"decisions": []}
+        if schema == "memory_summary":
+            return {"summary": "The user and their friend caught up on recent news.", "topics": ["news"]}
+        return minimal_instance(body["response_format"]["json_schema"]["schema"])  # insights: nothing learnt
+
+    def _facts(self, data: Mapping[str, Any]) -> list[dict[str, Any]]:
+        out = []
+        self.ledger.windows.append(len(data.get("exchanges", [])))
+        for exchange in data.get("exchanges", []):
+            for text in exchange.get("user", []):
+                self.ledger.shown.add(text)
+                out += [_fact(o, exchange.get("n", 0)) for o in self.observations.get(text, [])]
+        return out
 
 
-async def enqueue_and_drain(bench: Bench, exchanges: int, users: int) -> dict[str, float]:
-    """Phase 1 and 2: enqueue a backlog (timed), then process it with the runner (timed)."""
-    enqueue_s = [(await bench.send(f"user{n % users}", f"I like topic {n}"))[1] for n in range(exchanges)]
-    started = time.perf_counter()
-    async with JobRunner(bench.queue, bench.writer.handlers()):
-        await bench.idle()
-        elapsed = time.perf_counter() - started
-    metrics = await bench.queue.metrics()
-    steps = {name: s.sum_s / s.count * 1000 for name, s in metrics.step_latency.items() if s.count}
-    return {
-        "enqueue_p50_ms": percentile(enqueue_s, 50) * 1000,
-        "enqueue_p99_ms": percentile(enqueue_s, 99) * 1000,
-        "drain_s": elapsed,
-        "exchanges_per_s": exchanges / elapsed,
-        "jobs_per_s": metrics.completed_total / elapsed,
-        **{f"step_mean_ms.{name}": value for name, value in sorted(steps.items())},
-    }
+def _fact(text: str, exchange: int) -> dict[str, Any]:
+    return {"text": text, "category": "other", "importance": 5, "entities": [], "sensitive": False,
+            "sensitive_category": "none", "explicit_request": False, "exchange": exchange}  # fmt: skip
 
 
-async def searchable_after(bench: Bench, user: str, token: str, limit_s: float = 30.0) -> float:
-    """Seconds from the reply's end until a keyword search for ``token`` finds the new turn (capped)."""
-    end, _ = await bench.send(user, f"I like {token}")
-    found = False
-    while not found and time.time() - end < limit_s:  # polling is the measurement: the next request's search
-        await asyncio.sleep(0.002)
-        found = bool(await bench.store.keyword_search(user, token, 1, kinds=[Kind.TURN]))
-    return time.time() - end
+def _completion(content: str) -> web.Response:
+    return web.json_response({
+        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "fake-echo",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": content}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    })  # fmt: skip
 
 
-async def background_load(bench: Bench, users: int, rate: float, stop: asyncio.Event) -> None:
-    """Other exchanges arriving at ``rate`` per second until ``stop``."""
+# ------------------------------------------------------------------------------------------ memproxy
+
+
+@contextlib.contextmanager
+def memproxy(upstream: str, data: Path, env: Mapping[str, str]) -> Iterator[tuple[int, str]]:
+    """``memproxy serve`` on a fresh data directory; yields its pid and base URL (ending in /v1)."""
+    base = {
+        "MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-bench",
+        "MEMPROXY_STORAGE__PATH": str(data), "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY,
+    }  # fmt: skip
+    with memproxy_process({**base, **env}, timeout=180.0) as (proc, url):
+        yield proc.popen.pid, url
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process, in MB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def gauges(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
+    """memproxy's ``memproxy_jobs_*`` gauges."""
+    async with session.get(base.removesuffix("/v1") + "/metrics") as response:
+        text = await response.text()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("memproxy_jobs_"):
+            name, value = line.rsplit(" ", 1)
+            out[name.removeprefix("memproxy_jobs_")] = float(value)
+    return out
+
+
+async def wait_drained(session: aiohttp.ClientSession, base: str, limit_s: float, *, settle_s: float = 0.0) -> float:
+    """Seconds until no job is due or running, and none became due within ``settle_s`` after (windows and
+    summaries waiting for their time; insights, 15 min after a user's last activity, are not waited for)."""
+    started = time.monotonic()
+    quiet_since, last_done = None, -1.0
+    while time.monotonic() - started < limit_s:
+        g = await gauges(session, base)
+        idle = g.get("ready", 1) + g.get("running", 1) == 0
+        done = g.get("completed_total", 0.0)
+        if not idle or done != last_done:
+            quiet_since, last_done = (time.monotonic() if idle else None), done
+        elif quiet_since is not None and time.monotonic() - quiet_since >= settle_s:
+            break
+        await asyncio.sleep(0.5)
+    return time.monotonic() - started
+
+
+async def chat(
+    session: aiohttp.ClientSession, base: str, user: str, messages: list[dict[str, str]], mode: str,
+    conversation: str | None = None,
+) -> int:  # fmt: skip
+    """One chat request through the proxy; returns the HTTP status."""
+    headers = {"Authorization": "Bearer sk-bench", "X-Memory-User": user, "X-Memory-Mode": mode}
+    if conversation is not None:
+        headers["X-Memory-Conversation"] = conversation
+    body = {"model": "fake-echo", "messages": messages}
+    async with session.post(f"{base}/chat/completions", json=body, headers=headers) as response:
+        await response.read()
+        return response.status
+
+
+async def listed(session: aiohttp.ClientSession, base: str, user: str, word: str) -> bool:
+    """Whether the user's turns (management API) hold ``word``."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    url = f"{base}/memory/users/{user}/memories?kind=turn&limit=10"
+    async with session.get(url, headers=headers) as response:
+        page = await response.json()
+    return any(word in item.get("text", "") for item in page.get("data", []))
+
+
+# ---------------------------------------------------------------------------------------- sustained
+
+
+@dataclass
+class Minute:
+    """What one minute of the sustained run saw."""
+
+    arrivals: int = 0
+    errors: int = 0
+    searchable_s: list[float] = field(default_factory=list)
+
+
+async def client_loop(session: aiohttp.ClientSession, base: str, rng: random.Random, minutes: list[Minute],
+                      started: float, end: float) -> None:  # fmt: skip
+    """One closed-loop client: a message from one of 200 users, one message per conversation."""
     n = 0
-    while not stop.is_set():
+    while time.monotonic() < end:
         n += 1
-        await bench.send(f"load{n % users}", f"I like background topic {n}")
-        await asyncio.sleep(1 / rate)
+        user = f"user{rng.randrange(200)}"
+        text = f"I have been thinking about {rng.choice(TOPICS)} and my plans for {rng.choice(TOPICS)} ({n})"
+        status = await chat(session, base, user, [{"role": "user", "content": text}], "full")
+        slot = minutes[min(len(minutes) - 1, int((time.monotonic() - started) // 60))]
+        slot.arrivals += status == 200
+        slot.errors += status != 200
 
 
-async def freshness(bench: Bench, samples: int, load_rate: float, llm_delay_s: float) -> list[float]:
-    """Phase 3: reply-end to searchable, optionally under load with a slow LLM."""
-    bench.llm.delay_s = llm_delay_s
-    stop = asyncio.Event()
-    latencies = []
-    async with JobRunner(bench.queue, bench.writer.handlers()), asyncio.TaskGroup() as group:
-        if load_rate > 0:
-            group.create_task(background_load(bench, 20, load_rate, stop))
-        for i in range(samples):
-            user = f"load{i % 20}" if load_rate > 0 else "fresh"
-            latencies.append(await searchable_after(bench, user, f"zebra{i}{'loaded' if load_rate > 0 else 'idle'}"))
-            await asyncio.sleep(0.02)
-        stop.set()
-    bench.llm.delay_s = 0.0
-    return latencies
+TOPICS = (
+    "gardening", "my sister's wedding", "the marathon", "learning Spanish", "our new flat", "jazz piano",
+    "the trip to Lisbon", "my job interview", "the dog", "night shifts", "pottery", "the kids' school",
+)  # fmt: skip
 
 
-def summary(latencies: list[float]) -> dict[str, float]:
-    """p50/p99/max in ms."""
+async def probe_loop(session: aiohttp.ClientSession, base: str, minutes: list[Minute], started: float,
+                     end: float) -> None:  # fmt: skip
+    """Once a second: an exchange with a unique word, then poll until its turn is listed."""
+    n = 0
+    while time.monotonic() < end:
+        n += 1
+        word = f"zqprobe{n}x"
+        user = f"probe{n}"
+        await chat(session, base, user, [{"role": "user", "content": f"I named my plant {word}"}], "full")
+        sent = time.monotonic()
+        slot = minutes[min(len(minutes) - 1, int((sent - started) // 60))]
+        while not await listed(session, base, user, word) and time.monotonic() - sent < 120:  # noqa: ASYNC110
+            await asyncio.sleep(0.1)  # polling is the measurement: what a later request would find
+        slot.searchable_s.append(time.monotonic() - sent)
+        await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - sent)))
+
+
+def queue_counts(data: Path) -> dict[str, float]:
+    """Jobs due and waiting, and exchange jobs finished so far, read (SELECT only) from the queue's SQLite file;
+    memproxy's own gauges are a snapshot that goes stale when its queue is busy. Not ``mode=ro``: a read-only
+    connection may not map the WAL index and then reads the last checkpoint, not the latest commits."""
+    with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3")) as c:
+        c.execute("PRAGMA busy_timeout=10000")
+        ready = c.execute("SELECT COUNT(*) FROM jobs WHERE state = 'pending' AND run_after <= ?", (time.time(),))
+        done = c.execute("SELECT COUNT(*) FROM jobs WHERE kind = 'exchange' AND state = 'done'")
+        return {"ready": float(ready.fetchone()[0]), "exchanges_done": float(done.fetchone()[0])}
+
+
+async def minute_marks(data: Path, pid: int, count: int, started: float) -> list[dict[str, float]]:
+    """The queue's counts and RSS at the end of each minute."""
+    marks = []
+    for i in range(1, count + 1):
+        await asyncio.sleep(max(0.0, started + 60 * i - time.monotonic()))
+        marks.append({**await asyncio.to_thread(queue_counts, data), "rss_mb": rss_mb(pid)})
+    return marks
+
+
+async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) -> dict[str, Any]:
+    """The sustained mode (see the module doc)."""
+    with memproxy(upstream.base_url, data, {}) as (pid, base):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            for i in range(20):  # warm-up: models loaded, caches and pools made
+                await chat(session, base, f"warm{i}", [{"role": "user", "content": "I like tea"}], "full")
+            await wait_drained(session, base, 120)
+            rss_before = rss_mb(pid)
+            minutes = [Minute() for _ in range(args.minutes)]
+            before = await asyncio.to_thread(queue_counts, data)
+            started = time.monotonic()
+            end = started + 60 * args.minutes
+            rng = random.Random(0)
+            async with asyncio.TaskGroup() as group:
+                marks_task = group.create_task(minute_marks(data, pid, args.minutes, started))
+                for _ in range(args.concurrency):
+                    group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
+                group.create_task(probe_loop(session, base, minutes, started, end))
+            drain_s = await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
+            await asyncio.sleep(5)
+            rss_after = rss_mb(pid)
+    return sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
+
+
+def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, float]], rss_before: float,
+                     rss_after: float, drain_s: float) -> dict[str, Any]:  # fmt: skip
+    """The sustained section of writes.json."""
+    rows = []
+    for i, minute in enumerate(minutes):
+        done = marks[i + 1]["exchanges_done"] - marks[i]["exchanges_done"]
+        lat = minute.searchable_s or [float("nan")]
+        rows.append({
+            "arrivals": minute.arrivals, "drained": int(done), "ready_at_end": int(marks[i + 1].get("ready", 0)),
+            "turn_searchable_p50_s": round(percentile(lat, 50), 3),
+            "turn_searchable_p99_s": round(percentile(lat, 99), 3),
+            "rss_mb": round(marks[i + 1]["rss_mb"], 1), "errors": minute.errors, "probes": len(minute.searchable_s),
+        })  # fmt: skip
+    return {"minutes": rows, "rss_before_mb": round(rss_before, 1), "rss_after_drain_mb": round(rss_after, 1),
+            "drain_after_load_s": round(drain_s, 1)}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- replay
+
+
+def user_message(turn: Any) -> str:
+    """What the speaker "sent": the turn's text, an image described as the dataset captions it."""
+    return turn.text + (f" [shared an image: {turn.caption}]" if turn.caption else "")
+
+
+def speaker_user(conv: Conversation, speaker: str) -> str:
+    """The memproxy user id of one speaker of a conversation."""
+    return f"locomo{conv.index}-{re.sub(r'[^A-Za-z0-9]', '', speaker)}"
+
+
+def prepare(upstream: Upstream, conversations: Sequence[Conversation]) -> set[str]:
+    """Fill the fake's replies and oracle; returns the user messages of the observations' turns."""
+    cited: set[str] = set()
+    for conv in conversations:
+        by_id = {t.dia_id: t for t in conv.turns}
+        for turn, nxt in zip(conv.turns, [*conv.turns[1:], None], strict=True):
+            if nxt is not None and nxt.speaker != turn.speaker and nxt.session == turn.session:
+                upstream.replies[user_message(turn)] = user_message(nxt)
+        for obs in conv.observations:
+            for dia in obs.dia_ids:
+                turn = by_id[dia]
+                if turn.speaker == obs.speaker:
+                    upstream.observations.setdefault(user_message(turn), []).append(obs.text)
+                    cited.add(user_message(turn))
+    return cited
+
+
+async def replay_conversation(session: aiohttp.ClientSession, base: str, conv: Conversation) -> int:
+    """Every turn of one conversation, in order, each from its speaker; returns the exchanges sent."""
+    sent = 0
+    previous = None
+    for turn in conv.turns:
+        messages = []
+        if previous is not None and previous.session == turn.session and previous.speaker != turn.speaker:
+            messages.append({"role": "assistant", "content": user_message(previous)})
+        messages.append({"role": "user", "content": user_message(turn)})
+        user = speaker_user(conv, turn.speaker)
+        status = await chat(session, base, user, messages, "write", f"{conv.sample_id}-s{turn.session}")
+        sent += status == 200
+        previous = turn
+    return sent
+
+
+async def facts_kept(session: aiohttp.ClientSession, base: str, users: Sequence[str]) -> int:
+    """Valid facts stored for ``users`` (management API)."""
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    total = 0
+    for user in users:
+        cursor = None
+        while True:
+            url = f"{base}/memory/users/{user}/memories?kind=fact&limit=500" + (f"&cursor={cursor}" if cursor else "")
+            async with session.get(url, headers=headers) as response:
+                page = await response.json()
+            total += sum(1 for item in page["data"] if item.get("valid", True))
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+    return total
+
+
+async def replay(args: argparse.Namespace, upstream: Upstream, data: Path) -> dict[str, Any]:
+    """The replay mode (see the module doc)."""
+    conversations = load_conversations(DATA)[: args.conversations]
+    cited = prepare(upstream, conversations)
+    env = {"MEMPROXY_WRITER__SUMMARY_IDLE_S": "2"}
+    with memproxy(upstream.base_url, data, env) as (_, base):
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+            started = time.monotonic()
+            sent = await asyncio.gather(*(replay_conversation(session, base, c) for c in conversations))
+            replay_s = time.monotonic() - started
+            await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
+            users = sorted({speaker_user(c, t.speaker) for c in conversations for t in c.turns})
+            kept = await facts_kept(session, base, users)
+    return replay_report(upstream.ledger, sum(sent), cited, kept, sum(len(c.observations) for c in conversations),
+                         replay_s)  # fmt: skip
+
+
+def replay_report(ledger: Ledger, exchanges: int, cited: set[str], kept: int, observations: int,
+                  replay_s: float) -> dict[str, Any]:  # fmt: skip
+    """The replay section of writes.json."""
+    calls, tokens = sum(ledger.calls.values()), sum(ledger.tokens.values())
     return {
-        "p50_ms": percentile(latencies, 50) * 1000,
-        "p99_ms": percentile(latencies, 99) * 1000,
-        "max_ms": max(latencies) * 1000,
-    }
+        "exchanges": exchanges, "replay_s": round(replay_s, 1),
+        "calls_per_exchange": round(calls / exchanges, 4), "prompt_tokens_per_exchange": round(tokens / exchanges, 1),
+        "observation_turn_recall": round(len(cited & ledger.shown) / len(cited), 4),
+        "facts_kept": kept, "observations": observations,
+        "exchanges_per_extraction_call": round(sum(ledger.windows) / max(1, len(ledger.windows)), 2),
+        "window_sizes": dict(sorted(Counter(ledger.windows).items())),
+        "calls_by_kind": dict(ledger.calls), "prompt_tokens_by_kind": dict(ledger.tokens),
+    }  # fmt: skip
 
 
-def progress(message: str) -> None:
-    """A progress line on stderr."""
-    print(f"[writes] {message}", file=sys.stderr, flush=True)
+# ------------------------------------------------------------------------------------------ the run
+
+
+def checks(result: Mapping[str, Any]) -> list[tuple[bool, str]]:
+    """The bar of issue 19, as (passed, description)."""
+    out = []
+    if "sustained" in result:
+        s = result["sustained"]
+        for i, row in enumerate(s["minutes"], start=1):
+            out.append((row["ready_at_end"] <= row["arrivals"], f"minute {i}: ready_at_end {row['ready_at_end']} "
+                        f"<= arrivals {row['arrivals']}"))  # fmt: skip
+            out.append((row["turn_searchable_p99_s"] <= 5, f"minute {i}: turn searchable p99 "
+                        f"{row['turn_searchable_p99_s']} s <= 5 s"))  # fmt: skip
+        ratio = s["rss_after_drain_mb"] / s["rss_before_mb"]
+        out.append((ratio <= 1.1, f"RSS after drain / before = {ratio:.3f} <= 1.1"))
+    if "replay" in result:
+        r = result["replay"]
+        out.append((r["calls_per_exchange"] <= 0.5, f"calls per exchange {r['calls_per_exchange']} <= 0.5"))
+        out.append((r["prompt_tokens_per_exchange"] <= 300,
+                    f"prompt tokens per exchange {r['prompt_tokens_per_exchange']} <= 300"))  # fmt: skip
+        out.append((r["observation_turn_recall"] >= 0.95,
+                    f"observation-turn recall {r['observation_turn_recall']} >= 0.95"))  # fmt: skip
+    return out
+
+
+def print_tables(result: Mapping[str, Any]) -> None:
+    """Both tables and the checks."""
+    if "sustained" in result:
+        print("minute | arrivals | drained | ready_at_end | searchable p50 s | p99 s | RSS MB | errors")
+        for i, row in enumerate(result["sustained"]["minutes"], start=1):
+            print(f"{i:6} | {row['arrivals']:8} | {row['drained']:7} | {row['ready_at_end']:12} | "
+                  f"{row['turn_searchable_p50_s']:16} | {row['turn_searchable_p99_s']:5} | {row['rss_mb']:6} | "
+                  f"{row['errors']}")  # fmt: skip
+        s = result["sustained"]
+        print(f"RSS before {s['rss_before_mb']} MB, after drain {s['rss_after_drain_mb']} MB "
+              f"(drained in {s['drain_after_load_s']} s after the load)")  # fmt: skip
+    if "replay" in result:
+        r = result["replay"]
+        print(f"replay: {r['exchanges']} exchanges, {r['calls_per_exchange']} calls and "
+              f"{r['prompt_tokens_per_exchange']} prompt tokens per exchange; facts kept {r['facts_kept']} vs "
+              f"{r['observations']} observations; observation-turn recall {r['observation_turn_recall']}")  # fmt: skip
+        print(f"  calls {r['calls_by_kind']}; prompt tokens {r['prompt_tokens_by_kind']}")
+    for ok, text in checks(result):
+        print(f"{'PASS' if ok else 'FAIL'}  {text}")
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the three phases and collect the figures."""
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
-    if args.embedder == "hashing":
-        embedder: Any = HashingEmbedder(dim=384)
-    else:
-        embedder = build_embedder(EmbedderSettings())
-        await embedder.start()
-    with tempfile.TemporaryDirectory(prefix="memproxy-bench-writes-") as tmp:
-        async with write_path(Path(tmp), embedder, args.concurrency) as bench:
-            progress("enqueue and drain")
-            drain = await enqueue_and_drain(bench, args.exchanges, args.users)
-            progress("freshness, idle")
-            idle = await freshness(bench, args.samples, 0.0, 0.0)
-            rate = args.load_rate or round(drain["exchanges_per_s"] / 2, 1)
-            progress(f"freshness, under load ({rate} exchanges/s)")
-            loaded = await freshness(bench, args.samples, rate, args.load_llm_delay_ms / 1000)
-    return {
-        "settings": vars(args) | {"machine": platform.machine(), "cpus": os.cpu_count(), "load_rate": rate},
-        **drain,
-        "searchable_idle": summary(idle),
-        "searchable_under_load": summary(loaded),
-        "searchable_p50_ms": summary(idle)["p50_ms"],
-        "searchable_p99_ms": summary(idle)["p99_ms"],
-    }
-
-
-def print_table(result: dict[str, Any]) -> None:
-    """The figures as a plain table."""
-    rows = [(k, v) for k, v in result.items() if isinstance(v, float)]
-    rows += [
-        (f"{k}.{kk}", vv) for k, v in result.items() if isinstance(v, dict) and k != "settings" for kk, vv in v.items()
-    ]
-    width = max(len(k) for k, _ in rows)
-    for key, value in rows:
-        print(f"{key:<{width}}  {value:10.2f}")
+    """Run the modes asked for, each on a fresh data directory and a fresh fake."""
+    result: dict[str, Any] = {"meta": {"args": vars(args), "machine": platform.machine(), "cpus": os.cpu_count(),
+                                       "load_1m": os.getloadavg()[0]}}  # fmt: skip
+    for mode in ("sustained", "replay"):
+        if args.mode in (mode, "both"):
+            with tempfile.TemporaryDirectory(prefix=f"memproxy-bench-writes-{mode}-") as tmp:
+                async with Upstream() as upstream:
+                    run = sustained if mode == "sustained" else replay
+                    print(f"[writes] {mode} ...", file=sys.stderr, flush=True)
+                    result[mode] = await run(args, upstream, Path(tmp))
+    result["checks"] = [{"passed": ok, "check": text} for ok, text in checks(result)]
+    return result
 
 
 def parse_args() -> argparse.Namespace:
     """Command-line options."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--exchanges", type=int, default=200)
-    parser.add_argument("--users", type=int, default=30)
-    parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=60)
-    parser.add_argument("--load-rate", type=float, default=0.0, help="background exchanges/s (0: half the drain rate)")
-    parser.add_argument("--load-llm-delay-ms", type=float, default=500.0)
-    parser.add_argument("--embedder", choices=["local", "hashing"], default="local")
-    parser.add_argument("--no-write", action="store_true", help="do not write bench/results/writes.json")
+    parser.add_argument("--mode", choices=["sustained", "replay", "both"], default="both")
+    parser.add_argument("--minutes", type=int, default=10, help="length of the sustained load")
+    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop clients of the sustained load")
+    parser.add_argument("--conversations", type=int, default=10, help="LoCoMo conversations replayed (of 10)")
+    parser.add_argument("--drain-limit-s", type=float, default=900.0)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args()
 
 
 if __name__ == "__main__":
     arguments = parse_args()
     figures = asyncio.run(main(arguments))
-    print_table(figures)
-    if not arguments.no_write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(figures, indent=2) + "\n")
+    print_tables(figures)
+    arguments.out.parent.mkdir(parents=True, exist_ok=True)
+    previous = json.loads(arguments.out.read_text()) if arguments.out.exists() else {}
+    kept = {key: previous[key] for key in ("sustained", "replay") if key in previous and arguments.mode != "both"}
+    merged = {**kept, **figures}
+    merged["checks"] = [{"passed": ok, "check": text} for ok, text in checks(merged)]
+    arguments.out.write_text(json.dumps(merged, indent=2, default=str) + "\n")

@@ -50,7 +50,7 @@ async def main(data: Path, llm_url: str, count: int) -> None:
         )
         llm = await stack.enter_async_context(OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm_url)))
         writer = Writer(
-            WriterSettings(summary_idle_s=3600, insights_debounce_s=3600),
+            WriterSettings(summary_idle_s=3600, insights_debounce_s=3600, facts_window_wait_s=0.2),
             store, queue, Extractor(ExtractionSettings(), llm),
         )  # fmt: skip
         handlers = {kind: announced(kind, h) for kind, h in writer.handlers().items()}

@@ -23,6 +23,7 @@ from proxy.memory.embedders import (
     LiteLLMEmbedder,
     LocalEmbedder,
     QueryCache,
+    Turns,
     build_embedder,
     default_model_dirs,
 )
@@ -126,6 +127,25 @@ async def test_concurrent_queries_share_model_calls_and_go_before_documents() ->
         expected = await embedder.embed_documents(questions)
     assert embedder.calls[1:3] == [questions, ["another document"]]
     np.testing.assert_allclose(np.stack(vectors), expected, atol=1e-5)
+
+
+async def test_a_stream_of_queries_does_not_starve_document_batches() -> None:
+    """With queries always waiting, a waiting document batch still gets the model after four query turns."""
+    turns = Turns(urgent_run=4)
+    order: list[str] = []
+
+    async def use(label: str, *, urgent: bool) -> None:
+        async with turns.turn(urgent=urgent):
+            order.append(label)
+            await asyncio.sleep(0)
+
+    async with turns.turn(urgent=False):  # the model is busy; everyone queues
+        waiters = [asyncio.create_task(use("document", urgent=False))]
+        await asyncio.sleep(0)
+        waiters += [asyncio.create_task(use(f"query{i}", urgent=True)) for i in range(6)]
+        await asyncio.sleep(0)
+    await asyncio.gather(*waiters)
+    assert order == ["query0", "query1", "query2", "query3", "document", "query4", "query5"]
 
 
 async def test_a_cancelled_query_does_not_stall_the_others(local: LocalEmbedder) -> None:

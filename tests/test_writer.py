@@ -25,7 +25,7 @@ from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.writer import Writer, WriterSettings, context_vector
 from tests.support.embedder import HashingEmbedder
-from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload
+from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload, window_user_messages
 
 
 @dataclass
@@ -87,7 +87,10 @@ async def running(tmp_path: Path, llm: FakeLLM, **writer: Any) -> AsyncIterator[
         client = await stack.enter_async_context(
             OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm.base_url, timeout_s=5))
         )
-        defaults: dict[str, Any] = {"summary_idle_s": 3600.0, "insights_debounce_s": 3600.0}
+        defaults: dict[str, Any] = {
+            "summary_idle_s": 3600.0, "insights_debounce_s": 3600.0, "summary_min_turns": 1,
+            "facts_window_exchanges": 1,
+        }  # fmt: skip
         settings = WriterSettings.model_validate({**defaults, **writer})
         writer_ = Writer(settings, store, queue, Extractor(ExtractionSettings(), client))
         await stack.enter_async_context(JobRunner(queue, writer_.handlers()))
@@ -324,16 +327,16 @@ async def test_replayed_jobs_never_duplicate(harness: Harness) -> None:
     job_id = await harness.chat("I own a red kayak")
     await harness.settle()
     before = (await harness.records(Kind.TURN), await harness.facts())
-    assert await harness.queue.get(f"{job_id}:facts") is not None
     replay = Job(job_id, "exchange", "u1", _payload_of(before[0]), 1, time.time(), {}, harness.queue)
     await harness.writer.handle_exchange(replay)
     await harness.writer.handle_facts(
         Job(f"{job_id}:facts", "facts", "u1", _payload_of(before[0]), 1, time.time(), {}, harness.queue)
-    )
+    )  # a per-exchange facts job, as queued before windows existed
     await harness.settle()
     after = (await harness.records(Kind.TURN), await harness.facts())
     assert [r.id for r in after[0]] == [r.id for r in before[0]]
     assert [r.id for r in after[1]] == [r.id for r in before[1]]
+    assert len(harness.llm.calls("memory_facts")) == 2  # the replayed exchange did not re-enter the window
 
 
 def _payload_of(turns: list[MemoryRecord]) -> dict[str, Any]:
@@ -407,7 +410,8 @@ async def test_summary_after_enough_new_turns_rolls_forward(tmp_path: Path, llm:
     assert (current[0].start_at, current[0].end_at) == (turns[0].created_at, turns[-1].created_at)
     second_call = user_payload(llm.calls("memory_summary")[1])
     assert second_call["previous_summary"] == "The user planned a trip to Rome."
-    assert [t["text"] for t in second_call["turns"]] == ["Book a hotel", "Sure.", "Near the Pantheon", "Sure."]
+    turns = ["user: Book a hotel", "assistant: Sure.", "user: Near the Pantheon", "assistant: Sure."]
+    assert second_call["turns"] == turns
 
 
 async def test_idle_conversation_is_summarised(tmp_path: Path, llm: FakeLLM) -> None:
@@ -439,7 +443,7 @@ async def test_pending_summary_survives_restart(tmp_path: Path, llm: FakeLLM) ->
 
 async def test_insights_job_is_debounced_per_user(harness: Harness) -> None:
     """Several exchanges leave exactly one pending insights job for the user."""
-    for text in ("one", "two", "three"):
+    for text in ("I like one", "I like two", "I like three"):
         await harness.chat(text)
     await harness.settle()
     metrics = await harness.queue.metrics()
@@ -454,8 +458,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def item_facts(name: str, body: dict[str, Any]) -> Any:
     """Fake LLM answers for the crash test: one fact per "I own item number N" message, always ADD."""
     if name == "memory_facts":
-        (message,) = user_payload(body)["user_messages"]
-        return facts(fact(message.replace("I own", "The user owns")))
+        found = window_user_messages(body)
+        return facts(*[fact(text.replace("I own", "The user owns"), exchange=n) for n, text in found])
+    if name == "memory_reconcile_many":
+        return {"decisions": []}  # every fact of the window is new
     return None
 
 

@@ -356,6 +356,11 @@ class _Db:
                 c.execute("RELEASE one")
         return results
 
+    def enqueue(self, row: JSON, job_id: str | None, durable: bool) -> str:
+        """One enqueue in its own transaction (``durable=False``: no fsync; see ``JobQueue.enqueue``)."""
+        with self.txn(durable=durable) as c:
+            return self._enqueue_one(c, row, job_id)
+
     def _enqueue_one(self, c: sqlite3.Connection, row: JSON, job_id: str | None) -> str:
         if job_id is not None and c.execute("SELECT 1 FROM jobs WHERE id = ?", (job_id,)).fetchone():
             return job_id
@@ -622,11 +627,15 @@ class JobQueue:
         dedupe_key: str | None = None,
         run_after: float | None = None,
         job_id: str | None = None,
+        durable: bool = True,
     ) -> str:
         """Add a job and return its id once the commit is durable.
 
         ``dedupe_key`` debounces (see the module doc); ``job_id`` makes the enqueue idempotent: if a job with
         that id exists (in any state, including done within ``done_retention_s``) nothing is added.
+        ``durable=False`` skips the fsync: for a follow-up enqueued by a running job, whose own completion is
+        committed later in the same write-ahead log (a power cut that loses the follow-up loses that
+        completion too, and the job runs again).
         """
         now = time.time()
         row = {
@@ -638,7 +647,10 @@ class JobQueue:
             "run_after": now if run_after is None else run_after,
             "now": now,
         }
-        new_id = await self._commits.submit((row, job_id))
+        if durable:  # concurrent enqueues share one fsync
+            new_id = await self._commits.submit((row, job_id))
+        else:
+            new_id = await self._call(self._db.enqueue, row, job_id, False)
         self.wakeup.set()
         return new_id
 

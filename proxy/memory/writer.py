@@ -44,12 +44,15 @@ from proxy.memory.extraction import (
     Neighbour,
     Plan,
     Screened,
+    WindowFact,
+    normalise,
     screen_fact,
     screen_facts,
     shortcut_plan,
 )
 from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
 from proxy.memory.llm import LLMUnavailable
+from proxy.memory.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting, asks_to_remember
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
 from proxy.memory.service import Exchange
@@ -70,14 +73,29 @@ class WriterSettings(BaseModel):
 
     model: str | None = None  # None: the model (and so the route) of the chat that produced the exchange
     summary_idle_s: float = Field(default=1800.0, gt=0)
-    summary_max_new_turns: int = Field(default=20, ge=1)
+    summary_max_new_turns: int = Field(default=40, ge=1)
     summary_max_turns_per_call: int = Field(default=60, ge=2)
     insights_debounce_s: float = Field(default=900.0, ge=0)
-    reconcile_neighbours: int = Field(default=5, ge=1, le=20)
-    reconcile_min_similarity: float = Field(default=0.3, ge=-1.0, le=1.0)
+    reconcile_neighbours: int = Field(default=3, ge=1, le=20)
+    # MiniLM: an update of a fact scores >= 0.6 against it ("lives in London" / "moved to Paris" 0.60), unrelated
+    # facts of one user ~0.27 ("likes jazz" / "has a dog"); LoCoMo's facts of one speaker: 98% >= 0.5
+    reconcile_min_similarity: float = Field(default=0.5, ge=-1.0, le=1.0)
     # a turn's vector: unit (1 - w) * its own + w * (previous turn + it); 0 embeds each turn alone. 0.5 lifted
     # LoCoMo evidence recall@10 from 0.718 to 0.730 (bench/locomo.py, "+context"), at twice the embedding work
     context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
+    # a conversation is (re-)summarised only once this many of its turns are not in its summary yet (a one-message
+    # chat needs none; a short tail stays as turns, which are searchable themselves)
+    summary_min_turns: int = Field(default=8, ge=1)
+    # facts are extracted over a window of a user's exchanges: one call once this many wait...
+    facts_window_exchanges: int = Field(default=10, ge=1)
+    # ...or this long after the first of them (turns are searchable at once; facts wait at most this long). A chat
+    # sends a message every 10-60 s: 5 s makes windows of one exchange, i.e. a call per message
+    facts_window_wait_s: float = Field(default=20.0, ge=0.0)
+    # characters of each assistant reply shown to extraction (context only)
+    facts_reply_chars: int = Field(default=120, ge=0)
+    # exchanges whose user messages pass no cheap local check (proxy/memory/prefilter.py) skip extraction
+    prefilter: bool = True
+    prefilter_min_words: int = Field(default=DEFAULT_MIN_WORDS, ge=1)
 
 
 class ExchangePayload(BaseModel):
@@ -184,15 +202,76 @@ def context_vector(own: Vectors, with_previous: Vectors, weight: float) -> Vecto
     return mixed / np.where(norms == 0.0, 1.0, norms)
 
 
-def fact_record(job_id: str, i: int, user_id: str, p: FactsPayload, screened: Screened, text: str) -> MemoryRecord:
+def fact_record(job_id: str, i: int, user_id: str, found: Found, text: str) -> MemoryRecord:
     """The fact record for the ``i``-th screened fact of a job."""
-    fact = screened.fact
+    fact = found.screened.fact
     return MemoryRecord(
         user_id=user_id, kind=Kind.FACT, text=text, id=derived_id(job_id, "fact", i),
-        conversation_id=p.conversation_id, category=fact.category, importance=fact.importance,
+        conversation_id=found.conversation_id, category=fact.category, importance=fact.importance,
         entities=fact.entities, sensitive=fact.sensitive or fact.sensitive_category != "none",
-        source_ids=p.source_ids, meta=json.dumps({"job_id": job_id, "explicit": screened.explicit}),
+        source_ids=found.source_ids, meta=json.dumps({"job_id": job_id, "explicit": found.screened.explicit}),
     )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """A screened fact of a window with where it came from (the user turns of its exchange)."""
+
+    screened: Screened
+    conversation_id: str
+    source_ids: tuple[str, ...]
+
+
+WINDOW_KEY = "facts:window"
+
+
+def window_item(job_id: str, p: ExchangePayload, source_ids: Sequence[str], reply_chars: int) -> dict[str, Any]:
+    """What the facts window keeps of one exchange (the reply cut to what extraction is shown)."""
+    return {
+        "job": job_id, "conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id,
+        "user_messages": list(p.user_messages), "reply": p.reply[:reply_chars], "added_at": time.time(),
+        "source_ids": list(source_ids), "remember": asks_to_remember(p.user_messages),
+    }  # fmt: skip
+
+
+def _add_to_window(item: dict[str, Any]) -> Any:
+    def update(state: dict[str, Any] | None) -> dict[str, Any]:
+        state = state or {"items": [], "jobs": []}
+        if item["job"] not in state["jobs"]:
+            state["items"] = [*state["items"], item][-_MAX_PENDING_TURNS:]
+            state["jobs"] = [*state["jobs"], item["job"]][-200:]
+        return state
+
+    return update
+
+
+def _take_window(job_id: str, size: int) -> Any:
+    """Mark the oldest ``size`` exchanges no job has taken as taken by ``job_id`` (a retry finds its own)."""
+
+    def update(state: dict[str, Any] | None) -> dict[str, Any]:
+        state = state or {"items": [], "jobs": []}
+        free = size - sum(1 for item in state["items"] if item.get("taken_by") == job_id)
+        items = []
+        for item in state["items"]:
+            if free > 0 and not item.get("taken_by"):
+                item, free = {**item, "taken_by": job_id}, free - 1
+            items.append(item)
+        return {**state, "items": items}
+
+    return update
+
+
+def _done_with_window(job_id: str) -> Any:
+    def update(state: dict[str, Any] | None) -> dict[str, Any]:
+        state = state or {"items": [], "jobs": []}
+        return {**state, "items": [item for item in state["items"] if item.get("taken_by") != job_id]}
+
+    return update
+
+
+def untaken(state: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The window's exchanges that no facts job has taken yet."""
+    return [item for item in (state or {}).get("items", []) if not item.get("taken_by")]
 
 
 def _add_pending(job_id: str, turn_ids: Sequence[str]) -> Any:
@@ -240,7 +319,7 @@ class Writer:
     # --------------------------------------------------------------------------------------- exchange
 
     async def handle_exchange(self, job: Job) -> None:
-        """Store the turns, schedule the summary, and enqueue the facts job."""
+        """Store the turns, schedule the summary, and add the exchange to the user's facts window."""
         p = _parse(ExchangePayload, job.payload)
         turns = turn_records(job.id, job.user_id, p, self._extractor.settings)
         if "turns" not in job.progress:
@@ -251,9 +330,28 @@ class Writer:
         if turns:
             await self._schedule_summary(job, p, [t.id for t in turns])
         user_turns = tuple(t.id for t in turns if t.role == "user")
-        if user_turns:  # facts come only from what the user wrote
-            facts = FactsPayload(**p.model_dump(), source_ids=user_turns).model_dump(mode="json")
-            await self._queue.enqueue("facts", job.user_id, facts, job_id=f"{job.id}:facts")
+        if user_turns and self._worth_extracting(p):  # facts come only from what the user wrote
+            await self._add_to_window(job, p, user_turns)
+
+    def _worth_extracting(self, p: ExchangePayload) -> bool:
+        return not self.settings.prefilter or any_worth_extracting(p.user_messages, self.settings.prefilter_min_words)
+
+    async def _add_to_window(self, job: Job, p: ExchangePayload, source_ids: Sequence[str]) -> None:
+        """Queue the exchange for extraction: due when the window is full, holds a "remember ...", or
+        ``facts_window_wait_s`` after its first."""
+        item = window_item(job.id, p, source_ids, self.settings.facts_reply_chars)
+        state = await self._queue.update_state(job.user_id, WINDOW_KEY, _add_to_window(item))
+        await self._enqueue_window(job.user_id, state, p.model, p.request_id)
+
+    async def _enqueue_window(self, user_id: str, state: Mapping[str, Any] | None, model: str, request_id: Any) -> None:
+        waiting = untaken(state)
+        if not waiting:
+            return
+        full = len(waiting) >= self.settings.facts_window_exchanges or any(i.get("remember") for i in waiting)
+        first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
+        run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
+        payload = {"model": model, "request_id": request_id}
+        await self._queue.enqueue("facts", user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after, durable=False)
 
     async def _with_context(
         self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
@@ -275,100 +373,175 @@ class Writer:
         return out
 
     async def _schedule_summary(self, job: Job, p: ExchangePayload, turn_ids: Sequence[str]) -> None:
+        """Count the turns towards the conversation's summary; schedule it once the conversation is long enough."""
         key = f"summary:{p.conversation_id}"
         state = await self._queue.update_state(job.user_id, key, _add_pending(job.id, turn_ids))
-        pending = len(state["pending"]) if state else 0
-        due_now = pending >= self.settings.summary_max_new_turns
+        if not state or len(state["pending"]) < self.settings.summary_min_turns:
+            return  # short conversations, and short tails of summarised ones, stay as turns
+        due_now = len(state["pending"]) >= self.settings.summary_max_new_turns
         run_after = time.time() + (0.0 if due_now else self.settings.summary_idle_s)
         payload = {"conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id}
-        await self._queue.enqueue("summary", job.user_id, payload, dedupe_key=key, run_after=run_after)
+        await self._queue.enqueue("summary", job.user_id, payload, dedupe_key=key, run_after=run_after, durable=False)
 
     # ------------------------------------------------------------------------------------------ facts
 
     async def handle_facts(self, job: Job) -> None:
-        """Extract, screen and reconcile the exchange's facts; then trigger insights."""
-        p = _parse(FactsPayload, job.payload)
-        screened = await self._screened_facts(job, p)
-        for i, fact in enumerate(screened):
+        """Extract, screen and reconcile the facts of the user's window of exchanges; then trigger insights."""
+        items = await self._window(job)
+        if not items:
+            return
+        found = await self._screened_facts(job, items)
+        plans = await self._plans(job, items, found)
+        for i, decided in sorted(plans.items(), key=lambda kv: int(kv[0])):
             if f"fact:{i}" not in job.progress:
-                async with job.timed("reconcile"):
-                    await self._reconcile(job, p, i, fact)
+                record = fact_record(job.id, int(i), job.user_id, found[int(i)], decided["text"])
+                if decided.get("embedding") is not None:
+                    record = record.replace(embedding=decided["embedding"], model_id=self._store.embedder.model_id)
+                await self._apply(job.user_id, Plan(**decided["plan"]), record)
                 await job.checkpoint(f"fact:{i}")
-        now = time.time()
-        payload = {"reason": "exchange", "model": self._model(p), "request_id": p.request_id}
+        await self._after_window(job, items)
+
+    async def _window(self, job: Job) -> list[dict[str, Any]]:
+        """The exchanges this job extracts from: fixed at its first attempt (a retry takes the same ones)."""
+        if "window" in job.progress:
+            return list(job.progress["window"])
+        if "user_messages" in job.payload:  # a per-exchange job enqueued before windows existed
+            p = _parse(FactsPayload, job.payload)
+            items = [window_item(job.id, p, p.source_ids, self.settings.facts_reply_chars)]
+        else:
+            taken = _take_window(job.id, self.settings.facts_window_exchanges)
+            state = await self._queue.update_state(job.user_id, WINDOW_KEY, taken) or {}
+            items = [item for item in state.get("items", []) if item.get("taken_by") == job.id]
+        await job.checkpoint("window", items)
+        return items
+
+    async def _after_window(self, job: Job, items: Sequence[Mapping[str, Any]]) -> None:
+        """Take the window's exchanges out of the state; schedule the rest; trigger insights."""
+        model = self._model_of(items[-1])
+        request_id = items[-1].get("request_id")
+        if "user_messages" not in job.payload:
+            state = await self._queue.update_state(job.user_id, WINDOW_KEY, _done_with_window(job.id))
+            await self._enqueue_window(job.user_id, state, str(items[-1]["model"]), request_id)
+        payload = {"reason": "exchange", "model": model, "request_id": request_id}
+        run_after = time.time() + self.settings.insights_debounce_s
         await self._queue.enqueue(
-            "insights", job.user_id, payload, dedupe_key="insights", run_after=now + self.settings.insights_debounce_s
+            "insights", job.user_id, payload, dedupe_key="insights", run_after=run_after, durable=False
         )
 
-    async def _screened_facts(self, job: Job, p: FactsPayload) -> list[Screened]:
+    def _model_of(self, item: Mapping[str, Any]) -> str:
+        return self.settings.model or str(item["model"])
+
+    async def _screened_facts(self, job: Job, items: Sequence[Mapping[str, Any]]) -> list[Found]:
         if "extracted" in job.progress:
-            return [_screened_from_json(item) for item in job.progress["extracted"]]
-        exchange = ExchangeText(p.user_messages, p.reply, p.context)
+            return [_found_from_json(item) for item in job.progress["extracted"]]
+        exchanges = [ExchangeText(tuple(item["user_messages"]), str(item["reply"])) for item in items]
         async with job.timed("extract"):
-            found = await self._extract(p, exchange)
-        kept, reasons = screen_facts(found, exchange, self._extractor.settings)
+            extracted = await self._extract(self._model_of(items[-1]), exchanges)
+        groups: dict[int, list[ExtractedFact]] = {}
+        for fact in extracted:
+            groups.setdefault(fact.exchange if 1 <= fact.exchange <= len(items) else 0, []).append(fact)
+        unplaced = groups.pop(0, [])
+        fallback = not any(f.explicit_request for f in unplaced)  # the screens' "remember ..." fallback
+        found: list[Found] = []
+        for n, (exchange, item) in enumerate(zip(exchanges, items, strict=True), start=1):
+            sources = tuple(item["source_ids"])
+            found += self._screen(groups.get(n, []), exchange, str(item["conversation_id"]), sources, fallback)
+        if unplaced:
+            sources = tuple(s for item in items for s in item["source_ids"])
+            found += self._screen(unplaced, _joined(exchanges), str(items[-1]["conversation_id"]), sources, False)
+        found = _unique(found)[: self._extractor.settings.max_facts * len(items)]
+        await job.checkpoint("extracted", [_found_to_json(f) for f in found])
+        return found
+
+    def _screen(
+        self, facts: list[ExtractedFact], exchange: ExchangeText, conversation: str, sources: tuple[str, ...],
+        fallback: bool,
+    ) -> list[Found]:  # fmt: skip
+        """The facts of one exchange that pass the screens (with the "remember ..." fallback when asked)."""
+        if fallback:
+            kept, reasons = screen_facts(facts, exchange, self._extractor.settings)
+        else:
+            outcomes = [screen_fact(f, exchange, self._extractor.settings) for f in facts]
+            kept = [o for o in outcomes if not isinstance(o, str)]
+            reasons = [o for o in outcomes if isinstance(o, str)]
         for reason in reasons:
             log.info("memory.rejected", reason=reason)
-        await job.checkpoint("extracted", [_screened_to_json(s) for s in kept])
-        return kept
+        return [Found(s, conversation, sources) for s in kept]
 
-    async def _extract(self, p: FactsPayload, exchange: ExchangeText) -> list[ExtractedFact]:
+    async def _extract(self, model: str, exchanges: Sequence[ExchangeText]) -> list[WindowFact]:
         try:
-            return await self._extractor.extract(self._model(p), exchange)
+            return await self._extractor.extract_window(model, exchanges, self.settings.facts_reply_chars)
         except LLMUnavailable as error:
             raise RetryLater(f"memory LLM unavailable: {error}") from None
         except ExtractionFailed as error:
             log.warning("memory.step_failed", step="extract", reason=str(error))
             return []
 
-    async def _reconcile(self, job: Job, p: FactsPayload, i: int, screened: Screened) -> None:
-        record = fact_record(job.id, i, job.user_id, p, screened, screened.fact.text)
-        decided = job.progress.get(f"plan:{i}")
-        if decided is not None:  # an earlier attempt decided and began applying: apply the same plan again
-            await self._apply(job.user_id, Plan(**decided["plan"]), record.replace(text=decided["text"]))
-            return
-        vector = (await self._store.embedder.embed_documents([record.text]))[0]
-        neighbours = await self._neighbours(job.user_id, vector)
-        plan = await self._plan(p, record.text, neighbours)
-        if plan is None:
-            return
-        if plan.action == "supersede" and plan.text != record.text:
-            merged = await self._rescreen(record, plan.text, screened, p)
-            if merged is None:
-                return
-            record = merged
-        elif plan.action in ("add", "supersede"):
-            record = record.replace(embedding=[float(x) for x in vector], model_id=self._store.embedder.model_id)
-        await job.checkpoint(f"plan:{i}", {"plan": dataclasses.asdict(plan), "text": record.text})
-        await self._apply(job.user_id, plan, record)
+    async def _plans(self, job: Job, items: Sequence[Mapping[str, Any]], found: Sequence[Found]) -> dict[str, Any]:
+        """What to do with each fact (decided once, checkpointed): no model call when nothing stored is near."""
+        if "plans" in job.progress:
+            return dict(job.progress["plans"])
+        if not found:
+            return {}
+        vectors = await self._store.embedder.embed_documents([f.screened.fact.text for f in found])
+        near = [await self._neighbours(job.user_id, vector) for vector in vectors]
+        async with job.timed("reconcile"):
+            plans = await self._decide(self._model_of(items[-1]), found, near)
+        decided: dict[str, Any] = {}
+        targets: set[str] = set()
+        for i, plan in enumerate(plans):
+            settled = await self._settled(plan, found[i], items) if plan is not None else None
+            if settled is not None and settled.target_id is not None:
+                if settled.target_id in targets:  # two facts of one window change the same stored fact: keep both
+                    settled = Plan("add", found[i].screened.fact.text)
+                targets.add(settled.target_id or "")
+            if settled is not None:
+                embedding = [float(x) for x in vectors[i]] if settled.action == "add" else None
+                if settled.action == "supersede" and settled.text == found[i].screened.fact.text:
+                    embedding = [float(x) for x in vectors[i]]
+                decided[str(i)] = {"plan": dataclasses.asdict(settled), "text": settled.text, "embedding": embedding}
+        await job.checkpoint("plans", decided)
+        return decided
 
-    async def _neighbours(self, user_id: str, vector: Any) -> list[Neighbour]:
-        hits = await self._store.vector_search(user_id, vector, self.settings.reconcile_neighbours, kinds=[Kind.FACT])
-        return [Neighbour(hit.record.id, hit.record.text, hit.score) for hit in hits]
-
-    async def _plan(self, p: FactsPayload, text: str, neighbours: Sequence[Neighbour]) -> Plan | None:
-        shortcut = shortcut_plan(text, neighbours, self.settings.reconcile_min_similarity)
-        if shortcut is not None:
-            return shortcut
-        close = [n for n in neighbours if n.score >= self.settings.reconcile_min_similarity]
+    async def _decide(self, model: str, found: Sequence[Found], near: Sequence[list[Neighbour]]) -> list[Plan | None]:
+        """Shortcut plans where they apply; one model call for the rest (the single-fact call for one)."""
+        floor = self.settings.reconcile_min_similarity
+        plans: list[Plan | None] = [
+            shortcut_plan(f.screened.fact.text, n, floor) for f, n in zip(found, near, strict=True)
+        ]
+        ask = [i for i, plan in enumerate(plans) if plan is None]
+        close = {i: [n for n in near[i] if n.score >= floor] for i in ask}
         try:
-            return await self._extractor.decide(self._model(p), text, close)
+            if len(ask) == 1:
+                (i,) = ask
+                plans[i] = await self._extractor.decide(model, found[i].screened.fact.text, close[i])
+            elif ask:
+                asked = [(found[i].screened.fact.text, close[i]) for i in ask]
+                for i, plan in zip(ask, await self._extractor.decide_many(model, asked), strict=True):
+                    plans[i] = plan
         except LLMUnavailable as error:
             raise RetryLater(f"memory LLM unavailable: {error}") from None
         except ExtractionFailed as error:
             log.warning("memory.step_failed", step="reconcile", reason=str(error))
-            return None
+        return plans
 
-    async def _rescreen(
-        self, record: MemoryRecord, text: str, screened: Screened, p: FactsPayload
-    ) -> MemoryRecord | None:
-        """The merged text of an UPDATE passes the same screens as the extracted fact."""
-        merged = screened.fact.model_copy(update={"text": text, "explicit_request": screened.explicit})
-        outcome = screen_fact(merged, ExchangeText(p.user_messages, p.reply, p.context), self._extractor.settings)
+    async def _settled(self, plan: Plan, found: Found, items: Sequence[Mapping[str, Any]]) -> Plan | None:
+        """The plan, with an UPDATE's merged text screened like the extracted fact (None: dropped)."""
+        if plan.action == "skip":
+            return None
+        if plan.action != "supersede" or plan.text == found.screened.fact.text:
+            return plan
+        exchange = _joined([ExchangeText(tuple(i["user_messages"]), str(i["reply"])) for i in items])
+        merged = found.screened.fact.model_copy(update={"text": plan.text, "explicit_request": found.screened.explicit})
+        outcome = screen_fact(merged, exchange, self._extractor.settings)
         if isinstance(outcome, str):
             log.info("memory.rejected", reason=outcome, step="reconcile")
             return None
-        return record.replace(text=outcome.fact.text)
+        return dataclasses.replace(plan, text=outcome.fact.text)
+
+    async def _neighbours(self, user_id: str, vector: Any) -> list[Neighbour]:
+        hits = await self._store.vector_search(user_id, vector, self.settings.reconcile_neighbours, kinds=[Kind.FACT])
+        return [Neighbour(hit.record.id, hit.record.text, hit.score) for hit in hits]
 
     async def _apply(self, user_id: str, plan: Plan, record: MemoryRecord) -> None:
         # Subjects are linked before the fact is stored: once a fact can be found, so can its subjects.
@@ -377,8 +550,11 @@ class Writer:
             await self._store.add([record])
         elif plan.action == "supersede" and plan.target_id is not None:
             await self._subjects.link(record)
-            await self._store.supersede(user_id, plan.target_id, record)
-            await self._subjects.unlink(user_id, plan.target_id)
+            if await self._store.get(user_id, plan.target_id) is None:
+                await self._store.add([record])  # the target went meanwhile (forgotten, or superseded by a retry)
+            else:
+                await self._store.supersede(user_id, plan.target_id, record)
+                await self._subjects.unlink(user_id, plan.target_id)
         elif plan.action == "invalidate" and plan.target_id is not None:
             await self._store.update(user_id, plan.target_id, valid=False)
             await self._subjects.unlink(user_id, plan.target_id)
@@ -402,7 +578,7 @@ class Writer:
                 return
         after = await self._queue.update_state(job.user_id, key, _summarised(pending, summary_id))
         if after and len(after["pending"]) >= self.settings.summary_max_new_turns:
-            await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key)
+            await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key, durable=False)
 
     async def _summarise(
         self, job: Job, conversation_id: str, pending: Sequence[str], previous_id: str | None, summary_id: str
@@ -446,10 +622,30 @@ def _parse(model: type[ExchangePayload], payload: Mapping[str, Any]) -> Any:
         raise GiveUp(f"invalid job payload: {error.errors()[0]['loc']}: {error.errors()[0]['msg']}") from None
 
 
-def _screened_to_json(screened: Screened) -> dict[str, Any]:
-    return {**screened.fact.model_dump(mode="json"), "explicit": screened.explicit}
+def _found_to_json(found: Found) -> dict[str, Any]:
+    fact = found.screened.fact.model_dump(mode="json")
+    return {"fact": fact, "explicit": found.screened.explicit, "conversation_id": found.conversation_id,
+            "source_ids": list(found.source_ids)}  # fmt: skip
 
 
-def _screened_from_json(item: Mapping[str, Any]) -> Screened:
-    fact = ExtractedFact.model_validate({k: v for k, v in item.items() if k != "explicit"})
-    return Screened(fact, bool(item["explicit"]))
+def _found_from_json(item: Mapping[str, Any]) -> Found:
+    screened = Screened(ExtractedFact.model_validate(item["fact"]), bool(item["explicit"]))
+    return Found(screened, str(item["conversation_id"]), tuple(item["source_ids"]))
+
+
+def _joined(exchanges: Sequence[ExchangeText]) -> ExchangeText:
+    """A window's exchanges as one (what the screens check a fact of no known exchange against)."""
+    users = tuple(text for e in exchanges for text in e.user_messages)
+    return ExchangeText(users, "\n".join(e.reply for e in exchanges))
+
+
+def _unique(found: Sequence[Found]) -> list[Found]:
+    """The facts with the same words only once (the first kept)."""
+    seen: set[str] = set()
+    out = []
+    for f in found:
+        key = normalise(f.screened.fact.text)
+        if key not in seen:
+            seen.add(key)
+            out.append(f)
+    return out

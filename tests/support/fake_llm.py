@@ -23,6 +23,7 @@ from aiohttp import web
 DEFAULTS: dict[str, dict[str, Any]] = {
     "memory_facts": {"facts": []},
     "memory_reconcile": {"decision": "ADD", "target": 0, "text": ""},
+    "memory_reconcile_many": {"decisions": []},
     "memory_summary": {"summary": "The user and the assistant talked.", "topics": []},
 }
 
@@ -165,3 +166,8 @@ def completion(model: str, message: dict[str, Any]) -> dict[str, Any]:
 def user_payload(body: dict[str, Any]) -> dict[str, Any]:
     """The JSON data a memory-side call sent in its user message."""
     return json.loads(body["messages"][1]["content"])  # type: ignore[no-any-return]
+
+
+def window_user_messages(body: dict[str, Any]) -> list[tuple[int, str]]:
+    """The user messages of a window extraction call, each with the number of its exchange."""
+    return [(item["n"], text) for item in user_payload(body)["exchanges"] for text in item["user"]]
