@@ -199,6 +199,7 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
 
 
 def install_access(app: web.Application) -> None:
-    """Add the access checks to ``app`` (after the error middleware, so refusals are OpenAI error JSON)."""
-    app.middlewares.append(access_middleware)
+    """Add the access checks to ``app``: right after the error middleware (refusals are OpenAI error JSON) and
+    before anything that reads the body (a refused request is never read; a read request cannot be cloned)."""
+    app.middlewares.insert(1, access_middleware)
     app.on_response_prepare.append(_cors_on_prepare)

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.e2e
 ADMIN = "admin-quickstart"
 APP_KEY = "sk-app-own-key-0123456789"
 FEATURES = ("retrieval", "turns", "facts", "summaries", "insights")
-TEST_CLOCK = {"MEMPROXY_WRITER__SUMMARY_IDLE_S": "1", "MEMPROXY_INSIGHTS__SCHEDULE_CHECK_S": "1",
+TEST_CLOCK = {"MEMPROXY_WRITER__SUMMARY_IDLE_S": "1", "MEMPROXY_WRITER__SUMMARY_MIN_TURNS": "2",
+              "MEMPROXY_WRITER__FACTS_WINDOW_WAIT_S": "1", "MEMPROXY_INSIGHTS__SCHEDULE_CHECK_S": "1",
               "MEMPROXY_INSIGHTS__SCHEDULE_INTERVAL_S": "4",
               # behaviour, not speed, is under test (the machine is shared; benchmarks measure speed)
               "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
@@ -191,7 +192,7 @@ def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
     with hosted_upstream() as fake, memproxy_process(quick_start_env(fake.base_url), cwd=tmp_path) as (_, url):
         client = openai.OpenAI(base_url=url, api_key=APP_KEY, max_retries=0)
         headers = {"X-Memory-User": "bob", "X-Memory-Conversation": "trip"}
-        asked: Any = [{"role": "user", "content": "What's the weather in Paris today?"}]
+        asked: Any = [{"role": "user", "content": "I fly to Paris tonight: what's the weather there?"}]
         first = client.chat.completions.create(model="fake-tools", messages=asked, tools=tools, extra_headers=headers)
         [call] = first.choices[0].message.tool_calls or []
         answered = [*asked, first.choices[0].message.model_dump(exclude_none=True),
@@ -207,6 +208,10 @@ def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
             found = [row["text"] for row in json.loads(response.read())["results"]]
         assert 'tool result get_weather: {"sky": "sunny", "temp_c": 18}' in found
-        said = [text for body in fake.structured_calls if "user_messages" in body["messages"][-1]["content"]
-                for text in json.loads(body["messages"][-1]["content"])["user_messages"]]
-        assert said == ["What's the weather in Paris today?"]  # facts only from the user's own words
+
+        def said() -> list[str]:  # what the window extraction calls were given as the user's words
+            return [text for body in fake.structured_calls if '"exchanges"' in body["messages"][-1]["content"]
+                    for item in json.loads(body["messages"][-1]["content"])["exchanges"] for text in item["user"]]
+
+        eventually(lambda: said())
+        assert said() == ["I fly to Paris tonight: what's the weather there?"]  # facts only from the user's own words

@@ -36,13 +36,21 @@ _ABOUT_USER = re.compile(r"\b(i|i'm|my|me)\b", re.IGNORECASE)
 def memory_answer(schema: str, body: dict[str, Any], insights: InsightWriter) -> dict[str, Any]:
     """The JSON a sensible model would give for one memory-side call."""
     data = json.loads(body["messages"][-1]["content"])
+    if schema == "memory_facts" and "exchanges" in data:  # a window of exchanges: each fact names its exchange
+        said = [(item["n"], text) for item in data["exchanges"] for text in item["user"] if _ABOUT_USER.search(text)]
+        return {"facts": [fact(text.removeprefix("Remember that ").rstrip(".!"), importance=6, exchange=n)
+                          for n, text in said]}
     if schema == "memory_facts":
         said = [text for text in data.get("user_messages", []) if _ABOUT_USER.search(text)]
         return {"facts": [fact(text.removeprefix("Remember that ").rstrip(".!"), importance=6) for text in said]}
     if schema == "memory_reconcile":
         return {"decision": "ADD", "target": 0, "text": ""}
+    if schema == "memory_reconcile_many":
+        return {"decisions": [{"fact": item["fact"], "decision": "ADD", "target": 0, "text": ""}
+                              for item in data.get("new_facts", [])]}
     if schema == "memory_summary":
-        first = next((t["text"] for t in data.get("turns", []) if t["role"] == "user"), "")
+        turns = [t.split(": ", 1) for t in data.get("turns", [])]  # "role: text" lines
+        first = next((t[1] for t in turns if len(t) == 2 and t[0] == "user"), "")
         return {"summary": f"The user talked about: {first[:120]}", "topics": []}
     if schema == "memory_insight":
         return insights(schema, body)
