@@ -47,7 +47,10 @@ async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFa
         # (speed is the benchmarks' job).
         tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)},
                                 "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
-                                "retrieval": {"arm_timeout_ms": 20_000}}
+                                "retrieval": {"arm_timeout_ms": 20_000},
+                                # facts of a window of exchanges are extracted 0.2 s after its first exchange
+                                # (the product waits 20 s to gather more; the window tests set their own)
+                                "writer": {"facts_window_wait_s": 0.2}}
         for section, values in overrides.items():
             tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values
         settings = load_settings(None, environ={}, overrides=tree)

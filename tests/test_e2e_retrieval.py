@@ -57,9 +57,9 @@ EXTRACTED = {
 
 def _extraction(name: str, body: dict[str, Any]) -> Any:
     """The scripted memory-side model: the fact of the user's message; reconciliation always adds."""
-    if name == "memory_facts":
-        said = user_payload(body)["user_messages"][-1]
-        return facts(EXTRACTED[said]) if said in EXTRACTED else facts()
+    if name == "memory_facts":  # a window of exchanges: each known message's fact, naming its exchange
+        said = [(item["n"], text) for item in user_payload(body)["exchanges"] for text in item["user"]]
+        return facts(*({**EXTRACTED[text], "exchange": n} for n, text in said if text in EXTRACTED))
     return DEFAULTS.get(name, {})
 
 
@@ -80,7 +80,7 @@ async def memory_llm() -> AsyncIterator[FakeLLM]:
 def _env(upstream: str, llm: FakeLLM, data: Path) -> dict[str, str]:
     return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream-e2e",
             "MEMPROXY_MEMORY_LLM__BASE_URL": llm.base_url, "MEMPROXY_STORAGE__PATH": str(data),
-            "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY,
+            "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY, "MEMPROXY_WRITER__FACTS_WINDOW_WAIT_S": "1",
             # behaviour, not speed, is under test here (the machine is shared; benchmarks measure speed)
             "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
             "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000"}  # fmt: skip

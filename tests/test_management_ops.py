@@ -13,6 +13,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import build_app
+from proxy.state import STATE
 from tests.fake_upstream import FakeUpstream
 from tests.support.live_app import admin_settings
 from tests.support.processes import MEMPROXY, child_env
@@ -26,7 +27,7 @@ Client = TestClient[Any, Any]
 
 @pytest_asyncio.fixture(loop_scope="module", scope="module")
 async def api(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]:
-    """The proxy with memory on and no model configured for insights (so a manual insight run gives up)."""
+    """The proxy with memory on (a job with a corrupt payload gives up at once)."""
     async with FakeUpstream() as upstream:
         settings = admin_settings(upstream={"base_url": upstream.base_url}, admin={"api_key": KEY},
                                   storage={"path": str(tmp_path_factory.mktemp("ops"))},
@@ -100,11 +101,11 @@ async def _dead(api: Client) -> list[dict[str, Any]]:
 
 async def test_failed_memory_job_is_listed_and_requeued(api: Client) -> None:
     """A memory job that gave up is listed with its error; requeued, it runs again."""
-    queued = await api.post("/v1/memory/users/kim/insights/regenerate", headers=AUTH)
-    assert queued.status == 202
+    # an exchange whose stored payload is corrupt (as after a bad manual edit of the queue): the writer gives up
+    await api.server.app[STATE].memory.jobs.enqueue("exchange", "kim", {"corrupt": True})
     [job] = await eventually(lambda: _dead(api))
-    assert (job["user_id"], job["kind"], job["attempts"]) == ("kim", "insights", 1)
-    assert "no model for insights" in job["last_error"]
+    assert (job["user_id"], job["kind"], job["attempts"]) == ("kim", "exchange", 1)
+    assert "invalid job payload" in job["last_error"]
     requeued = await api.post(f"/v1/memory/dead-letters/{job['id']}/requeue", headers=AUTH)
     assert requeued.status == 200
     assert (await requeued.json()) == {"id": job["id"], "kind": job["kind"], "status": "queued"}
@@ -112,7 +113,7 @@ async def test_failed_memory_job_is_listed_and_requeued(api: Client) -> None:
     async def died_again() -> bool:
         return any(d["id"] == job["id"] and d["updated_at"] > job["updated_at"] for d in await _dead(api))
 
-    await eventually(died_again)  # it ran again (and, still without a model, gave up again)
+    await eventually(died_again)  # it ran again (and, its payload still corrupt, gave up again)
     missing = await api.post("/v1/memory/dead-letters/no-such-job/requeue", headers=AUTH)
     assert missing.status == 404
     assert (await api.get("/v1/memory/dead-letters", headers={})).status == 401

@@ -157,5 +157,10 @@ async def test_each_routes_key_goes_only_to_that_route(make_proxy: ProxyFactory,
         assert (await proxy.post(CHAT, json=body, headers=headers)).status == 200
         await eventually(lambda: _has(proxy, "blue"), within_s=60)
         await eventually(lambda: _has(proxy, "red"), within_s=60)
+
+        async def both_extracted() -> bool:
+            return bool(fake.memory_keys("memory_facts")) and bool(team.memory_keys("memory_facts"))
+
+        await eventually(both_extracted, within_s=60)
         assert set(fake.memory_keys("memory_facts")) == {"sk-default"}
         assert set(team.memory_keys("memory_facts")) == {"sk-team"}

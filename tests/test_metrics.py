@@ -40,7 +40,8 @@ async def _after_memory_traffic(proxy: TestClient[Any, Any]) -> str:
     assert (await proxy.post(CHAT, json=_chat("x", "fake-error-500"))).status == 500
     for _ in range(200):
         text = await _scrape(proxy)
-        if re.search(r"^memproxy_jobs_completed_total [1-9]", text, re.M) and "memproxy_memory_llm_tokens" in text:
+        completed = re.search(r"^memproxy_jobs_completed_total [1-9]", text, re.M)
+        if completed and "memproxy_memory_llm_tokens_total{" in text:
             return text
         await asyncio.sleep(0.1)
     raise AssertionError("the write path did not complete:\n" + text)
