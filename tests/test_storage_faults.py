@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import sqlite3
 import time
 from pathlib import Path
@@ -73,24 +74,27 @@ async def test_debounced_job_left_running_beside_its_pending_twin_does_not_stop_
                                      run_after=time.time() + 3600)
         assert second != first
     async with JobQueue(settings(tmp_path)) as queue:  # the process died: the first job is an orphan
-        assert (await queue.get(first) or {})["state"] == "done"
-        twin = await queue.get(second)
-        assert twin is not None
-        assert twin["state"] == "pending"
-        assert twin["run_after"] <= time.time()  # runs now, as the orphan would have
+        assert (await queue.get(second) or {})["state"] == "done"  # the twin is folded into the orphan
+        orphan = await queue.get(first)
+        assert orphan is not None
+        assert orphan["state"] == "pending"
+        assert orphan["run_after"] <= time.time()  # runs now, with the twin's newer payload
         jobs, _ = await queue.claim({"summary": 1})
-        assert [j.payload for j in jobs] == [{"n": 2}]
+        assert [(j.id, j.payload) for j in jobs] == [(first, {"n": 2})]
 
 
-async def test_deferring_a_debounced_job_folds_it_into_its_pending_twin(tmp_path: Path) -> None:
-    """A running debounced job that must wait, while a newer one is pending, hands its deadline to that one."""
+async def test_deferring_a_debounced_job_folds_its_pending_twin_into_it(tmp_path: Path) -> None:
+    """A running debounced job that must wait, while a newer one is pending, takes that one's payload and stays
+    the one pending job of its key."""
     async with JobQueue(settings(tmp_path)) as queue:
         await queue.enqueue("insights", "u1", {"n": 1}, dedupe_key="insights", run_after=time.time())
         [job], _ = await queue.claim({"insights": 1})
         twin = await queue.enqueue("insights", "u1", {"n": 2}, dedupe_key="insights", run_after=time.time() + 3600)
         await queue.defer(job, "storage fault: test")
-        assert (await queue.get(job.id) or {})["state"] == "done"
-        assert (await queue.get(twin) or {})["run_after"] < time.time() + 60
+        assert (await queue.get(twin) or {})["state"] == "done"
+        kept = await queue.get(job.id) or {}
+        assert kept["state"] == "pending"
+        assert json.loads(kept["payload"]) == {"n": 2}
 
 
 async def test_concurrent_enqueues_share_commits(tmp_path: Path) -> None:

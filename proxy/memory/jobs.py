@@ -259,10 +259,11 @@ WHERE state = 'running' AND (lease_until < :now OR lease_owner != :owner)
 """
 
 # A debounced job going back to pending while a newer pending job holds its (user, kind, key) would break the
-# one-pending-per-key index (and, at open, stop memproxy from starting): it is folded into that twin instead,
-# which then runs no later than the folded job would have.
+# one-pending-per-key index (and, at open, stop memproxy from starting). The pending twin is folded into it:
+# the job going back keeps its id (a facts window marks the exchanges it took with its job id, possibly before
+# its first checkpoint), takes the twin's newer payload, and runs no later than the twin would have.
 _TWINS = """
-SELECT j.id AS id, t.id AS twin FROM jobs AS j
+SELECT j.id AS id, t.id AS twin, t.payload AS payload, t.run_after AS run_after FROM jobs AS j
 JOIN jobs AS t ON t.user_id = j.user_id AND t.kind = j.kind AND t.dedupe_key = j.dedupe_key
                   AND t.state = 'pending'
 WHERE j.state = 'running' AND j.dedupe_key IS NOT NULL AND {where}
@@ -403,20 +404,20 @@ class _Db:
     def reclaim_orphans(self, owner: str, now: float) -> int:
         """Take back jobs left running by a process that is gone (we hold the lock, so all of them)."""
         with self.txn() as c:
-            folded = self._fold_twins(c, "TRUE", {}, now)
-            return c.execute(_RECLAIM_ORPHANS, {"limit": ORPHAN_LIMIT, "now": now}).rowcount + folded
+            self._fold_twins(c, "TRUE", {})  # the orphans run at once (_RECLAIM_ORPHANS), no later than a twin
+            return c.execute(_RECLAIM_ORPHANS, {"limit": ORPHAN_LIMIT, "now": now}).rowcount
 
-    def _fold_twins(self, c: sqlite3.Connection, where: str, params: JSON, run_by: float) -> int:
-        """Fold running debounced jobs matching ``where`` into their pending twins (see ``_TWINS``)."""
+    def _fold_twins(self, c: sqlite3.Connection, where: str, params: JSON) -> float | None:
+        """Fold the pending twins of running debounced jobs matching ``where`` into them (see ``_TWINS``); the
+        earliest run time of a folded twin, or None when there was none."""
         pairs = c.execute(_TWINS.format(where=where), params).fetchall()
         for row in pairs:
-            c.execute("UPDATE jobs SET run_after = MIN(run_after, ?) WHERE id = ?", (run_by, row["twin"]))
             c.execute(
-                "UPDATE jobs SET state = 'done', payload = '{}', lease_owner = NULL, lease_until = NULL,"
-                " last_error = ?, updated_at = ? WHERE id = ?",
-                (f"folded into pending job {row['twin']}", time.time(), row["id"]),
+                "UPDATE jobs SET state = 'done', payload = '{}', last_error = ?, updated_at = ? WHERE id = ?",
+                (f"folded into job {row['id']}", time.time(), row["twin"]),
             )
-        return len(pairs)
+            c.execute("UPDATE jobs SET payload = ? WHERE id = ?", (row["payload"], row["id"]))
+        return min((float(row["run_after"]) for row in pairs), default=None)
 
     def claim(self, limits: Mapping[str, int], owner: str, now: float) -> tuple[list[sqlite3.Row], float]:
         """Due jobs marked running, at most ``limits[kind]`` per kind and one per lane; and the next due time."""
@@ -442,7 +443,7 @@ class _Db:
         return picked, float(nxt) if nxt is not None else float("inf")
 
     def _expire(self, c: sqlite3.Connection, owner: str, now: float) -> None:
-        self._fold_twins(c, "j.lease_until < :now", {"now": now}, now)
+        self._fold_twins(c, "j.lease_until < :now", {"now": now})
         c.execute(
             _EXPIRE_LEASES.replace("OR lease_owner != :owner", ""),
             {"max": self.settings.max_attempts, "now": now},
@@ -461,8 +462,10 @@ class _Db:
         with self.txn() as c:
             if changes.get("state") == "pending":
                 where = "j.id = :job_id AND j.lease_owner = :owner"
-                if self._fold_twins(c, where, {"job_id": job_id, "owner": owner}, float(changes["run_after"])):
-                    return True
+                twin_due = self._fold_twins(c, where, {"job_id": job_id, "owner": owner})
+                if twin_due is not None:
+                    changes = {**changes, "run_after": min(float(changes["run_after"]), twin_due)}
+                    cols = ", ".join(f"{name} = :{name}" for name in changes)
             cur = c.execute(
                 f"UPDATE jobs SET {cols}, lease_owner = NULL, lease_until = NULL"  # noqa: S608 - fixed names
                 " WHERE id = :job_id AND state = 'running' AND lease_owner = :owner",
