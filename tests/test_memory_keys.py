@@ -117,8 +117,8 @@ def _files_holding(root: Path, needle: bytes) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file() and needle in p.read_bytes()]
 
 
-async def _has(proxy: TestClient[Any, Any], word: str) -> bool:
-    return any(word in text for text in await _facts(proxy))
+async def _has(proxy: TestClient[Any, Any], word: str, user: str = "ann") -> bool:
+    return any(word in text for text in await _facts(proxy, user))
 
 
 def test_a_held_key_expires_and_goes_only_to_its_own_route() -> None:
@@ -152,10 +152,11 @@ async def test_each_routes_key_goes_only_to_that_route(make_proxy: ProxyFactory,
         headers = {"X-Memory-User": "ann", "Authorization": "Bearer sk-default"}
         body = {"model": "fake-echo", "messages": [{"role": "user", "content": "My bike is red."}]}
         assert (await proxy.post(CHAT, json=body, headers=headers)).status == 200
-        headers["Authorization"] = "Bearer sk-team"
+        # another user, so that each user's window of exchanges is extracted on its own route
+        headers = {"X-Memory-User": "ben", "Authorization": "Bearer sk-team"}
         body = {"model": "team/echo", "messages": [{"role": "user", "content": "My car is blue."}]}
         assert (await proxy.post(CHAT, json=body, headers=headers)).status == 200
-        await eventually(lambda: _has(proxy, "blue"), within_s=60)
+        await eventually(lambda: _has(proxy, "blue", "ben"), within_s=60)
         await eventually(lambda: _has(proxy, "red"), within_s=60)
 
         async def both_extracted() -> bool:
