@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 
 from proxy.config import ClientSettings, Settings
-from proxy.errors import ProxyError, Unauthorized
+from proxy.errors import Forbidden, MisdirectedRequest, Unauthorized, UnsupportedMediaType
 from proxy.identity import Identity
 from proxy.state import STATE
 
@@ -36,30 +36,6 @@ KEYED_PATHS = CHAT_PATHS | {"/v1/models"}
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 EXPOSED_HEADERS = ("X-Memory-Mode, X-Memory-Injected, X-Memory-Ids, X-Memory-Arms, X-Memory-Retrieval-Ms, "
                    "X-Request-Id")  # fmt: skip
-
-
-class Forbidden(ProxyError):
-    """A browser origin that is not allowed (403)."""
-
-    status = 403
-    type = "invalid_request_error"
-    code = "origin_not_allowed"
-
-
-class UnsupportedMediaType(ProxyError):
-    """A chat request whose body is not declared as JSON (415)."""
-
-    status = 415
-    type = "invalid_request_error"
-    code = "unsupported_media_type"
-
-
-class MisdirectedRequest(ProxyError):
-    """A ``Host`` this server is not pinned to (421)."""
-
-    status = 421
-    type = "invalid_request_error"
-    code = "host_not_allowed"
 
 
 def key_hash(key: str) -> str:

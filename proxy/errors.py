@@ -53,6 +53,30 @@ class Unauthorized(ProxyError):
     code = "invalid_api_key"
 
 
+class Forbidden(ProxyError):
+    """A browser origin that is not allowed (403)."""
+
+    status = 403
+    type = "invalid_request_error"
+    code = "origin_not_allowed"
+
+
+class UnsupportedMediaType(ProxyError):
+    """A chat request whose body is not declared as JSON (415)."""
+
+    status = 415
+    type = "invalid_request_error"
+    code = "unsupported_media_type"
+
+
+class MisdirectedRequest(ProxyError):
+    """A ``Host`` this server is not pinned to (421)."""
+
+    status = 421
+    type = "invalid_request_error"
+    code = "host_not_allowed"
+
+
 class NotFound(ProxyError):
     """No such route or record (404)."""
 
