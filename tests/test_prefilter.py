@@ -47,6 +47,7 @@ def test_an_exchange_passes_when_any_user_message_does() -> None:
     assert not any_worth_extracting(["Thanks!", "ok"])
 
 
+@pytest.mark.skipif(not DATA.exists(), reason=f"LoCoMo not at {DATA} (set LOCOMO_DATA to run this check)")
 def test_locomo_observation_turns_reach_extraction() -> None:
     """At least 95% of the LoCoMo turns the dataset's observations cite pass, and some chatter is spared."""
     conversations = load_conversations(DATA)
