@@ -242,9 +242,7 @@ class ChatCall:
         return await self.state.commits.commit(exchange)
 
     def _write_degraded(self) -> str | None:
-        memory = self.state.memory
-        fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
-        return self.state.commits.degraded or fault
+        return storage_degraded(self.state)
 
     def _log(self, body: dict[str, Any], identity: Identity, injection: Injection, bytes_in: int) -> None:
         total = time.perf_counter() - self.started
@@ -255,6 +253,15 @@ class ChatCall:
                  retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),
                  bytes_in=bytes_in, bytes_out=self.bytes_out, partial=self.partial,
                  degraded=dict(injection.degraded) or None)
+
+
+def storage_degraded(state: AppState) -> str | None:
+    """Why stored writes fail now: the commit path's reason (exchanges spooled), else the data directory's
+    fault; None when writes work (or before start-up has made the commit path)."""
+    memory = state.memory
+    fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+    commits = getattr(state, "commits", None)
+    return (commits.degraded if commits is not None else None) or fault
 
 
 def bearer_key(headers: Mapping[str, str]) -> SecretStr | None:
@@ -310,8 +317,7 @@ async def readyz(request: web.Request) -> web.Response:
     feature listed as live or off, with why, and a storage fault named."""
     state = request.app[STATE]
     memory = state.memory
-    fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
-    storage = state.commits.degraded or fault if hasattr(state, "commits") else fault
+    storage = storage_degraded(state)
     ready = not state.stopping
     features = readiness(getattr(memory, "features", None), state.settings)
     body: dict[str, Any] = {"status": "ready" if ready else "not ready", "memory": memory.ready, "features": features}
