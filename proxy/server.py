@@ -10,16 +10,19 @@ import argparse
 import asyncio
 import signal
 import sys
+from http import HTTPStatus
 from typing import Any
 
 import structlog
 import uvloop
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 from tqdm import tqdm
 
 from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
+from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.migrations import SchemaError
@@ -31,10 +34,49 @@ log = structlog.get_logger("memproxy.server")
 EXIT_CONFIG = 2
 
 
+class _JsonProtocolErrors(RequestHandler):
+    """Errors aiohttp answers itself, before the app sees a request, as OpenAI error JSON.
+
+    A request line or header that is too long or malformed never reaches the app's error middleware:
+    aiohttp answers it with ``text/plain`` that echoes the offending bytes back. Here the client gets the
+    same status with an OpenAI-style body naming only what was wrong, and the log gets one line.
+    """
+
+    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # a response already started: aiohttp closes the connection
+            return super().handle_error(request, status, exc, message)
+        if status >= 500:
+            log.error("http.unhandled_error", status=status, error=type(exc).__name__, exc_info=exc)
+            err: ProxyError = ProxyError("internal server error")
+        else:
+            log.info("http.malformed_request", status=status, error=type(exc).__name__)
+            err = BadRequest(f"{HTTPStatus(status).phrase}: the request line or headers are malformed or too long",
+                             code="malformed_request")
+        err.status = status
+        response = error_response(err)
+        response.force_close()
+        return response
+
+
+class _JsonErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        return _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+
+
+class AppRunner(web.AppRunner):
+    """``web.AppRunner`` whose connections answer protocol errors as OpenAI error JSON (see above)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _JsonErrorServer  # aiohttp offers no hook for the handler class
+        return server
+
+
 async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
     """Serve until a termination signal arrives."""
     app = build_app(settings, memory_factory=memory_factory)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+    runner = AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=settings.server.shutdown_grace_s)
     await runner.setup()
     stop = asyncio.Event()

@@ -162,8 +162,9 @@ def test_cap_text_is_idempotent_and_exact() -> None:
 
 
 @pytest.mark.e2e
-def test_malformed_request_never_logs_the_authorization_value(tmp_path: Any) -> None:
-    """A malformed Authorization header line: aiohttp's error log shows the line, with the key redacted."""
+def test_malformed_request_is_a_json_400_that_echoes_and_logs_no_secret(tmp_path: Any) -> None:
+    """Requests aiohttp rejects before the app (malformed header lines, a request line over 8 KiB) get an
+    OpenAI-style JSON 400 that does not echo the bytes; the key in them is in neither the answer nor the log."""
     canary = "sk-canary-9f8e7d6c5b4a"
     env = {"MEMPROXY_MEMORY__ENABLED": "false", "MEMPROXY_STORAGE__PATH": str(tmp_path),
            "MEMPROXY_UPSTREAM__BASE_URL": "http://127.0.0.1:9/v1"}
@@ -172,15 +173,23 @@ def test_malformed_request_never_logs_the_authorization_value(tmp_path: Any) -> 
         for raw in (f"GET /healthz HTTP/1.1\r\nAuthorization: Bearer {canary}\x01\r\n\r\n",
                     f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {canary}\rX: y\r\n\r\n",
                     f"GET /healthz HTTP/1.1\r\nAuthorization : Basic {canary}\r\n\r\n",
-                    f"GET /healthz HTTP/1.1\r\nX: a\r\n  Authorization: Bearer {canary}\r\n\r\n"):
+                    f"GET /healthz HTTP/1.1\r\nX: a\r\n  Authorization: Bearer {canary}\r\n\r\n",
+                    f"GET /v1/memory/users/u/insights?k={canary}{'x' * 9000} HTTP/1.1\r\nHost: a\r\n\r\n"):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 sock.sendall(raw.encode("latin-1"))
-                answer = sock.recv(65536)
-            assert b" 400 " in answer.split(b"\r\n")[0]
-        proc.wait_for("Error handling request")
+                answer = b""
+                while chunk := sock.recv(65536):
+                    answer += chunk
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert b" 400 " in head.split(b"\r\n")[0]
+            assert b"application/json" in head
+            error = orjson.loads(body)["error"]
+            assert error["type"] == "invalid_request_error"
+            assert error["code"] == "malformed_request"
+            assert canary.encode() not in answer
+        proc.wait_for("http.malformed_request")
         output = proc.output
     assert canary not in output
-    assert "[redacted]" in output
 
 
 def _rss_mb(pid: int) -> int:

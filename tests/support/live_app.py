@@ -18,6 +18,7 @@ from aiohttp import web
 
 from proxy.app import build_app
 from proxy.config import Settings, load_settings
+from proxy.server import AppRunner
 
 
 def admin_settings(**sections: Any) -> Settings:
@@ -26,7 +27,7 @@ def admin_settings(**sections: Any) -> Settings:
 
 
 async def _serve(settings: Settings, started: queue.Queue[Any], stop: asyncio.Event) -> None:
-    runner = web.AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
+    runner = AppRunner(build_app(settings), handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         site = web.TCPSite(runner, "127.0.0.1", 0)
