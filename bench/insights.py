@@ -48,8 +48,8 @@ from insights.service import (
     regenerate,
     replace_insights,
 )
-from proxy.memory.records import Kind, MemoryRecord, new_id
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord, new_id
 from tests.support.embedder import HashingEmbedder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "insights.json"

@@ -64,8 +64,8 @@ def _progress(message: str) -> None:
 async def _seed(path: Path, count: int) -> None:
     """Write ``count`` turns and facts of USER through the real store and the real local embedder."""
     from proxy.memory.embedders import EmbedderSettings, build_embedder
-    from proxy.memory.records import Kind, MemoryRecord
-    from proxy.memory.store import MemoryStore, StoreSettings
+    from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+    from proxy.memory.store.records import Kind, MemoryRecord
 
     rng = random.Random(8)
     now = datetime.now(UTC)

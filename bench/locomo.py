@@ -73,10 +73,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from proxy.memory.embedders import Embedder, EmbedderSettings, Vectors, build_embedder
 from proxy.memory.injection import inject
 from proxy.memory.read_cache import ReadCache
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.subjects import new_subject, relinked, subject_names
 from proxy.memory.writer import WriterSettings, context_vector
 

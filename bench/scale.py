@@ -51,8 +51,8 @@ from bench.readpath import SYSTEM, NoModel, _percentiles, _records, _texts
 from proxy.app import engine_settings
 from proxy.config import Settings, load_settings
 from proxy.engine import MemoryEngine
-from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.vector_cache import estimated_bytes
+from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.store.vector_cache import estimated_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
 BASE = 10_000  # memories of readpath.py's user; past them, variants

@@ -37,8 +37,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.memory.embedders import Embedder
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
 
 RESULTS = Path(__file__).resolve().parent / "results" / "store.json"

@@ -34,7 +34,7 @@ from proxy.memory.errors import MemoryLayerError
 from proxy.memory.extraction import identifier_reason, injection_reason
 from proxy.memory.injection import estimate_tokens, month_year
 from proxy.memory.llm import LLMBadOutput, LLMClient
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord
 
 log = structlog.get_logger("memproxy.insights")
 

@@ -31,8 +31,8 @@ from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.jobs import Handler, Job, JobQueue, RetryLater, WaitForConfig
 from proxy.memory.llm import LLMClient, LLMUnavailable
-from proxy.memory.records import Kind
-from proxy.memory.store import MemoryStore
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.records import Kind
 
 log = structlog.get_logger("memproxy.insights")
 

@@ -23,8 +23,8 @@ from proxy.evaluation import EvalDataError, run_eval_command
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.migrations import SchemaError, migrate_data_dir
-from proxy.memory.store import MemoryStore
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.migrations import SchemaError, migrate_data_dir
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,

@@ -27,14 +27,14 @@ from pydantic import (
 
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
-from proxy.memory.cluster import ClusterSettings
 from proxy.memory.embedders import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
-from proxy.memory.objectstore import StorageLocation
 from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.store import StoreSettings
+from proxy.memory.store.cluster import ClusterSettings
+from proxy.memory.store.memory_store import StoreSettings
+from proxy.memory.store.objectstore import StorageLocation
 from proxy.memory.writer import WriterSettings
 from proxy.shadow import ShadowSettings
 
@@ -138,7 +138,7 @@ class StorageSettings(_Frozen):
     """The data directory (LanceDB, Tantivy, the job queue), or the memory table on object storage (``uri``)."""
 
     path: Path = Path("./data")
-    # Replicas (proxy/memory/cluster.py): s3://bucket/prefix puts the memory table there and keeps only
+    # Replicas (proxy/memory/store/cluster.py): s3://bucket/prefix puts the memory table there and keeps only
     # derived state (keyword index, caches) and the local job queue under ``path``; a local path is ``path``.
     uri: str | None = None
     options: dict[str, SecretStr] = {}  # LanceDB storage options (aws_endpoint, ...); AWS_* variables fill gaps

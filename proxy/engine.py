@@ -19,7 +19,19 @@ import structlog
 
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
-from proxy.memory.cluster import (
+from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.extraction import ExtractionSettings, Extractor
+from proxy.memory.features import FeatureBoard, guard_handlers
+from proxy.memory.fusion import Candidate
+from proxy.memory.injection import inject as inject_block
+from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
+from proxy.memory.latest_chat import LatestChats
+from proxy.memory.llm import LLMClient
+from proxy.memory.rerank import Reranker, RerankSettings
+from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
+from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.service import Exchange, Injection
+from proxy.memory.store.cluster import (
     ClusterRuntime,
     ClusterSettings,
     Journal,
@@ -27,22 +39,10 @@ from proxy.memory.cluster import (
     ReplicatedStore,
     replica_name,
 )
-from proxy.memory.embedders import EmbedderSettings, build_embedder
-from proxy.memory.extraction import ExtractionSettings, Extractor
-from proxy.memory.faults import StorageHealth
-from proxy.memory.features import FeatureBoard, guard_handlers
-from proxy.memory.fusion import Candidate
-from proxy.memory.injection import inject as inject_block
-from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
-from proxy.memory.latest_chat import LatestChats
-from proxy.memory.llm import LLMClient
-from proxy.memory.objectstore import ObjectStore
-from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.rerank import Reranker, RerankSettings
-from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.service import Exchange, Injection
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.objectstore import ObjectStore
+from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.writer import Writer, WriterSettings, exchange_payload
 
 log = structlog.get_logger("memproxy.memory")

@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 from proxy.config import Settings, StorageSettings
 from proxy.memory.embedders import build_embedder
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.rerank import Reranker
 from proxy.memory.retrieval import NameIndexCache, retrieve
-from proxy.memory.store import MemoryStore
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.transfer import content_id
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}

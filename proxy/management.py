@@ -36,7 +36,7 @@ from pydantic import (
 
 from proxy.errors import BadRequest, NotFound, ServiceUnavailable, Unauthorized
 from proxy.identity import log_user, valid_id
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.state import STATE, AppState
 
 log = structlog.get_logger("memproxy.management")

@@ -37,7 +37,7 @@ from proxy.management import (
     admin_only,
 )
 from proxy.memory.errors import StoreError
-from proxy.memory.records import Kind, MemoryRecord, utcnow
+from proxy.memory.store.records import Kind, MemoryRecord, utcnow
 from proxy.transfer import content_id
 
 MAX_BATCH = 1000

@@ -25,8 +25,8 @@ from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
-from proxy.memory.migrations import SchemaError
-from proxy.memory.store import MemoryStore
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.migrations import SchemaError
 from proxy.state import STATE
 
 log = structlog.get_logger("memproxy.server")

@@ -2,7 +2,7 @@
 
 A read-only, full or unwritable data directory at start-up used to crash memproxy on its lock file, taking the
 chat down with memory. ``open_memory_or_unavailable`` opens the configured memory service and, if that fails
-with a storage fault (``proxy.memory.faults``), logs one line and returns ``UnavailableMemory`` instead: every
+with a storage fault (``proxy.memory.store.faults``), logs one line and returns ``UnavailableMemory`` instead: every
 request goes through unchanged, its headers say ``degraded=memory:storage:<reason>`` (read) and
 ``degraded=write:unavailable:<reason>`` (write), ``/readyz`` answers 200 with ``"memory": false`` and the reason,
 and ``/metrics`` counts the degraded requests. Restart memproxy once the directory is writable again.
@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
-from proxy.memory.faults import fault_reason, is_storage_fault
 from proxy.memory.service import Exchange, Injection, MemoryService
+from proxy.memory.store.faults import fault_reason, is_storage_fault
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from proxy.memory.embedders import Embedder
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
 
 USERS = ("crash-alice", "crash-bob", "crash-forget")

@@ -17,7 +17,7 @@ from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.jobs import Handler, Job, JobQueue, JobQueueSettings, JobRunner
 from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.service import Exchange
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.writer import Writer, WriterSettings
 from tests.support.embedder import HashingEmbedder
 

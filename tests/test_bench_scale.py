@@ -7,7 +7,7 @@ from datetime import timedelta
 import numpy as np
 
 from bench.scale import Corpus
-from proxy.memory.records import Kind, MemoryRecord, utcnow
+from proxy.memory.store.records import Kind, MemoryRecord, utcnow
 
 
 def _base(n: int) -> list[MemoryRecord]:

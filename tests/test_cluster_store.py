@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from proxy.memory.cluster import ClusterRuntime, ClusterSettings, Journal, Lease, ReplicatedStore
 from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings
-from proxy.memory.objectstore import ObjectStore, StorageLocation
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import StoreSettings
+from proxy.memory.store.cluster import ClusterRuntime, ClusterSettings, Journal, Lease, ReplicatedStore
+from proxy.memory.store.memory_store import StoreSettings
+from proxy.memory.store.objectstore import ObjectStore, StorageLocation
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.s3 import bucket_uri, moto_server, s3_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -20,8 +20,8 @@ import pytest
 import pytest_asyncio
 
 from proxy.memory.embedders import EmbedderSettings, build_embedder
-from proxy.memory.records import Kind, utcnow
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, utcnow
 from tests.support.fake_llm import DEFAULTS, FakeLLM, fact, facts, user_payload
 from tests.support.processes import fake_upstream_process, memproxy_process
 

@@ -29,8 +29,8 @@ from proxy.memory.fusion import (
     written_names,
 )
 from proxy.memory.query import build_query
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 

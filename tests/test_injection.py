@@ -25,8 +25,8 @@ from proxy.memory.injection import (
     quote,
     render_item,
 )
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import InjectionSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 ROOMY = InjectionSettings(budget_tokens=100_000, max_item_tokens=10_000)

@@ -27,10 +27,10 @@ from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.injection import inject
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
 from proxy.memory.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.fake_insight_llm import InsightWriter
 from tests.support.fake_llm import FakeLLM, user_payload
 from tests.support.insight_scenario import NOW, OLD_MESSAGES, OUTLIERS, TOPICS, user_messages

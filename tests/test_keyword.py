@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.keyword import KeywordDoc, KeywordFilter, KeywordIndex, cjk_analyzer, cjk_bigrams, cjk_runs
+from proxy.memory.store.keyword import KeywordDoc, KeywordFilter, KeywordIndex, cjk_analyzer, cjk_bigrams, cjk_runs
 
 ALL = KeywordFilter(include_invalid=True)
 

@@ -18,7 +18,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import build_app
 from proxy.management import OPENAPI_PATH
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.state import STATE
 from tests.fake_upstream import FakeUpstream
 from tests.support.live_app import admin_settings

@@ -12,9 +12,9 @@ import pytest
 
 from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings
-from proxy.memory.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
-from proxy.memory.records import SCHEMA_VERSION
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
+from proxy.memory.store.records import SCHEMA_VERSION
 from tests.support.processes import MEMPROXY, child_env
 
 

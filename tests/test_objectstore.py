@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.config import ConfigError, load_settings
-from proxy.memory.objectstore import StorageLocation, is_remote
+from proxy.memory.store.objectstore import StorageLocation, is_remote
 
 
 def test_storage_uri_from_config_and_aws_variables() -> None:

@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from proxy.memory.fusion import ArmHit, Candidate
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.rerank import Reranker, RerankSettings, disagree, reordered
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.fake_rerank import FakeRerank
 
 KEY = "sk-rerank-test-4f2a9c"

@@ -11,7 +11,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.memory.fusion import Candidate
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
 from proxy.memory.scoring import (
     DAY_S,
@@ -24,6 +23,7 @@ from proxy.memory.scoring import (
     recency_weights,
     score_candidates,
 )
+from proxy.memory.store.records import Kind, MemoryRecord
 
 NOW = datetime(2026, 6, 1, 12, tzinfo=UTC)
 MINMAX = RetrievalSettings(scoring="minmax")

@@ -19,8 +19,6 @@ from proxy.memory.extraction import (
     Screened,
     screen_fact,
 )
-from proxy.memory.lance import MemoryTable
-from proxy.memory.records import Kind, MemoryRecord, arrow_schema, to_arrow
 from proxy.memory.screens import (
     fold,
     identifier_reason,
@@ -30,6 +28,8 @@ from proxy.memory.screens import (
     screen_text,
     sensitive_category,
 )
+from proxy.memory.store.records import Kind, MemoryRecord, arrow_schema, to_arrow
+from proxy.memory.store.table import MemoryTable
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.support.fake_llm import FakeLLM

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
-from proxy.memory.keyword import KeywordDoc, KeywordIndex
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
 
 T0 = datetime(2025, 3, 1, tzinfo=UTC)

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from proxy.memory.embedders import Embedder
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from tests.crash_writer import make_embedder
 
 ROOT = Path(__file__).resolve().parents[1]

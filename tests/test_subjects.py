@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from proxy.memory.fusion import NameIndex
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.subjects import SubjectLinker, subject_id, subject_names
 from tests.support.embedder import HashingEmbedder
 

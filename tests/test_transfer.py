@@ -15,8 +15,8 @@ import pytest
 import pytest_asyncio
 
 from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.transfer import (
     ImportFormatError,
     export_lines,

@@ -9,8 +9,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes
+from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

@@ -20,9 +20,9 @@ import structlog
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.jobs import Job, JobQueue, JobQueueSettings, JobRunner
 from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.service import Exchange
-from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.store.memory_store import MemoryStore, StoreSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.writer import Writer, WriterSettings, context_vector
 from tests.support.embedder import HashingEmbedder
 from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload, window_user_messages

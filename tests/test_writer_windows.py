@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from proxy.memory.records import Kind
+from proxy.memory.store.records import Kind
 from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload, window_user_messages
 from tests.test_writer import Harness, running
 

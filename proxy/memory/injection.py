@@ -37,8 +37,8 @@ from typing import Any
 import numpy as np
 
 from proxy.memory.query import message_text, stems, words
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import InjectionSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 
 OPEN_TAG = "<memory>"
 CLOSE_TAG = "</memory>"

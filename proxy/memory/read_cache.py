@@ -24,7 +24,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.fusion import NameIndex, ScoredRecord
-from proxy.memory.records import Kind, MemoryRecord, Pool, newest_generation
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, newest_generation
 
 _T = TypeVar("_T")
 

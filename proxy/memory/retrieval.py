@@ -52,11 +52,11 @@ from proxy.memory.read_cache import (
     load_name_index,
     load_newest_turns,
 )
-from proxy.memory.records import Kind, MemoryRecord, Pool
 from proxy.memory.rerank import ARM as RERANK
 from proxy.memory.rerank import Reranker
 from proxy.memory.retrieval_settings import RetrievalSettings
 from proxy.memory.scoring import final_scale, recency, score_candidates
+from proxy.memory.store.records import Kind, MemoryRecord, Pool
 
 __all__ = [
     "INSIGHT_PRIORITY",

@@ -35,8 +35,8 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.fusion import Candidate, min_max
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.store.records import Kind, MemoryRecord
 
 DAY_S = 86_400.0
 NEUTRAL_IMPORTANCE = 5.0  # the store's default rating: no bonus, no malus

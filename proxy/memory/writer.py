@@ -53,10 +53,10 @@ from proxy.memory.extraction import (
 from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
 from proxy.memory.llm import LLMUnavailable
 from proxy.memory.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting, asks_to_remember
-from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
 from proxy.memory.service import Exchange
-from proxy.memory.store import MemoryStore
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.subjects import SubjectLinker
 from proxy.memory.tool_turns import tool_turn_texts
 

@@ -44,9 +44,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.embedders import Embedder
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, InvalidCursor, StoreError
-from proxy.memory.faults import StorageHealth
-from proxy.memory.keyword import KeywordDoc, KeywordIndex, keyword_filter
-from proxy.memory.lance import (
+from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.keyword import KeywordDoc, KeywordIndex, keyword_filter
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_schema, from_row, utcnow
+from proxy.memory.store.table import (
     RECORD_COLUMNS,
     BatchWriter,
     MemoryTable,
@@ -56,8 +57,7 @@ from proxy.memory.lance import (
     record_filter,
     valid_record_id,
 )
-from proxy.memory.records import Kind, MemoryRecord, Pool, arrow_schema, from_row, utcnow
-from proxy.memory.vector_cache import UserVectors, VectorCache, estimated_bytes, single_thread_blas
+from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes, single_thread_blas
 
 __all__ = ["Hit", "MemoryStore", "Page", "StoreSettings"]
 

@@ -44,7 +44,7 @@ from tantivy import (
 )
 
 from proxy.memory.errors import StoreError
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord
 
 WORDS = "memproxy_words"
 STEMS = "memproxy_stems"

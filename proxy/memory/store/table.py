@@ -34,9 +34,9 @@ import structlog
 from lancedb.index import Bitmap, BTree, HnswSq
 
 from proxy.memory.errors import EmbedderMismatch, InvalidUserId, StoreError
-from proxy.memory.faults import StorageHealth, is_storage_fault
-from proxy.memory.migrations import check_records_schema
-from proxy.memory.records import SCHEMA_VERSION, Kind, MemoryRecord, arrow_schema, from_row
+from proxy.memory.store.faults import StorageHealth, is_storage_fault
+from proxy.memory.store.migrations import check_records_schema
+from proxy.memory.store.records import SCHEMA_VERSION, Kind, MemoryRecord, arrow_schema, from_row
 
 log = structlog.get_logger(__name__)
 
@@ -166,7 +166,7 @@ class LocalManifest:
 
 @dataclass(frozen=True)
 class SharedTable:
-    """A table on object storage that several replicas use (``proxy/memory/cluster.py`` builds it).
+    """A table on object storage that several replicas use (``proxy/memory/store/cluster.py`` builds it).
 
     ``manifests`` has async ``read()``/``write(manifest)`` (an object next to the table); reads see other
     replicas' commits within ``read_consistency``; a purge keeps versions younger than ``purge_cleanup`` and

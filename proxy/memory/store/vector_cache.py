@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import threadpoolctl
 
-from proxy.memory.records import Kind, MemoryRecord, Pool, from_row
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, from_row
 
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly

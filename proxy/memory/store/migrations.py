@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from proxy.memory.errors import StoreError
-from proxy.memory.records import SCHEMA_VERSION
+from proxy.memory.store.records import SCHEMA_VERSION
 
 JOBS_SCHEMA_VERSION = 3
 MIGRATE_COMMAND = "memproxy migrate --config FILE"
