@@ -27,8 +27,8 @@ import orjson
 from pydantic import TypeAdapter, ValidationError
 
 from proxy.memory.errors import InvalidUserId
+from proxy.memory.store.ids import check_user_id, valid_record_id
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.store.table import check_user_id, valid_record_id
 
 Format = Literal["memproxy", "mem0", "chatgpt"]
 MAX_TEXT_CHARS = 4000

@@ -10,9 +10,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.memory.store.filters import record_filter, sql_string
+from proxy.memory.store.ids import MAX_ID_BYTES, check_user_id
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.store.table import MAX_ID_BYTES, check_user_id, record_filter, sql_string
 from tests.support.embedder import HashingEmbedder
 
 NASTY = [

@@ -51,9 +51,11 @@ from insights.scheduler import InsightScheduler
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.jobs import JobQueue
 from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.filters import record_filter
+from proxy.memory.store.manifest import Manifest
 from proxy.memory.store.memory_store import _REPAIR_COLUMNS, MemoryStore, StoreSettings, _keyword_docs
 from proxy.memory.store.objectstore import ObjectStore, ObjectStoreError, PreconditionFailed, StorageLocation
-from proxy.memory.store.table import Manifest, MemoryTable, SharedTable, record_filter
+from proxy.memory.store.table import MemoryTable, SharedTable
 
 log = structlog.get_logger("memproxy.cluster")
 

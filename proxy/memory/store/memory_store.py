@@ -44,19 +44,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.embedders import Embedder
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, InvalidCursor, StoreError
+from proxy.memory.store.background import BatchWriter, Submission, Ticker
 from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.filters import record_filter
+from proxy.memory.store.ids import check_user_id, valid_record_id
 from proxy.memory.store.keyword import KeywordDoc, KeywordIndex, keyword_filter
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_schema, from_row, utcnow
-from proxy.memory.store.table import (
-    RECORD_COLUMNS,
-    BatchWriter,
-    MemoryTable,
-    Submission,
-    Ticker,
-    check_user_id,
-    record_filter,
-    valid_record_id,
-)
+from proxy.memory.store.table import RECORD_COLUMNS, MemoryTable
 from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes, single_thread_blas
 
 __all__ = ["Hit", "MemoryStore", "Page", "StoreSettings"]

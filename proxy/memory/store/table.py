@@ -1,29 +1,19 @@
-"""The LanceDB side of the store: the table of record, safe filters, the batch writer and maintenance.
+"""The LanceDB table of record: open and create it, write, read and purge rows, maintain its indexes, reindex.
 
-LanceDB is the source of truth. One table holds every kind of memory of every user (``records.py``); a
-manifest beside it (``lance/manifest.json``) names the live table and the embedding model and dimension it
-was built with, so a store opened with another model refuses to start (``EmbedderMismatch``) and
-``reindex`` can build a fresh table and swap it in atomically.
-
-Filters are SQL strings, so every value is quoted by ``sql_string`` (single quotes doubled, the only escape
-DataFusion's string literals know) and user ids are validated by ``check_user_id`` before they get there;
-times are passed as integer microseconds. Writes are batched (``BatchWriter``: one ``add`` per flush, on
-size or time), compaction and version cleanup run on a timer (``Ticker``), and the indexes (Bitmap on
-``user_id``, BTree on ``id``, HNSW-SQ cosine on ``embedding`` past a size) are created as the table grows.
+LanceDB is the source of truth. One table holds every kind of memory of every user (``records.py``); the
+manifest beside it (``manifest.py``) names the live table and the embedding model it was built with. Every
+read and delete goes through a filter of ``filters.py``, scoped to one user. The indexes (Bitmap on
+``user_id``, BTree on ``id``, HNSW-SQ cosine on ``embedding`` past a size) are created as the table grows;
+writes are batched by ``background.BatchWriter`` and compaction runs on ``background.Ticker``.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
-import os
-import re
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, TypeVar
 
 import lancedb
 import numpy as np
@@ -33,135 +23,28 @@ import pyarrow.compute as pc
 import structlog
 from lancedb.index import Bitmap, BTree, HnswSq
 
-from proxy.memory.errors import EmbedderMismatch, InvalidUserId, StoreError
-from proxy.memory.store.faults import StorageHealth, is_storage_fault
+from proxy.memory.errors import EmbedderMismatch, StoreError
+from proxy.memory.store.filters import record_filter, sql_in, sql_string
+from proxy.memory.store.gate import ReadGate
+from proxy.memory.store.ids import check_user_id, valid_record_id
+from proxy.memory.store.manifest import LocalManifest, Manifest
 from proxy.memory.store.migrations import check_records_schema
-from proxy.memory.store.records import SCHEMA_VERSION, Kind, MemoryRecord, arrow_schema, from_row
+from proxy.memory.store.records import Kind, MemoryRecord, arrow_schema, from_row
 
 log = structlog.get_logger(__name__)
 
-MAX_ID_BYTES = 512
 RECORD_COLUMNS = [name for name in arrow_schema(1).names if name != "embedding"]
 _IN_CHUNK = 512
 # HNSW build parameters, cheaper than Lance's defaults (m 20, ef_construction 300): indexing 30k x 384
 # took 44 s instead of 160 s on two busy cores.
 ANN_M = 16
 ANN_EF_CONSTRUCTION = 100
-_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")  # Unicode categories Cc and Cs
 _PURGE_CLEANUP = timedelta(milliseconds=1)  # every version but the latest (0 would warn about readers)
 _T = TypeVar("_T")
 
 
-# --- filters -------------------------------------------------------------------------------------------
-
-
-def check_user_id(user_id: str) -> str:
-    """``user_id`` if the store accepts it: 1-512 UTF-8 bytes, no control characters."""
-    if not isinstance(user_id, str) or not user_id:
-        raise InvalidUserId("user id must be a non-empty string")
-    if len(user_id.encode("utf-8", "surrogatepass")) > MAX_ID_BYTES:
-        raise InvalidUserId(f"user id is longer than {MAX_ID_BYTES} bytes")
-    if _CONTROL.search(user_id):
-        raise InvalidUserId("user id contains control characters")
-    return user_id
-
-
-def valid_record_id(record_id: str) -> bool:
-    """Whether ``record_id`` can name a record (same rules as user ids)."""
-    try:
-        check_user_id(record_id)
-    except InvalidUserId:
-        return False
-    return True
-
-
-def sql_string(value: str) -> str:
-    """``value`` as a SQL string literal: single quotes doubled, nothing else interpreted."""
-    return "'" + str(value).replace("'", "''") + "'"
-
-
-def sql_in(column: str, values: Sequence[str]) -> str:
-    """``column IN (...)`` over quoted ``values`` (which must not be empty)."""
-    return f"{column} IN ({', '.join(sql_string(value) for value in values)})"
-
-
-def record_filter(
-    user_id: str,
-    *,
-    ids: Sequence[str] | None = None,
-    kinds: Sequence[Kind] | None = None,
-    since: datetime | None = None,
-    until: datetime | None = None,
-    include_invalid: bool = True,
-) -> str:
-    """A filter that can only ever match rows of ``user_id``."""
-    clauses = [f"user_id = {sql_string(check_user_id(user_id))}"]
-    if ids is not None:
-        clauses.append(sql_in("id", ids) if ids else "FALSE")
-    if kinds:
-        clauses.append(sql_in("kind", [str(Kind(kind)) for kind in kinds]))
-    if since is not None:
-        clauses.append(f"created_at >= to_timestamp_micros({_micros(since)})")
-    if until is not None:
-        clauses.append(f"created_at <= to_timestamp_micros({_micros(until)})")
-    if not include_invalid:
-        clauses.append("valid = TRUE")
-    return " AND ".join(f"({clause})" for clause in clauses)
-
-
-def _micros(at: datetime) -> int:
-    if at.tzinfo is None:
-        raise ValueError("time filters must be timezone-aware")
-    return int(at.timestamp() * 1_000_000)
-
-
 def _chunks(values: Sequence[_T], size: int = _IN_CHUNK) -> list[Sequence[_T]]:
     return [values[i : i + size] for i in range(0, len(values), size)]
-
-
-# --- manifest ------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """Which table is live, and the vector space it was built in."""
-
-    table: str
-    model_id: str
-    dim: int
-    schema_version: int = SCHEMA_VERSION
-
-    @classmethod
-    def read(cls, path: Path) -> Manifest | None:
-        """The manifest at ``path``, or None before the first open."""
-        if not path.exists():
-            return None
-        data = json.loads(path.read_text())
-        return cls(data["table"], data["model_id"], int(data["dim"]), int(data["schema_version"]))
-
-    def write(self, path: Path) -> None:
-        """Replace the manifest atomically (write, fsync, rename)."""
-        tmp = path.with_suffix(".tmp")
-        with tmp.open("w") as handle:
-            json.dump(self.__dict__, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-
-
-class LocalManifest:
-    """The manifest as a file beside the local tables."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    async def read(self) -> Manifest | None:
-        """The manifest, or None before the first open."""
-        return Manifest.read(self.path)
-
-    async def write(self, manifest: Manifest) -> None:
-        """Replace the manifest atomically."""
-        manifest.write(self.path)
 
 
 @dataclass(frozen=True)
@@ -178,43 +61,6 @@ class SharedTable:
     manifests: Any
     read_consistency: timedelta
     purge_cleanup: timedelta
-
-
-# --- the table -----------------------------------------------------------------------------------------
-
-
-class ReadGate:
-    """Lets reads run together, and lets a cleanup that deletes old versions' files wait them out."""
-
-    def __init__(self) -> None:
-        self._readers = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-        self._open = asyncio.Event()
-        self._open.set()
-
-    @contextlib.asynccontextmanager
-    async def read(self) -> AsyncIterator[None]:
-        """Hold the gate open for one read."""
-        await self._open.wait()
-        self._readers += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self._readers -= 1
-            if self._readers == 0:
-                self._idle.set()
-
-    @contextlib.asynccontextmanager
-    async def exclusive(self) -> AsyncIterator[None]:
-        """Wait for running reads to finish and hold new ones back."""
-        self._open.clear()
-        try:
-            await self._idle.wait()
-            yield
-        finally:
-            self._open.set()
 
 
 class MemoryTable:
@@ -550,150 +396,3 @@ async def _rebatch(batches: AsyncIterator[pa.RecordBatch], rows: int) -> AsyncIt
             buffer, size = rest.to_batches(), rest.num_rows
     if size:
         yield pa.Table.from_batches(buffer)
-
-
-# --- batching and timers -------------------------------------------------------------------------------
-
-
-@dataclass
-class Submission(Generic[_T]):
-    """One caller's items and the future that tells it they are written."""
-
-    items: Sequence[_T]
-    done: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
-
-
-_STOP = object()
-
-
-class BatchWriter(Generic[_T]):
-    """Coalesces concurrent submissions into one ``flush`` call per ``max_rows`` items or ``interval_s``.
-
-    ``flush`` receives the batch's submissions and returns, for each, None (written) or the exception to
-    raise to that caller; if ``flush`` itself raises, every caller of the batch gets the error.
-    """
-
-    def __init__(
-        self,
-        flush: Callable[[list[Submission[_T]]], Awaitable[list[BaseException | None]]],
-        max_rows: int,
-        interval_s: float,
-        max_pending: int = 1024,
-        health: StorageHealth | None = None,
-    ) -> None:
-        self._flush = flush
-        self._health = health or StorageHealth()
-        self._max_rows = max_rows
-        self._interval = interval_s
-        self._queue: asyncio.Queue[Any] = asyncio.Queue(max_pending)
-        self._task: asyncio.Task[None] | None = None
-        self._closed = False
-
-    async def __aenter__(self) -> BatchWriter[_T]:
-        self._task = asyncio.create_task(self._run(), name="memory-batch-writer")
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        """Flush everything submitted so far, then stop."""
-        self._closed = True
-        if self._task is None:
-            return
-        await self._queue.put(_STOP)
-        await self._task
-        self._task = None
-
-    async def submit(self, items: Sequence[_T]) -> None:
-        """Queue ``items`` and wait until the flush that carries them is done."""
-        if self._closed or self._task is None:
-            raise StoreError("the memory store is closed")
-        if self._task.done():
-            raise StoreError("the memory store's writer has stopped")
-        submission = Submission(items)
-        await self._queue.put(submission)
-        await submission.done
-
-    async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        stopping = False
-        while not stopping:
-            first = await self._queue.get()
-            if first is _STOP:
-                return
-            batch, rows = [first], len(first.items)
-            deadline = loop.time() + self._interval
-            while rows < self._max_rows:
-                item = await self._next(deadline - loop.time())
-                if item is None:
-                    break
-                if item is _STOP:
-                    stopping = True
-                    break
-                batch.append(item)
-                rows += len(item.items)
-            await self._flush_batch(batch)
-
-    async def _next(self, wait_s: float) -> Any:
-        """The next queued item, waiting at most ``wait_s`` seconds (None when there is none)."""
-        with contextlib.suppress(asyncio.QueueEmpty):
-            return self._queue.get_nowait()
-        if wait_s <= 0:
-            return None
-        try:
-            return await asyncio.wait_for(self._queue.get(), wait_s)
-        except TimeoutError:
-            return None
-
-    async def _flush_batch(self, batch: list[Submission[_T]]) -> None:
-        try:
-            errors = await self._flush(batch)
-        except Exception as exc:  # every caller of the batch must hear about it, and the writer lives on
-            if is_storage_fault(exc):  # logged once per fault, not once per batch
-                self._health.fault("store", exc)
-            else:
-                log.exception("memory.flush_failed", submissions=len(batch))
-            errors = [exc] * len(batch)
-        else:
-            self._health.ok("store")
-        for submission, error in zip(batch, errors, strict=True):
-            if submission.done.done():
-                continue
-            if error is None:
-                submission.done.set_result(None)
-            else:
-                submission.done.set_exception(error)
-
-
-class Ticker:
-    """Calls ``fn`` every ``interval_s`` seconds until closed; errors are logged, not fatal."""
-
-    def __init__(self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]],
-                 health: StorageHealth | None = None) -> None:
-        self._name = name
-        self._interval = interval_s
-        self._fn = fn
-        self._health = health or StorageHealth()
-        self._task: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Ticker:
-        self._task = asyncio.create_task(self._run(), name=self._name)
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(self._interval)
-            try:
-                await self._fn()
-            except Exception as exc:  # a failed maintenance round is retried at the next tick
-                if is_storage_fault(exc):  # once per fault, not once a second
-                    self._health.fault(self._name, exc)
-                else:
-                    log.exception("memory.maintenance_failed", task=self._name)
-            else:
-                self._health.ok(self._name)
