@@ -17,6 +17,7 @@ from typing import Any
 
 import structlog
 
+from insights.leader import LeaderInsightScheduler
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
@@ -31,18 +32,14 @@ from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
-from proxy.memory.store.cluster import (
-    ClusterRuntime,
-    ClusterSettings,
-    Journal,
-    LeaderInsightScheduler,
-    ReplicatedStore,
-    replica_name,
-)
+from proxy.memory.store.cluster import ClusterSettings, replica_name
 from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.journal import Journal
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.objectstore import ObjectStore
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.store.replicated import ReplicatedStore
+from proxy.memory.store.runtime import ClusterRuntime
 from proxy.memory.writer import Writer, WriterSettings, exchange_payload
 
 log = structlog.get_logger("memproxy.memory")

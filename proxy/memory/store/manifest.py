@@ -12,7 +12,12 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
+from proxy.memory.store.objectstore import ObjectStore
 from proxy.memory.store.records import SCHEMA_VERSION
+
+MANIFEST_KEY = "manifest.json"
 
 
 @dataclass(frozen=True)
@@ -55,3 +60,22 @@ class LocalManifest:
     async def write(self, manifest: Manifest) -> None:
         """Replace the manifest atomically."""
         manifest.write(self.path)
+
+
+class RemoteManifest:
+    """The table manifest as an object beside the table."""
+
+    def __init__(self, objects: ObjectStore) -> None:
+        self._objects = objects
+
+    async def read(self) -> Manifest | None:
+        """The manifest, or None before the first replica opened the store."""
+        found = await self._objects.get(MANIFEST_KEY)
+        if found is None:
+            return None
+        data = orjson.loads(found.body)
+        return Manifest(data["table"], data["model_id"], int(data["dim"]), int(data["schema_version"]))
+
+    async def write(self, manifest: Manifest) -> None:
+        """Replace the manifest (one PUT: atomic on S3)."""
+        await self._objects.put(MANIFEST_KEY, orjson.dumps(manifest.__dict__))

@@ -16,6 +16,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import pyarrow as pa
 
 SCHEMA_VERSION = 1
@@ -174,6 +176,25 @@ def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
                 value = list(value)
             columns[name].append(value)
     return pa.Table.from_pydict(columns, schema=schema)
+
+
+def arrow_rows(records: Sequence[MemoryRecord], vectors: npt.NDArray[np.float32]) -> pa.Table:
+    """Records as LanceDB rows, column by column, the vectors from one matrix (no per-float conversion)."""
+    dim = vectors.shape[1]
+    schema = arrow_schema(dim)
+    columns = []
+    for field in schema:
+        if field.name == "embedding":
+            flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
+            columns.append(pa.FixedSizeListArray.from_arrays(flat, dim))
+            continue
+        values = [getattr(record, field.name) for record in records]
+        if field.name == "kind":
+            values = [str(value) for value in values]
+        elif pa.types.is_list(field.type):
+            values = [list(value) for value in values]
+        columns.append(pa.array(values, type=field.type))
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 _FIELD_NAMES = tuple(field.name for field in dataclasses.fields(MemoryRecord))

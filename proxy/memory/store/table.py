@@ -49,7 +49,7 @@ def _chunks(values: Sequence[_T], size: int = _IN_CHUNK) -> list[Sequence[_T]]:
 
 @dataclass(frozen=True)
 class SharedTable:
-    """A table on object storage that several replicas use (``proxy/memory/store/cluster.py`` builds it).
+    """A table on object storage that several replicas use (``replicated.ReplicatedStore`` builds it).
 
     ``manifests`` has async ``read()``/``write(manifest)`` (an object next to the table); reads see other
     replicas' commits within ``read_consistency``; a purge keeps versions younger than ``purge_cleanup`` and

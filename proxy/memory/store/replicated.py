@@ -1,0 +1,185 @@
+"""The replicated store: a ``MemoryStore`` on a shared table that announces its writes and applies the others'.
+
+Caches and the Tantivy keyword index are per replica and derived from the table: every write is published on
+the change feed (``changes.py``) before its commit and again after it, and for each user another replica
+names, this one drops the user's cached vectors and re-indexes the user's keyword documents from the table
+(``refresh_users``, driven by ``runtime.ClusterRuntime``). A forget also drops the user's queued jobs here
+(``on_forget`` listeners) and deletes any row a job of theirs wrote meanwhile. Background work (compaction,
+index builds, purges) runs on the lease holder only.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from datetime import timedelta
+from typing import Any
+
+from proxy.memory.store import consistency
+from proxy.memory.store.changes import ChangeFeed, now_ms
+from proxy.memory.store.cluster import ClusterSettings
+from proxy.memory.store.faults import StorageHealth
+from proxy.memory.store.filters import record_filter
+from proxy.memory.store.keyword import KeywordDoc
+from proxy.memory.store.lease import Lease
+from proxy.memory.store.manifest import RemoteManifest
+from proxy.memory.store.memory_store import DocumentEmbedder, MemoryStore, StoreSettings
+from proxy.memory.store.objectstore import ObjectStore
+from proxy.memory.store.records import MemoryRecord
+from proxy.memory.store.table import MemoryTable, SharedTable
+
+
+class ReplicatedStore(MemoryStore):
+    """A ``MemoryStore`` on a shared table: announces its writes, applies others', maintains only when leader."""
+
+    def __init__(
+        self,
+        settings: StoreSettings,
+        embedder: DocumentEmbedder,
+        cluster: ClusterSettings,
+        objects: ObjectStore,
+        replica: str,
+        *,
+        allow_mismatch: bool = False,
+        health: StorageHealth | None = None,
+    ) -> None:
+        super().__init__(settings, embedder, allow_mismatch=allow_mismatch, health=health)
+        shared = SharedTable(
+            uri=cluster.location.child("lance"),
+            storage_options=cluster.location.lance_options(),
+            manifests=RemoteManifest(objects),
+            read_consistency=timedelta(seconds=cluster.sync_interval_s),
+            purge_cleanup=timedelta(seconds=max(60.0, 4 * cluster.sync_interval_s)),
+        )
+        self._lance = MemoryTable(
+            settings.path / "lance", embedder.model_id, embedder.dim, allow_mismatch=allow_mismatch, shared=shared
+        )
+        self.cluster = cluster
+        self.objects = objects
+        self.feed = ChangeFeed(objects, replica, lookback_s=max(30.0, cluster.settle_s * 2))
+        self.lease = Lease(objects, replica, cluster.lease_s)
+        self._listeners: list[Callable[[str], Awaitable[object]]] = []
+        self._forget_listeners: list[Callable[[str], Awaitable[object]]] = []
+
+    def on_change(self, listener: Callable[[str], Awaitable[object]]) -> None:
+        """Await ``listener(user_id)`` after the user's records changed elsewhere or were forgotten (read caches)."""
+        self._listeners.append(listener)
+
+    def on_forget(self, listener: Callable[[str], Awaitable[object]]) -> None:
+        """Await ``listener(user_id)`` when another replica forgot the user (the local job queue)."""
+        self._forget_listeners.append(listener)
+
+    async def __aenter__(self) -> ReplicatedStore:
+        self.feed.start_at(now_ms())
+        await super().__aenter__()
+        return self
+
+    # writes announce themselves before and after their commit ----------------------------------------
+
+    async def _write_new(self, records: list[MemoryRecord]) -> None:
+        users = {record.user_id for record in records}
+        await self.feed.publish(users)
+        await super()._write_new(records)
+        await self.feed.publish(users)
+
+    async def update(self, user_id: str, id: str, **changes: Any) -> MemoryRecord | None:
+        """As ``MemoryStore.update``, announced to the other replicas."""
+        await self.feed.publish([user_id])
+        try:
+            return await super().update(user_id, id, **changes)
+        finally:
+            await self.feed.publish([user_id])
+
+    async def delete(self, user_id: str, id: str) -> bool:
+        """As ``MemoryStore.delete``, announced to the other replicas."""
+        await self.feed.publish([user_id])
+        try:
+            return await super().delete(user_id, id)
+        finally:
+            await self.feed.publish([user_id])
+
+    async def forget_user(self, user_id: str, *, purge: bool = True) -> dict[str, int]:
+        """Forget the user here and everywhere: the rows go at once, their bytes at the lease holder's purge.
+
+        The purge (rewriting shared data files) is left to the lease holder's next maintenance round, which
+        also removes old versions; until then the deleted rows are unreachable by any read.
+        """
+        await self.feed.publish([user_id], op="forget")
+        await self._drain_writes()
+        counts = await super().forget_user(user_id, purge=False)
+        if any(counts.values()):  # the purge is the lease holder's, noted on object storage
+            self._dir.purge_done()
+            await self.objects.put(f"purges/{now_ms():013d}-{uuid.uuid4().hex[:8]}", b"1")
+        await self._notify(user_id)
+        await self.feed.publish([user_id], op="forget")
+        return counts
+
+    # what other replicas did --------------------------------------------------------------------------
+
+    async def refresh_users(self, user_ids: Iterable[str]) -> None:
+        """Make this replica's caches and keyword index agree with the table for these users (one commit)."""
+        users = sorted(set(user_ids))
+        if not users:
+            return
+        for user_id in users:
+            self._cache.drop(user_id)
+        async with self._lock:
+            await self._lance.table.checkout_latest()
+            docs = [doc for user_id in users async for batch in self._user_keyword_docs(user_id) for doc in batch]
+            for user_id in users:
+                await self._keyword.remove_user(user_id)
+            await self._keyword.upsert(docs)
+            await self._keyword.commit()
+        for user_id in users:
+            self._cache.drop(user_id)  # a load that started before the new version is not kept
+            await self._notify(user_id)
+
+    async def _notify(self, user_id: str) -> None:
+        for listener in self._listeners:
+            await listener(user_id)
+
+    def _user_keyword_docs(self, user_id: str) -> AsyncIterator[list[KeywordDoc]]:
+        return consistency.table_keyword_docs(self._lance, record_filter(user_id))
+
+    async def _drain_writes(self) -> None:
+        """Wait until every write submitted so far is flushed.
+
+        A job stopped by a forget may have handed records to the batch writer already; they are written even
+        though the job was cancelled, so the forget deletes after them, not before.
+        """
+        if self._writer is not None:
+            await self._writer.submit([])
+
+    async def apply_forget(self, user_id: str) -> None:
+        """Another replica forgot the user: drop their queued jobs here, then any row a job wrote meanwhile."""
+        for listener in self._forget_listeners:
+            await listener(user_id)
+        await self._drain_writes()
+        async with self._lock:
+            await self._lance.table.checkout_latest()
+            if await self._lance.count(user_id):
+                await self._lance.delete(user_id)
+            self._cache.drop(user_id)
+            self._touches.drop_user(user_id)
+            await self._keyword.remove_user(user_id)
+            await self._keyword.commit()
+        await self._notify(user_id)
+
+    # background work: only the lease holder ----------------------------------------------------------
+
+    async def optimize(self) -> None:
+        """Compaction, index builds and purges, on the lease holder only."""
+        if not self.lease.held:
+            if self._needs_repair:  # a local keyword-index write failed: that repair is ours
+                async with self._lock:
+                    await self.repair()
+                    self._needs_repair = False
+            return
+        pending = await self.objects.list("purges/")
+        if pending:
+            self._dir.mark_purge()
+        await super().optimize()
+        for key in pending:
+            await self.objects.delete(key)
+        await self.feed.cleanup(self.cluster.changes_keep_s)
+

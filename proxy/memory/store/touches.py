@@ -1,0 +1,74 @@
+"""Touch buffering: access times noted at once in memory and written to LanceDB in one commit a second.
+
+Every read that returns a record notes that it was used. Writing each note would cost a LanceDB commit per
+read, so notes wait here (the latest time per record) until the store's ``memory-touch`` ticker writes them
+all in one ``update``; meanwhile every read applies the pending times to what it returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+from proxy.memory.store.records import MemoryRecord
+
+Pending = dict[str, dict[str, datetime]]  # user id -> record id -> access time
+
+
+class TouchBuffer:
+    """The access times noted since the last write, per user and record."""
+
+    def __init__(self) -> None:
+        self._pending: Pending = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pending)
+
+    def note(self, user_id: str, ids: Iterable[str], when: datetime) -> None:
+        """Note that the user's records ``ids`` were used at ``when`` (a later note wins)."""
+        ids = list(ids)
+        if not ids:  # no empty entry: the writer takes the latest time of what is pending
+            return
+        pending = self._pending.setdefault(user_id, {})
+        for record_id in ids:
+            pending[record_id] = max(when, pending.get(record_id, when))
+
+    def take(self) -> Pending:
+        """Every pending note, leaving none (``restore`` them if writing fails)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
+    def restore(self, pending: Pending) -> None:
+        """Put notes that could not be written back, for the next round."""
+        for user_id, ids in pending.items():
+            self._pending.setdefault(user_id, {}).update(ids)
+
+    def drop_user(self, user_id: str) -> None:
+        """Forget the user's notes (the user is being forgotten)."""
+        self._pending.pop(user_id, None)
+
+    def drop(self, user_id: str, record_id: str) -> None:
+        """Forget the note of one record (it is being deleted)."""
+        self._pending.get(user_id, {}).pop(record_id, None)
+
+    def toucher(self, user_id: str) -> Callable[[MemoryRecord], MemoryRecord]:
+        """Applies the user's pending access times to their records; identity when there are none."""
+        touches = self._pending.get(user_id)
+        if not touches:
+            return _same
+
+        def touched(record: MemoryRecord) -> MemoryRecord:
+            at = touches.get(record.id)
+            if at is None or (record.last_accessed_at is not None and record.last_accessed_at >= at):
+                return record
+            return record.replace(last_accessed_at=at)
+
+        return touched
+
+    def touched(self, record: MemoryRecord) -> MemoryRecord:
+        """``record`` with its pending access time applied."""
+        return self.toucher(record.user_id)(record)
+
+
+def _same(record: MemoryRecord) -> MemoryRecord:
+    return record
