@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import re
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
@@ -15,12 +14,11 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest
+from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
 
 USER_HEADER = "X-Memory-User"
 CONVERSATION_HEADER = "X-Memory-Conversation"
 MODE_HEADER = "X-Memory-Mode"
-
-_ID_PATTERN = re.compile(r"[A-Za-z0-9._@:+\-=/|~]{1,128}")
 
 
 class Mode(StrEnum):
@@ -51,15 +49,11 @@ class Identity:
     mode: Mode
 
 
-def valid_id(value: str) -> bool:
-    """Whether ``value`` is an acceptable user or conversation id (1-128 safe characters)."""
-    return _ID_PATTERN.fullmatch(value) is not None
-
-
 def _checked(value: object, param: str) -> str:
-    if not isinstance(value, str) or not valid_id(value):
+    """``value`` if it is a valid user or conversation id (``proxy.memory.store.ids``), else a 400 naming ``param``."""
+    if not isinstance(value, str) or not valid_app_id(value):
         raise BadRequest(
-            f"{param} must be 1-128 characters of letters, digits and . _ @ : + - = / | ~",
+            f"{param} must be {APP_ID_RULE}",
             param=param,
             code="invalid_memory_id",
         )

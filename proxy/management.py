@@ -35,7 +35,8 @@ from pydantic import (
 )
 
 from proxy.errors import BadRequest, NotFound, ServiceUnavailable, Unauthorized
-from proxy.identity import log_user, valid_id
+from proxy.identity import log_user
+from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.state import STATE, AppState
 
@@ -262,8 +263,8 @@ def _memory(request: web.Request) -> ManagedMemory:
 
 def _user(request: web.Request) -> str:
     user_id = request.match_info["user_id"]
-    if not valid_id(user_id):
-        raise BadRequest("user_id must be 1-128 characters of letters, digits and . _ @ : + - = / | ~",
+    if not valid_app_id(user_id):
+        raise BadRequest(f"user_id must be {APP_ID_RULE}",
                          param="user_id", code="invalid_user_id")
     return user_id
 
