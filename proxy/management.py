@@ -77,7 +77,7 @@ class Preview(Protocol):
 
 
 class Page(Protocol):
-    """A page of records (``proxy.memory.store.Page``)."""
+    """A page of records (``proxy.memory.store.reads.Page``)."""
 
     @property
     def data(self) -> list[MemoryRecord]: ...
@@ -87,7 +87,7 @@ class Page(Protocol):
 
 
 class AdminStore(Protocol):
-    """The store reads the management API makes (``proxy.memory.store.MemoryStore``)."""
+    """The store reads the management API makes (``proxy.memory.store.memory_store.MemoryStore``)."""
 
     async def get(self, user_id: str, id: str) -> MemoryRecord | None: ...
 

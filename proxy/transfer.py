@@ -43,7 +43,7 @@ class ImportFormatError(ValueError):
 
 
 class RecordStore(Protocol):
-    """What import and export need from ``proxy.memory.store.MemoryStore``."""
+    """What import and export need from ``proxy.memory.store.memory_store.MemoryStore``."""
 
     async def add(self, records: Sequence[MemoryRecord]) -> list[MemoryRecord]: ...
 
