@@ -43,7 +43,7 @@ async def table_keyword_docs(table: MemoryTable, where: str | None = None) -> As
         yield keyword_docs(batch)
 
 
-async def repair(table: MemoryTable, keyword: KeywordIndex) -> dict[str, int]:
+async def repair_keyword_index(table: MemoryTable, keyword: KeywordIndex) -> dict[str, int]:
     """Make Tantivy agree with LanceDB: index what it lacks or holds stale, drop what LanceDB lost."""
     indexed = await keyword.signatures()
     seen: set[str] = set()

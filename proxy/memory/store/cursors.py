@@ -12,7 +12,7 @@ import pyarrow as pa
 from proxy.memory.errors import InvalidCursor
 
 
-def page(keys: pa.Table, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
+def page_keys(keys: pa.Table, cursor: str | None, limit: int) -> tuple[list[str], str | None]:
     """The ids of one page of ``keys`` (id, created_at) after ``cursor``, and the next page's cursor (or None)."""
     ordered = keys.sort_by([("created_at", "descending"), ("id", "descending")])
     created = ordered["created_at"].cast(pa.int64()).to_numpy()

@@ -36,8 +36,8 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, StoreError
-from proxy.memory.store import consistency
 from proxy.memory.store.background import BatchWriter, Submission, Ticker
+from proxy.memory.store.consistency import repair_keyword_index, table_keyword_docs
 from proxy.memory.store.datadir import DataDir
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.ids import check_user_id, valid_record_id
@@ -165,7 +165,7 @@ class MemoryStore(StoreReader):
 
     async def repair(self) -> dict[str, int]:
         """Make Tantivy agree with LanceDB: index what it lacks or holds stale, drop what LanceDB lost."""
-        return await consistency.repair(self._lance, self._keyword)
+        return await repair_keyword_index(self._lance, self._keyword)
 
     # writes ---------------------------------------------------------------------------------------------
 
@@ -376,7 +376,7 @@ class MemoryStore(StoreReader):
         self._purges += 1
         try:
             async with asyncio.TaskGroup() as group:
-                group.create_task(self._keyword.rebuild(consistency.table_keyword_docs(self._lance)))
+                group.create_task(self._keyword.rebuild(table_keyword_docs(self._lance)))
                 group.create_task(self._lance.purge(fragments))
         except ExceptionGroup as failed:
             raise failed.exceptions[0] from failed

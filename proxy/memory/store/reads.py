@@ -20,7 +20,7 @@ import orjson
 import pyarrow as pa
 
 from proxy.memory.errors import StoreError
-from proxy.memory.store import cursors
+from proxy.memory.store.cursors import page_keys
 from proxy.memory.store.filters import record_filter
 from proxy.memory.store.ids import check_user_id
 from proxy.memory.store.keyword import KeywordIndex, keyword_filter
@@ -90,7 +90,7 @@ class StoreReader:
         """The user's records, newest first (created_at, then id, descending), ``limit`` at a time."""
         check_user_id(user_id)
         keys = await self._lance.keys(user_id, kinds, include_invalid)
-        page_ids, next_cursor = cursors.page(keys, cursor, limit)
+        page_ids, next_cursor = page_keys(keys, cursor, limit)
         return Page(await self.get_many(user_id, page_ids), next_cursor)
 
     async def user_turns(self, user_id: str, since: datetime, until: datetime) -> builtins.list[MemoryRecord]:

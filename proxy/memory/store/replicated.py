@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import timedelta
 from typing import Any
 
-from proxy.memory.store import consistency
 from proxy.memory.store.changes import ChangeFeed, now_ms
 from proxy.memory.store.cluster import ClusterSettings
+from proxy.memory.store.consistency import table_keyword_docs
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.filters import record_filter
 from proxy.memory.store.keyword import KeywordDoc
@@ -139,7 +139,7 @@ class ReplicatedStore(MemoryStore):
             await listener(user_id)
 
     def _user_keyword_docs(self, user_id: str) -> AsyncIterator[list[KeywordDoc]]:
-        return consistency.table_keyword_docs(self._lance, record_filter(user_id))
+        return table_keyword_docs(self._lance, record_filter(user_id))
 
     async def _drain_writes(self) -> None:
         """Wait until every write submitted so far is flushed.
