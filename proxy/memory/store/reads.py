@@ -236,6 +236,7 @@ class StoreReader:
         """Every user with at least one record."""
         return await self._lance.user_ids()
 
+
 def _matches(record: MemoryRecord, user_id: str, pool: Pool) -> bool:
     """Whether a record found by the keyword index is in the pool (the cache may be newer than the index)."""
     return (
