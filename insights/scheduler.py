@@ -29,10 +29,10 @@ import structlog
 
 from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.jobs import Handler, Job, JobQueue, RetryLater, WaitForConfig
-from proxy.memory.llm import LLMClient, LLMUnavailable
 from proxy.memory.records import Kind
 from proxy.memory.store import MemoryStore
+from proxy.memory.write.llm import LLMClient, LLMUnavailable
+from proxy.memory.write.queue import Handler, Job, JobQueue, RetryLater, WaitForConfig
 
 log = structlog.get_logger("memproxy.insights")
 

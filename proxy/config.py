@@ -29,13 +29,13 @@ from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.cluster import ClusterSettings
 from proxy.memory.embedders import EmbedderSettings
-from proxy.memory.extraction import ExtractionSettings
-from proxy.memory.jobs import JobQueueSettings
 from proxy.memory.objectstore import StorageLocation
 from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
-from proxy.memory.writer import WriterSettings
+from proxy.memory.write.extraction import ExtractionSettings
+from proxy.memory.write.queue import JobQueueSettings
+from proxy.memory.write.writer import WriterSettings
 from proxy.shadow import ShadowSettings
 
 ENV_PREFIX = "MEMPROXY_"

@@ -13,10 +13,10 @@ import pytest
 
 from proxy.memory.cluster import ClusterRuntime, ClusterSettings, Journal, Lease, ReplicatedStore
 from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.objectstore import ObjectStore, StorageLocation
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import StoreSettings
+from proxy.memory.write.queue import JobQueue, JobQueueSettings
 from tests.support.s3 import bucket_uri, moto_server, s3_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

@@ -10,7 +10,7 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.extraction import (
+from proxy.memory.write.extraction import (
     FACTS_SCHEMA,
     RECONCILE_SCHEMA,
     SUMMARY_SCHEMA,
@@ -31,7 +31,7 @@ from proxy.memory.extraction import (
     screen_facts,
     shortcut_plan,
 )
-from proxy.memory.llm import (
+from proxy.memory.write.llm import (
     LiteLLMClient,
     LiteLLMSettings,
     LLMBadOutput,

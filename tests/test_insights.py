@@ -25,12 +25,12 @@ from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, re
 from insights.service import InsightSettings, current_insights, regenerate
 from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.injection import inject
-from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
+from proxy.memory.write.queue import JobQueue, JobQueueSettings, JobRunner
 from tests.support.fake_insight_llm import InsightWriter
 from tests.support.fake_llm import FakeLLM, user_payload
 from tests.support.insight_scenario import NOW, OLD_MESSAGES, OUTLIERS, TOPICS, user_messages

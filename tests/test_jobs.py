@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.jobs import (
+from proxy.memory.write.queue import (
     GiveUp,
     Job,
     JobQueue,

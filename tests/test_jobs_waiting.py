@@ -5,7 +5,7 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from proxy.memory.jobs import Job, JobQueue, JobRunner, WaitForConfig
+from proxy.memory.write.queue import Job, JobQueue, JobRunner, WaitForConfig
 from tests.test_jobs import eventually, settings, state_of
 
 

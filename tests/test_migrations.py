@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.records import SCHEMA_VERSION
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.queue import JobQueue, JobQueueSettings
 from tests.support.processes import MEMPROXY, child_env
 
 

@@ -15,10 +15,10 @@ from structlog.testing import capture_logs
 
 from proxy.memory.errors import StoreError
 from proxy.memory.faults import fault_reason, is_storage_fault
-from proxy.memory.jobs import Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import LLMUnavailable
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.llm import LLMUnavailable
+from proxy.memory.write.queue import Job, JobQueue, JobQueueSettings, JobRunner
 from tests.support.embedder import HashingEmbedder
 from tests.support.readonly import read_only
 

@@ -50,10 +50,10 @@ import structlog
 from insights.scheduler import InsightScheduler
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.faults import StorageHealth
-from proxy.memory.jobs import JobQueue
 from proxy.memory.lance import Manifest, MemoryTable, SharedTable, record_filter
 from proxy.memory.objectstore import ObjectStore, ObjectStoreError, PreconditionFailed, StorageLocation
 from proxy.memory.store import _REPAIR_COLUMNS, MemoryStore, StoreSettings, _keyword_docs
+from proxy.memory.write.queue import JobQueue
 
 log = structlog.get_logger("memproxy.cluster")
 

@@ -52,8 +52,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.faults import StorageHealth, is_storage_fault
-from proxy.memory.group_commit import GroupCommit
 from proxy.memory.migrations import JOBS_SCHEMA_VERSION, JOBS_STEPS, ensure_jobs_schema, plan
+from proxy.memory.write.group_commit import GroupCommit
 
 log = structlog.get_logger("memproxy.jobs")
 

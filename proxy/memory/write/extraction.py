@@ -28,16 +28,16 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.llm import LLMBadOutput, LLMClient
-from proxy.memory.screens import (
+from proxy.memory.write.llm import LLMBadOutput, LLMClient
+from proxy.memory.write.screens import (
     REDACTION_MARK,
     asked_to_remember,
     identifier_reason,
     injection_reason,
     sensitive_category,
 )
-from proxy.memory.screens import iban_valid as iban_valid  # re-exported: the screens used to live here
-from proxy.memory.screens import luhn_valid as luhn_valid
+from proxy.memory.write.screens import iban_valid as iban_valid  # re-exported: the screens used to live here
+from proxy.memory.write.screens import luhn_valid as luhn_valid
 
 log = structlog.get_logger("memproxy.extraction")
 T = TypeVar("T")

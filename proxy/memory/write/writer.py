@@ -35,7 +35,10 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from proxy.memory.embedders import Vectors
-from proxy.memory.extraction import (
+from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.service import Exchange
+from proxy.memory.store import MemoryStore
+from proxy.memory.write.extraction import (
     ExchangeText,
     ExtractedFact,
     ExtractionFailed,
@@ -50,15 +53,12 @@ from proxy.memory.extraction import (
     screen_facts,
     shortcut_plan,
 )
-from proxy.memory.jobs import GiveUp, Handler, Job, JobQueue, RetryLater
-from proxy.memory.llm import LLMUnavailable
-from proxy.memory.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting, asks_to_remember
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
-from proxy.memory.service import Exchange
-from proxy.memory.store import MemoryStore
-from proxy.memory.subjects import SubjectLinker
-from proxy.memory.tool_turns import tool_turn_texts
+from proxy.memory.write.llm import LLMUnavailable
+from proxy.memory.write.prefilter import DEFAULT_MIN_WORDS, any_worth_extracting, asks_to_remember
+from proxy.memory.write.queue import GiveUp, Handler, Job, JobQueue, RetryLater
+from proxy.memory.write.screens import ScreenedText, redact_identifiers, remembered_identifiers, screen_text
+from proxy.memory.write.subjects import SubjectLinker
+from proxy.memory.write.tool_turns import tool_turn_texts
 
 log = structlog.get_logger("memproxy.writer")
 
@@ -93,7 +93,7 @@ class WriterSettings(BaseModel):
     facts_window_wait_s: float = Field(default=20.0, ge=0.0)
     # characters of each assistant reply shown to extraction (context only)
     facts_reply_chars: int = Field(default=120, ge=0)
-    # exchanges whose user messages pass no cheap local check (proxy/memory/prefilter.py) skip extraction
+    # exchanges whose user messages pass no cheap local check (proxy/memory/write/prefilter.py) skip extraction
     prefilter: bool = True
     prefilter_min_words: int = Field(default=DEFAULT_MIN_WORDS, ge=1)
 
