@@ -77,8 +77,9 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.settings import WriterSettings
 from proxy.memory.write.subjects import new_subject, relinked, subject_names
-from proxy.memory.write.writer import WriterSettings, context_vector
+from proxy.memory.write.turns import context_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("LOCOMO_DATA", ROOT.parent / "shared" / "data" / "locomo" / "locomo10.json"))

@@ -31,8 +31,9 @@ from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.records import Kind
 from proxy.memory.store import MemoryStore
+from proxy.memory.write.job_types import RetryLater, WaitForConfig
 from proxy.memory.write.llm import LLMClient, LLMUnavailable
-from proxy.memory.write.queue import Handler, Job, JobQueue, RetryLater, WaitForConfig
+from proxy.memory.write.queue import Handler, Job, JobQueue
 
 log = structlog.get_logger("memproxy.insights")
 

@@ -34,8 +34,8 @@ from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
 from proxy.memory.write.extraction import ExtractionSettings
-from proxy.memory.write.queue import JobQueueSettings
-from proxy.memory.write.writer import WriterSettings
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.settings import WriterSettings
 from proxy.shadow import ShadowSettings
 
 ENV_PREFIX = "MEMPROXY_"

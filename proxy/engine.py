@@ -40,10 +40,14 @@ from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings, QueueMetrics
 from proxy.memory.write.latest_chat import LatestChats
 from proxy.memory.write.llm import LLMClient
-from proxy.memory.write.queue import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
-from proxy.memory.write.writer import Writer, WriterSettings, exchange_payload
+from proxy.memory.write.payloads import exchange_payload
+from proxy.memory.write.queue import JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.writer import Writer
 
 log = structlog.get_logger("memproxy.memory")
 

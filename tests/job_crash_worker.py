@@ -16,9 +16,12 @@ from pathlib import Path
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings
 from proxy.memory.write.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.write.queue import Handler, Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.write.writer import Writer, WriterSettings
+from proxy.memory.write.queue import Handler, Job, JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.writer import Writer
 from tests.support.embedder import HashingEmbedder
 
 

@@ -33,7 +33,8 @@ from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.records import Kind
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.write.queue import JobQueue, JobQueueSettings
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.conftest import ProxyFactory
 from tests.support.processes import ROOT, child_env, fake_upstream_process
 from tests.test_proxy import _factory

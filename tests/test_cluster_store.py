@@ -16,7 +16,8 @@ from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.objectstore import ObjectStore, StorageLocation
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import StoreSettings
-from proxy.memory.write.queue import JobQueue, JobQueueSettings
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.support.s3 import bucket_uri, moto_server, s3_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

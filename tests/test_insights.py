@@ -29,8 +29,10 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.job_types import JobQueueSettings
 from proxy.memory.write.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.write.queue import JobQueue, JobQueueSettings, JobRunner
+from proxy.memory.write.queue import JobQueue
+from proxy.memory.write.runner import JobRunner
 from tests.support.fake_insight_llm import InsightWriter
 from tests.support.fake_llm import FakeLLM, user_payload
 from tests.support.insight_scenario import NOW, OLD_MESSAGES, OUTLIERS, TOPICS, user_messages

@@ -14,16 +14,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.write.queue import (
+from proxy.memory.write.job_types import (
     GiveUp,
-    Job,
-    JobQueue,
     JobQueueSettings,
-    JobRunner,
     QueueLocked,
     RetryLater,
     backoff_delay,
 )
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
 
 
 def settings(path: Path, **changes: object) -> JobQueueSettings:
@@ -423,3 +422,4 @@ async def test_slow_kind_never_starves_another(tmp_path: Path) -> None:
 async def running_is(queue: JobQueue, n: int) -> bool:
     """Whether exactly ``n`` jobs are running."""
     return (await queue.metrics()).running == n
+

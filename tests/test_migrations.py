@@ -14,7 +14,8 @@ from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.records import SCHEMA_VERSION
 from proxy.memory.store import MemoryStore, StoreSettings
-from proxy.memory.write.queue import JobQueue, JobQueueSettings
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.support.processes import MEMPROXY, child_env
 
 

@@ -17,8 +17,10 @@ from proxy.memory.errors import StoreError
 from proxy.memory.faults import fault_reason, is_storage_fault
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore, StoreSettings
+from proxy.memory.write.job_types import JobQueueSettings
 from proxy.memory.write.llm import LLMUnavailable
-from proxy.memory.write.queue import Job, JobQueue, JobQueueSettings, JobRunner
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
 from tests.support.embedder import HashingEmbedder
 from tests.support.readonly import read_only
 

@@ -21,9 +21,13 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings
 from proxy.memory.write.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
-from proxy.memory.write.queue import Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.write.writer import Writer, WriterSettings, context_vector
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.turns import context_vector
+from proxy.memory.write.writer import Writer
 from tests.support.embedder import HashingEmbedder
 from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload, window_user_messages
 
