@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -173,7 +172,7 @@ class InsightScheduler:
         while not self._stopping.is_set():
             try:
                 await self.tick()
-            except (MemoryLayerError, sqlite3.Error, OSError) as error:
+            except (MemoryLayerError, OSError) as error:  # the queue maps SQLite errors to a MemoryLayerError
                 log.error("insights.schedule_failed", error=repr(error))
             self.ticks += 1
             with contextlib.suppress(TimeoutError):

@@ -24,6 +24,10 @@ handlers are idempotent by job id). A running job holds a lease renewed by a hea
 out is taken again. At open, the queue takes an exclusive lock file, so any job still marked running belongs
 to a dead process and is taken again at once, without spending an attempt (up to ``queue_db.ORPHAN_LIMIT``
 deaths). All SQLite calls run on one dedicated thread.
+
+Every error of the queue is a ``JobError`` (a ``MemoryLayerError``): the SQLite database's own errors are
+mapped at the queue's boundary to ``QueueDatabaseError`` (the ``sqlite3`` error is its ``__cause__``, so
+``is_storage_fault`` still recognises a disk fault through it).
 """
 
 from __future__ import annotations
@@ -66,6 +70,10 @@ class JobError(MemoryLayerError):
 
 class QueueLocked(JobError):
     """Another live process already owns this queue's data directory."""
+
+
+class QueueDatabaseError(JobError):
+    """The queue's SQLite database failed (the ``sqlite3`` error is the ``__cause__``; its text is the message)."""
 
 
 class RetryLater(JobError):

@@ -1,7 +1,8 @@
 """The durable job queue's API: enqueue, claim and finish jobs, per-user state and metrics, off the event loop.
 
 What a job, a lane, a debounced and a waiting job are, and how durable each write is: see ``job_types``.
-All SQLite calls run on one dedicated thread (``queue_db.JobDatabase``).
+All SQLite calls run on one dedicated thread (``queue_db.JobDatabase``); its errors stop here, mapped to
+``QueueDatabaseError``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from proxy.memory.write.job_types import (
     JobError,
     JobQueueSettings,
     JobState,
+    QueueDatabaseError,
     QueueMetrics,
     StepLatency,
     backoff_delay,
@@ -67,6 +69,13 @@ class Job:
 
 
 Handler = Callable[[Job], Awaitable[None]]
+
+
+def database_error(error: sqlite3.Error) -> QueueDatabaseError:
+    """The queue's own error for a SQLite error (kept as its cause)."""
+    mapped = QueueDatabaseError(str(error))
+    mapped.__cause__ = error
+    return mapped
 
 
 class JobQueue:
@@ -114,9 +123,13 @@ class JobQueue:
         self._executor = None
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run one database call on the queue's thread: the queue's boundary, where SQLite's errors are mapped."""
         if self._executor is None:
             raise JobError("the job queue is not open")
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        except sqlite3.Error as error:
+            raise database_error(error) from error
 
     @property
     def wakeup(self) -> asyncio.Event:
@@ -163,12 +176,12 @@ class JobQueue:
     async def _write_enqueues(self, items: list[tuple[JSON, str | None]]) -> list[str | BaseException]:
         try:
             results = await self._call(self._db.enqueue_many, items)
-        except (sqlite3.Error, OSError) as error:
+        except (QueueDatabaseError, OSError) as error:
             if is_storage_fault(error):
                 self.health.fault("queue", error)
             raise
         self.health.ok("queue")
-        return results
+        return [database_error(r) if isinstance(r, sqlite3.Error) else r for r in results]
 
     @property
     def commit_batches(self) -> tuple[int, int]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import sqlite3
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
@@ -19,7 +18,7 @@ from types import TracebackType
 import structlog
 
 from proxy.memory.faults import is_storage_fault
-from proxy.memory.write.job_types import GiveUp, JobError, JobState, RetryLater, WaitForConfig
+from proxy.memory.write.job_types import GiveUp, JobError, JobState, QueueDatabaseError, RetryLater, WaitForConfig
 from proxy.memory.write.queue import Handler, Job, JobQueue
 
 log = structlog.get_logger("memproxy.jobs")
@@ -75,7 +74,7 @@ class JobRunner:
             await self._settle()
             jobs, next_due = await self._queue.claim(free)
             await self._purge_now_and_then()
-        except (sqlite3.Error, OSError, JobError) as error:
+        except (OSError, JobError) as error:
             self._queue_failed("jobs.claim_failed", error)
             return time.time() + self._settings.poll_interval_s
         if jobs:  # a claim that found nothing may have written nothing: no proof that the disk works again
@@ -107,7 +106,7 @@ class JobRunner:
                     await self._stopping.wait()
             try:
                 await self._queue.renew(list(self._inflight))
-            except (sqlite3.Error, OSError) as error:
+            except (QueueDatabaseError, OSError) as error:
                 self._queue_failed("jobs.renew_failed", error)
 
     def _queue_failed(self, event: str, error: BaseException) -> None:
@@ -150,7 +149,7 @@ class JobRunner:
         except asyncio.CancelledError:
             await asyncio.shield(self._release_quietly(job))
             raise
-        except (sqlite3.Error, OSError, JobError) as error:
+        except (OSError, JobError) as error:
             # The queue failed to record the outcome: on a disk fault, hand the job back (without spending an
             # attempt) once the disk works again; otherwise the lease runs out and the job is taken again.
             self._queue_failed("jobs.bookkeeping_failed", error)
@@ -204,5 +203,5 @@ class JobRunner:
     async def _release_quietly(self, job: Job) -> None:
         try:
             await self._queue.release(job)
-        except (sqlite3.Error, OSError, JobError) as error:
+        except (OSError, JobError) as error:
             log.warning("jobs.release_failed", error=repr(error))
