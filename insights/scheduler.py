@@ -30,14 +30,15 @@ from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.records import Kind
 from proxy.memory.store import MemoryStore
+from proxy.memory.write.job_kinds import INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
 from proxy.memory.write.job_types import RetryLater, WaitForConfig
 from proxy.memory.write.llm import LLMClient, LLMUnavailable
 from proxy.memory.write.queue import Handler, Job, JobQueue
 
 log = structlog.get_logger("memproxy.insights")
 
-JOB_KIND = "insights"
-DEDUPE_KEY = "insights"
+JOB_KIND = INSIGHTS_JOB  # the write path triggers the same job (proxy.memory.write.job_kinds)
+DEDUPE_KEY = INSIGHTS_DEDUPE_KEY
 STATE_KEY = "insights"
 
 

@@ -37,6 +37,7 @@ from proxy.memory.write.facts_window import (
     untaken,
     window_item,
 )
+from proxy.memory.write.job_kinds import FACTS_JOB, INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
 from proxy.memory.write.job_types import RetryLater
 from proxy.memory.write.llm import LLMUnavailable
 from proxy.memory.write.payloads import ExchangePayload, FactsPayload, derived_id, parse_payload
@@ -93,7 +94,7 @@ class FactJobs:
         first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
         run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
         payload = {"model": model, "request_id": request_id}
-        await self._queue.enqueue("facts", user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after,
+        await self._queue.enqueue(FACTS_JOB, user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after,
                                   durable=False)
 
     async def handle(self, job: Job) -> None:
@@ -136,7 +137,7 @@ class FactJobs:
         payload = {"reason": "exchange", "model": model, "request_id": request_id}
         run_after = time.time() + self.settings.insights_debounce_s
         await self._queue.enqueue(
-            "insights", job.user_id, payload, dedupe_key="insights", run_after=run_after, durable=False
+            INSIGHTS_JOB, job.user_id, payload, dedupe_key=INSIGHTS_DEDUPE_KEY, run_after=run_after, durable=False
         )
 
     def _model_of(self, item: Mapping[str, Any]) -> str:

@@ -18,6 +18,7 @@ from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore
 from proxy.memory.write.extraction import ExtractionFailed, Extractor
 from proxy.memory.write.identifiers import redact_identifiers
+from proxy.memory.write.job_kinds import SUMMARY_JOB
 from proxy.memory.write.job_types import RetryLater
 from proxy.memory.write.llm import LLMUnavailable
 from proxy.memory.write.payloads import ExchangePayload, derived_id
@@ -70,7 +71,7 @@ class SummaryJobs:
         due_now = len(state["pending"]) >= self.settings.summary_max_new_turns
         run_after = time.time() + (0.0 if due_now else self.settings.summary_idle_s)
         payload = {"conversation_id": p.conversation_id, "model": p.model, "request_id": p.request_id}
-        await self._queue.enqueue("summary", job.user_id, payload, dedupe_key=key, run_after=run_after, durable=False)
+        await self._queue.enqueue(SUMMARY_JOB, job.user_id, payload, dedupe_key=key, run_after=run_after, durable=False)
 
     async def handle(self, job: Job) -> None:
         """Summarise the conversation's turns not yet summarised into its rolling summary."""
@@ -88,7 +89,7 @@ class SummaryJobs:
                 return
         after = await self._queue.update_state(job.user_id, key, _summarised(pending, summary_id))
         if after and len(after["pending"]) >= self.settings.summary_max_new_turns:
-            await self._queue.enqueue("summary", job.user_id, job.payload, dedupe_key=key, durable=False)
+            await self._queue.enqueue(SUMMARY_JOB, job.user_id, job.payload, dedupe_key=key, durable=False)
 
     async def _summarise(
         self, job: Job, conversation_id: str, pending: Sequence[str], previous_id: str | None, summary_id: str

@@ -32,6 +32,7 @@ from proxy.memory.service import Exchange
 from proxy.memory.store import MemoryStore
 from proxy.memory.write.extraction import Extractor
 from proxy.memory.write.facts import FactJobs
+from proxy.memory.write.job_kinds import EXCHANGE_JOB, FACTS_JOB, SUMMARY_JOB
 from proxy.memory.write.payloads import ExchangePayload, exchange_payload, parse_payload
 from proxy.memory.write.prefilter import any_worth_extracting
 from proxy.memory.write.queue import Handler, Job, JobQueue
@@ -55,12 +56,12 @@ class Writer:
 
     def handlers(self) -> dict[str, Handler]:
         """The job kinds this writer handles, for the ``JobRunner``."""
-        return {"exchange": self.handle_exchange, "facts": self.handle_facts, "summary": self.handle_summary}
+        return {EXCHANGE_JOB: self.handle_exchange, FACTS_JOB: self.handle_facts, SUMMARY_JOB: self.handle_summary}
 
     async def record(self, exchange: Exchange) -> str:
         """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
         payload = exchange_payload(exchange, self._extractor.settings)
-        return await self._queue.enqueue("exchange", exchange.user_id, payload)
+        return await self._queue.enqueue(EXCHANGE_JOB, exchange.user_id, payload)
 
     async def handle_exchange(self, job: Job) -> None:
         """Store the turns, schedule the summary, and add the exchange to the user's facts window."""
