@@ -42,8 +42,8 @@ from bench.loadgen import body, cpu_seconds, percentile
 from proxy.app import engine_settings
 from proxy.config import load_settings
 from proxy.engine import MemoryEngine
-from proxy.memory.llm import LLMUnavailable
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.llm import LLMUnavailable
 from tests.support.processes import MEMPROXY, Process, child_env, fake_upstream_process
 from tests.support.router import NGINX, free_port, nginx
 from tests.support.s3 import CREDENTIALS, bucket_uri, moto_server_process

@@ -26,9 +26,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.service import Exchange
-from proxy.memory.writer import exchange_payload
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.payloads import exchange_payload
+from proxy.memory.write.queue import JobQueue
 
 
 def exchange(n: int) -> Exchange:

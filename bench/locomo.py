@@ -28,7 +28,7 @@ all conversations), so the ``minmax`` recency term is constant across candidates
 memories from their creation, so for it the two clocks differ only by the retrieval time. Importance is the
 store's default 5 for every memory (the dataset has no ratings), so ``importance_bonus`` cannot be measured
 here. Subjects: the memories with facts also hold the subject records the write path would create for them
-(``proxy.memory.subjects``); LoCoMo's observations name only their speaker, so a conversation has two
+(``proxy.memory.write.subjects``); LoCoMo's observations name only their speaker, so a conversation has two
 subjects, each linked to all of one speaker's facts: subject fusion can only favour the facts of the speaker
 a question names (``+context+observations+subject fusion`` measures that at its former weight 0.4; it is off
 by default), and the chain's ``+subjects`` step, over turns alone, has no subjects to use.
@@ -77,8 +77,9 @@ from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.subjects import new_subject, relinked, subject_names
-from proxy.memory.writer import WriterSettings, context_vector
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.subjects import new_subject, relinked, subject_names
+from proxy.memory.write.turns import context_vector
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = Path(os.environ.get("LOCOMO_DATA", ROOT.parent / "shared" / "data" / "locomo" / "locomo10.json"))
@@ -430,7 +431,7 @@ def corpora(
 
 
 def subject_records(facts: Sequence[MemoryRecord]) -> list[MemoryRecord]:
-    """The subjects the write path would keep for these facts (``proxy.memory.subjects``), embedded by the store."""
+    """The subjects the write path would keep for these facts (``proxy.memory.write.subjects``), embedded."""
     by_name: dict[str, MemoryRecord] = {}
     for fact in facts:
         for name in subject_names(fact).values():

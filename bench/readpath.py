@@ -42,9 +42,9 @@ from proxy.app import engine_settings
 from proxy.config import load_settings
 from proxy.engine import MemoryEngine
 from proxy.memory.injection import inject
-from proxy.memory.llm import LLMUnavailable
 from proxy.memory.retrieval import retrieve
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.write.llm import LLMUnavailable
 
 RESULTS = Path(__file__).resolve().parent / "results" / "readpath.json"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

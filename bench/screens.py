@@ -15,7 +15,8 @@ import time
 from pathlib import Path
 
 from bench.locomo import DATA
-from proxy.memory.screens import redact_identifiers, screen_text
+from proxy.memory.write.identifiers import redact_identifiers
+from proxy.memory.write.screens import screen_text
 
 HOSTILE = {
     "a-" * 50_000: "'a-' x 50k",

@@ -31,10 +31,11 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from insights.clustering import Cluster
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.extraction import identifier_reason, injection_reason
 from proxy.memory.injection import estimate_tokens, month_year
-from proxy.memory.llm import LLMBadOutput, LLMClient
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.identifiers import identifier_reason
+from proxy.memory.write.instructions import injection_reason
+from proxy.memory.write.llm import LLMBadOutput, LLMClient
 
 log = structlog.get_logger("memproxy.insights")
 

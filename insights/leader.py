@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from insights.scheduler import InsightScheduler
 from insights.service import InsightSettings
-from proxy.memory.jobs import JobQueue
 from proxy.memory.store.replicated import ReplicatedStore
+from proxy.memory.write.queue import JobQueue
 
 
 class LeaderInsightScheduler(InsightScheduler):

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import sqlite3
 import time
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -29,15 +28,17 @@ import structlog
 
 from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.jobs import Handler, Job, JobQueue, RetryLater, WaitForConfig
-from proxy.memory.llm import LLMClient, LLMUnavailable
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import Kind
+from proxy.memory.write.job_kinds import INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
+from proxy.memory.write.job_types import RetryLater, WaitForConfig
+from proxy.memory.write.llm import LLMClient, LLMUnavailable
+from proxy.memory.write.queue import Handler, Job, JobQueue
 
 log = structlog.get_logger("memproxy.insights")
 
-JOB_KIND = "insights"
-DEDUPE_KEY = "insights"
+JOB_KIND = INSIGHTS_JOB  # the write path triggers the same job (proxy.memory.write.job_kinds)
+DEDUPE_KEY = INSIGHTS_DEDUPE_KEY
 STATE_KEY = "insights"
 
 
@@ -172,7 +173,7 @@ class InsightScheduler:
         while not self._stopping.is_set():
             try:
                 await self.tick()
-            except (MemoryLayerError, sqlite3.Error, OSError) as error:
+            except (MemoryLayerError, OSError) as error:  # the queue maps SQLite errors to a MemoryLayerError
                 log.error("insights.schedule_failed", error=repr(error))
             self.ticks += 1
             with contextlib.suppress(TimeoutError):

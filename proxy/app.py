@@ -24,8 +24,9 @@ from proxy.feature_report import FeatureCollector, report_features
 from proxy.management import add_management_routes
 from proxy.management_ops import add_operations_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
-from proxy.memory.latest_chat import LatestChats
-from proxy.memory.llm import (
+from proxy.memory.service import MemoryService, NullMemory
+from proxy.memory.write.latest_chat import LatestChats
+from proxy.memory.write.llm import (
     KeySource,
     LiteLLMClient,
     LiteLLMSettings,
@@ -36,7 +37,6 @@ from proxy.memory.llm import (
     Route,
     UsageObserver,
 )
-from proxy.memory.service import MemoryService, NullMemory
 from proxy.metrics import Metrics
 from proxy.routes import add_routes
 from proxy.shadow import ShadowMemory

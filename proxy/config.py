@@ -28,14 +28,14 @@ from pydantic import (
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.embedders import EmbedderSettings
-from proxy.memory.extraction import ExtractionSettings
-from proxy.memory.jobs import JobQueueSettings
 from proxy.memory.rerank import RerankSettings
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.memory_store import StoreSettings
 from proxy.memory.store.objectstore import StorageLocation
-from proxy.memory.writer import WriterSettings
+from proxy.memory.write.extraction import ExtractionSettings
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.settings import WriterSettings
 from proxy.shadow import ShadowSettings
 
 ENV_PREFIX = "MEMPROXY_"

@@ -21,13 +21,9 @@ from insights.leader import LeaderInsightScheduler
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
 from proxy.memory.embedders import EmbedderSettings, build_embedder
-from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.features import FeatureBoard, guard_handlers
 from proxy.memory.fusion import Candidate
 from proxy.memory.injection import inject as inject_block
-from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
-from proxy.memory.latest_chat import LatestChats
-from proxy.memory.llm import LLMClient
 from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
@@ -40,7 +36,15 @@ from proxy.memory.store.objectstore import ObjectStore
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.store.replicated import ReplicatedStore
 from proxy.memory.store.runtime import ClusterRuntime
-from proxy.memory.writer import Writer, WriterSettings, exchange_payload
+from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings, QueueMetrics
+from proxy.memory.write.latest_chat import LatestChats
+from proxy.memory.write.llm import LLMClient
+from proxy.memory.write.payloads import exchange_payload
+from proxy.memory.write.queue import JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.writer import Writer
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -91,7 +91,7 @@ class BulkMemory(Protocol):
 
 
 class DeadLetterQueue(Protocol):
-    """The job queue's dead letters (``proxy.memory.jobs.JobQueue``)."""
+    """The job queue's dead letters (``proxy.memory.write.queue.JobQueue``)."""
 
     async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]: ...
 

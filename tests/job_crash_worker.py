@@ -13,12 +13,15 @@ import sys
 from datetime import UTC, datetime
 from pathlib import Path
 
-from proxy.memory.extraction import ExtractionSettings, Extractor
-from proxy.memory.jobs import Handler, Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
-from proxy.memory.writer import Writer, WriterSettings
+from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
+from proxy.memory.write.queue import Handler, Job, JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.writer import Writer
 from tests.support.embedder import HashingEmbedder
 
 

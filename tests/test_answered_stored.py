@@ -30,10 +30,11 @@ import orjson
 import pytest
 
 from proxy.memory.embedders import EmbedderSettings, build_embedder
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.conftest import ProxyFactory
 from tests.support.processes import ROOT, child_env, fake_upstream_process
 from tests.test_proxy import _factory

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.lease import Lease
@@ -21,6 +20,8 @@ from proxy.memory.store.objectstore import ObjectStore, StorageLocation
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.store.replicated import ReplicatedStore
 from proxy.memory.store.runtime import ClusterRuntime
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.support.s3 import bucket_uri, moto_server, s3_environ
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]

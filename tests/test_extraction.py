@@ -10,28 +10,21 @@ import structlog
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.extraction import (
-    FACTS_SCHEMA,
-    RECONCILE_SCHEMA,
-    SUMMARY_SCHEMA,
+from proxy.memory.write.extraction import (
     Decision,
-    ExchangeText,
     ExtractedFact,
     ExtractionFailed,
     ExtractionSettings,
     Extractor,
     Neighbour,
     Plan,
-    asked_to_remember,
-    iban_valid,
-    identifier_reason,
-    injection_reason,
-    luhn_valid,
     plan_from_decision,
-    screen_facts,
     shortcut_plan,
 )
-from proxy.memory.llm import (
+from proxy.memory.write.fact_screens import screen_facts
+from proxy.memory.write.identifiers import iban_valid, identifier_reason, luhn_valid
+from proxy.memory.write.instructions import injection_reason
+from proxy.memory.write.llm import (
     LiteLLMClient,
     LiteLLMSettings,
     LLMBadOutput,
@@ -41,6 +34,8 @@ from proxy.memory.llm import (
     PrefixRouter,
     Route,
 )
+from proxy.memory.write.prompts import FACTS_SCHEMA, RECONCILE_SCHEMA, SUMMARY_SCHEMA, ExchangeText
+from proxy.memory.write.screens import asked_to_remember
 from tests.support.fake_llm import FakeLLM, Refusal, Status, fact, facts, user_payload
 
 SETTINGS = ExtractionSettings()

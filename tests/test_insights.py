@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import sqlite3
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -19,18 +20,21 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
+from structlog.testing import capture_logs
 
 from insights.generation import SCHEMA_NAME, confidence, date_range
 from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, request_insights
 from insights.service import InsightSettings, current_insights, regenerate
 from proxy.memory.embedders import LocalEmbedder
 from proxy.memory.injection import inject
-from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
+from proxy.memory.write.queue import JobQueue
+from proxy.memory.write.runner import JobRunner
 from tests.support.fake_insight_llm import InsightWriter
 from tests.support.fake_llm import FakeLLM, user_payload
 from tests.support.insight_scenario import NOW, OLD_MESSAGES, OUTLIERS, TOPICS, user_messages
@@ -300,3 +304,23 @@ async def test_scheduler_enqueues_active_users_and_stops_cleanly(store: MemorySt
     assert not scheduler.running
     assert stopped_in < 1.0
     assert not [t for t in asyncio.all_tasks() if t.get_name() == "memproxy-insight-scheduler"]
+
+
+@in_module_loop
+async def test_scheduler_lives_through_a_failing_queue_database(store: MemoryStore, tmp_path: Path) -> None:
+    """A queue whose database fails makes the scheduler log the failure and keep ticking, never die."""
+    async with JobQueue(queue_settings(tmp_path / "queue")) as queue:
+        with contextlib.closing(sqlite3.connect(tmp_path / "queue" / "jobs.sqlite3")) as other:
+            other.execute("DROP TABLE job_state")
+        scheduler = InsightScheduler(store, queue, InsightSettings(schedule_check_s=0.02))
+        with capture_logs() as logs:
+            async with scheduler:
+                deadline = time.monotonic() + 10
+                while scheduler.ticks < 2:
+                    assert time.monotonic() < deadline, "the scheduler stopped ticking"
+                    await asyncio.sleep(0.02)
+                assert scheduler.running
+    failures = [entry for entry in logs if entry["event"] == "insights.schedule_failed"]
+    assert len(failures) >= 2
+    assert failures[0]["error"].startswith("QueueDatabaseError(")
+    assert "no such table" in failures[0]["error"]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
+import sqlite3
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
@@ -14,16 +16,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.jobs import (
+from proxy.memory.errors import MemoryLayerError
+from proxy.memory.write.job_types import (
     GiveUp,
-    Job,
-    JobQueue,
     JobQueueSettings,
-    JobRunner,
+    QueueDatabaseError,
     QueueLocked,
     RetryLater,
     backoff_delay,
 )
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
 
 
 def settings(path: Path, **changes: object) -> JobQueueSettings:
@@ -423,3 +426,22 @@ async def test_slow_kind_never_starves_another(tmp_path: Path) -> None:
 async def running_is(queue: JobQueue, n: int) -> bool:
     """Whether exactly ``n`` jobs are running."""
     return (await queue.metrics()).running == n
+
+
+async def test_database_errors_reach_callers_as_the_queue_error(tmp_path: Path) -> None:
+    """A failing SQLite statement reaches the queue's callers as its own error, a MemoryLayerError, not sqlite3's."""
+    async with JobQueue(settings(tmp_path)) as queue:
+        with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as other:
+            other.execute("DROP TABLE job_state")
+            other.execute("DROP TABLE jobs")
+        with pytest.raises(QueueDatabaseError) as raised:
+            await queue.enqueue("exchange", "u1", {"n": 1})  # the durable path: one group commit
+        assert isinstance(raised.value, MemoryLayerError)
+        assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+        assert "no such table" in str(raised.value)
+        with pytest.raises(QueueDatabaseError):
+            await queue.enqueue("facts", "u1", {}, durable=False)
+        with pytest.raises(QueueDatabaseError):
+            await queue.get_state("u1", "insights")
+        with pytest.raises(QueueDatabaseError):
+            await queue.claim({"exchange": 1})

@@ -5,7 +5,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from proxy.memory.jobs import Job, JobQueue, JobRunner, WaitForConfig
+from proxy.memory.write.job_types import WaitForConfig
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
 from tests.test_jobs import eventually, settings, state_of
 
 

@@ -11,8 +11,8 @@ from aiohttp.test_utils import TestClient
 from pydantic import SecretStr
 
 from proxy.engine import MemoryEngine
-from proxy.memory.latest_chat import CURRENT_USER, LatestChats
 from proxy.memory.store.records import Kind
+from proxy.memory.write.latest_chat import CURRENT_USER, LatestChats
 from proxy.state import STATE
 from tests.conftest import ProxyFactory
 from tests.support.hosted_upstream import HostedUpstream

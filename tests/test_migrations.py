@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.store.records import SCHEMA_VERSION
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.queue import JobQueue
 from tests.support.processes import MEMPROXY, child_env
 
 

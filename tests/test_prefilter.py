@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.locomo import DATA, load_conversations
-from proxy.memory.prefilter import any_worth_extracting, worth_extracting
+from proxy.memory.write.prefilter import any_worth_extracting, worth_extracting
 
 
 @pytest.mark.parametrize(

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.routing import route_index
+from proxy.memory.write.routing import route_index
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 from tests.test_jobs import eventually

@@ -14,11 +14,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from proxy.memory.errors import StoreError
-from proxy.memory.jobs import Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import LLMUnavailable
 from proxy.memory.store.faults import fault_reason, is_storage_fault
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.llm import LLMUnavailable
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
 from tests.support.embedder import HashingEmbedder
 from tests.support.readonly import read_only
 

@@ -10,7 +10,7 @@ import pytest
 from proxy.memory.fusion import NameIndex
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.subjects import SubjectLinker, subject_id, subject_names
+from proxy.memory.write.subjects import SubjectLinker, subject_id, subject_names
 from tests.support.embedder import HashingEmbedder
 
 

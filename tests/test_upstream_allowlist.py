@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from proxy.config import ConfigError, load_settings
-from proxy.memory.llm import LiteLLMClient, LiteLLMSettings
+from proxy.memory.write.llm import LiteLLMClient, LiteLLMSettings
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
 

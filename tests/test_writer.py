@@ -17,13 +17,17 @@ import numpy as np
 import pytest
 import structlog
 
-from proxy.memory.extraction import ExtractionSettings, Extractor
-from proxy.memory.jobs import Job, JobQueue, JobQueueSettings, JobRunner
-from proxy.memory.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.writer import Writer, WriterSettings, context_vector
+from proxy.memory.write.extraction import ExtractionSettings, Extractor
+from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.llm import OpenAICompatibleLLM, OpenAICompatibleSettings
+from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.runner import JobRunner
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.turns import context_vector
+from proxy.memory.write.writer import Writer
 from tests.support.embedder import HashingEmbedder
 from tests.support.fake_llm import FakeLLM, decision, fact, facts, user_payload, window_user_messages
 

@@ -20,9 +20,10 @@ from typing import Any
 
 import structlog
 
-from proxy.memory.jobs import Handler, Job, WaitForConfig
-from proxy.memory.latest_chat import CURRENT_USER
-from proxy.memory.llm import LLMClient, LLMConfigError
+from proxy.memory.write.job_types import WaitForConfig
+from proxy.memory.write.latest_chat import CURRENT_USER
+from proxy.memory.write.llm import LLMClient, LLMConfigError
+from proxy.memory.write.queue import Handler, Job
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -9,14 +9,14 @@ errors onto them:
 - ``LLMBadOutput``: the upstream answered, but not with a usable object (invalid JSON, a refusal, an empty
   answer, another 4xx). The caller retries once, then gives up on that step.
 - ``LLMConfigError`` (401/403): no key, or a key the upstream rejects. Retrying cannot help until the
-  configuration or the key changes: the job waits, visibly, for a usable key (``proxy.memory.latest_chat``).
+  configuration or the key changes: the job waits, visibly, for a usable key (``proxy.memory.write.latest_chat``).
 
 Keys: a configured key wins; without one, an OpenAI-compatible client asks its ``KeySource`` for the key of
 the user whose job is running (the key of that user's latest chat on the same route, held in memory only).
 
 ``OpenAICompatibleLLM`` posts to ``{base_url}/chat/completions`` with aiohttp (the cheap path);
 ``LiteLLMClient`` goes through litellm for providers that need translation; ``PrefixRouter`` picks one by
-model-name prefix with the chat's own rule (``proxy.memory.routing``).
+model-name prefix with the chat's own rule (``proxy.memory.write.routing``).
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any, Protocol, runtime_checkable
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from proxy.lazy import import_litellm
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.routing import route_index
+from proxy.memory.lazy import import_litellm
+from proxy.memory.write.routing import route_index
 
 JSON = dict[str, Any]
 _UNAVAILABLE_STATUSES = frozenset({408, 409, 425, 429})

@@ -3,7 +3,7 @@
 A ``[[routes]]`` entry takes the models whose name starts with its ``prefix``. When several prefixes match
 (``openai/`` and ``openai/gpt-4o``), the longest, i.e. the most specific, wins, whatever their order in the
 file; models no prefix matches go to the default upstream. The chat (``proxy.upstream.Router``) and the
-memory-side calls (``proxy.memory.llm.PrefixRouter``) both call ``route_index``, so a user's chat and the
+memory-side calls (``proxy.memory.write.llm.PrefixRouter``) both call ``route_index``, so a user's chat and the
 extraction about it always go to the same provider.
 """
 

@@ -12,7 +12,7 @@ When the proxy holds no key for that route, they use the key the user's client s
   ``max_users`` users are held (least recently seen dropped first). A key the upstream rejects (401/403) is
   dropped at once and not taken again until a different key arrives.
 - **After a restart** nothing is held: a job that needs a key waits in the queue (state ``waiting``, reason
-  ``no_key``; see ``proxy.memory.jobs``) and runs as soon as the user's next chat brings one
+  ``no_key``; see ``proxy.memory.write.job_types``) and runs as soon as the user's next chat brings one
   (``remember`` returns True, and the engine wakes the user's waiting jobs).
 """
 

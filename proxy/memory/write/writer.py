@@ -1,0 +1,109 @@
+"""The write path's job handlers: one finished chat becomes turns, facts, summaries and an insights trigger.
+
+One finished chat becomes one durable ``exchange`` job (``Writer.record``, payload in ``payloads``). Its
+handlers, run by the ``JobRunner``:
+
+- ``exchange`` (here): stores the user message(s) and the assistant reply as turn records (``turns``: one
+  batched embedding, so the exchange is searchable as soon as possible), counts the turns towards the
+  conversation's next summary (``summaries``), and adds the exchange to the user's facts window
+  (``facts_window``), which enqueues the debounced ``facts`` job.
+- ``facts`` (``facts``): the memory-side model extracts facts, the screens of ``fact_screens`` drop what must
+  not be stored, and each remaining fact is reconciled with the user's nearest valid facts (add, supersede,
+  invalidate or skip as duplicate), and the subject records of the names it carries follow (``subjects``).
+  Then a debounced ``insights`` job is enqueued (consumed by the insights package).
+- ``summary`` (``summaries``): summarises the conversation's turns not yet summarised into one rolling summary
+  per conversation (the previous one is superseded, kept as history).
+
+Facts run in their own lane, so a slow model never delays the next reply's turns. Every effect is idempotent
+by job id: record ids are uuid5 of the job id and a position, steps are checkpointed in the job, and a replayed
+job finds its records already there. A reply cut short by a client disconnect is stored, marked ``partial``
+(the user saw that text; retrieval can weigh it down); facts still come only from the user's words.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import structlog
+
+from proxy.memory.service import Exchange
+from proxy.memory.store.memory_store import MemoryStore
+from proxy.memory.store.records import MemoryRecord
+from proxy.memory.write.extraction import Extractor
+from proxy.memory.write.facts import FactJobs
+from proxy.memory.write.job_kinds import EXCHANGE_JOB, FACTS_JOB, SUMMARY_JOB
+from proxy.memory.write.payloads import ExchangePayload, exchange_payload, parse_payload
+from proxy.memory.write.prefilter import any_worth_extracting
+from proxy.memory.write.queue import Handler, Job, JobQueue
+from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.summaries import SummaryJobs
+from proxy.memory.write.turns import context_vector, turn_records
+
+log = structlog.get_logger("memproxy.writer")
+
+
+class Writer:
+    """The handlers of the write path's jobs, over one store, one queue and one extractor."""
+
+    def __init__(self, settings: WriterSettings, store: MemoryStore, queue: JobQueue, extractor: Extractor) -> None:
+        self.settings = settings
+        self._store = store
+        self._queue = queue
+        self._extractor = extractor
+        self._facts = FactJobs(settings, store, queue, extractor)
+        self._summaries = SummaryJobs(settings, store, queue, extractor)
+
+    def handlers(self) -> dict[str, Handler]:
+        """The job kinds this writer handles, for the ``JobRunner``."""
+        return {EXCHANGE_JOB: self.handle_exchange, FACTS_JOB: self.handle_facts, SUMMARY_JOB: self.handle_summary}
+
+    async def record(self, exchange: Exchange) -> str:
+        """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
+        payload = exchange_payload(exchange, self._extractor.settings)
+        return await self._queue.enqueue(EXCHANGE_JOB, exchange.user_id, payload)
+
+    async def handle_exchange(self, job: Job) -> None:
+        """Store the turns, schedule the summary, and add the exchange to the user's facts window."""
+        p = parse_payload(ExchangePayload, job.payload)
+        turns = turn_records(job.id, job.user_id, p, self._extractor.settings)
+        if "turns" not in job.progress:
+            async with job.timed("turns"):
+                await self._store.add(await self._with_context(turns, p.context))
+            job.queue.observe_step("reply_to_searchable", max(0.0, time.time() - p.finished_at))
+            await job.checkpoint("turns")
+        if turns:
+            await self._summaries.schedule(job, p, [t.id for t in turns])
+        user_turns = tuple(t.id for t in turns if t.role == "user")
+        if user_turns and self._worth_extracting(p):  # facts come only from what the user wrote
+            await self._facts.add_exchange(job, p, user_turns)
+
+    def _worth_extracting(self, p: ExchangePayload) -> bool:
+        return not self.settings.prefilter or any_worth_extracting(p.user_messages, self.settings.prefilter_min_words)
+
+    async def _with_context(
+        self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
+    ) -> list[MemoryRecord]:
+        """The turns with context vectors (one batched embedding of each text alone and after its previous turn)."""
+        weight = self.settings.context_weight
+        if weight <= 0 or not turns:
+            return turns
+        previous = [context[-1][1] if context else None, *(t.text for t in turns[:-1])]
+        texts = [t.text for t in turns] + [f"{prev}\n{t.text}" for prev, t in zip(previous, turns, strict=True) if prev]
+        embedder = self._store.embedder
+        vectors = await embedder.embed_documents(texts)
+        own, with_previous = vectors[: len(turns)], iter(vectors[len(turns) :])
+        out = []
+        for turn, prev, vector in zip(turns, previous, own, strict=True):
+            if prev:
+                vector = context_vector(vector, next(with_previous), weight)
+            out.append(turn.replace(embedding=[float(x) for x in vector], model_id=embedder.model_id))
+        return out
+
+    async def handle_facts(self, job: Job) -> None:
+        """Extract, screen and reconcile the facts of the user's window of exchanges; then trigger insights."""
+        await self._facts.handle(job)
+
+    async def handle_summary(self, job: Job) -> None:
+        """Summarise the conversation's turns not yet summarised into its rolling summary."""
+        await self._summaries.handle(job)
