@@ -31,7 +31,7 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 import proxy
-from proxy.lazy import import_litellm
+from proxy.memory.lazy import import_litellm
 from proxy.memory.errors import EmbedderError
 
 __all__ = [
