@@ -41,10 +41,10 @@ from bench.locomo import CACHE, DATA, Conversation, VectorCache, load_conversati
 from proxy.app import engine_settings
 from proxy.config import load_settings
 from proxy.engine import MemoryEngine
-from proxy.memory.injection import inject
 from proxy.memory.llm import LLMUnavailable
+from proxy.memory.read.injection import inject
+from proxy.memory.read.retrieval import retrieve
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.retrieval import retrieve
 
 RESULTS = Path(__file__).resolve().parent / "results" / "readpath.json"
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}

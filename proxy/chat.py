@@ -8,7 +8,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest
-from proxy.memory.query import message_text
+from proxy.memory.read.query import message_text
 
 
 def parse_chat_request(raw: bytes) -> dict[str, Any]:

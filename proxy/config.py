@@ -28,12 +28,12 @@ from pydantic import (
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.cluster import ClusterSettings
-from proxy.memory.embedders import EmbedderSettings
+from proxy.memory.embedders.local import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
 from proxy.memory.objectstore import StorageLocation
-from proxy.memory.rerank import RerankSettings
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.read.rerank import RerankSettings
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import StoreSettings
 from proxy.memory.writer import WriterSettings
 from proxy.shadow import ShadowSettings

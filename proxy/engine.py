@@ -27,20 +27,20 @@ from proxy.memory.cluster import (
     ReplicatedStore,
     replica_name,
 )
-from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.embedders.local import EmbedderSettings, build_embedder
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.faults import StorageHealth
 from proxy.memory.features import FeatureBoard, guard_handlers
-from proxy.memory.fusion import Candidate
-from proxy.memory.injection import inject as inject_block
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetrics
 from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import LLMClient
 from proxy.memory.objectstore import ObjectStore
+from proxy.memory.read.fusion import Candidate
+from proxy.memory.read.injection import inject as inject_block
+from proxy.memory.read.rerank import Reranker, RerankSettings
+from proxy.memory.read.retrieval import NameIndexCache, RetrievalResult, retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.rerank import Reranker, RerankSettings
-from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.writer import Writer, WriterSettings, exchange_payload

@@ -15,7 +15,7 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from proxy.app import MemoryFactory, build_app
 from proxy.config import load_settings
-from proxy.memory.embedders import EmbedderSettings, LocalEmbedder, build_embedder
+from proxy.memory.embedders.local import EmbedderSettings, LocalEmbedder, build_embedder
 from tests.fake_upstream import FakeUpstream
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]

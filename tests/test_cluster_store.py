@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from proxy.memory.cluster import ClusterRuntime, ClusterSettings, Journal, Lease, ReplicatedStore
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.objectstore import ObjectStore, StorageLocation
 from proxy.memory.records import Kind, MemoryRecord

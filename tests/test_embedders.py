@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from proxy.memory.embedders import (
+from proxy.memory.embedders.local import (
     Embedder,
     EmbedderError,
     EmbedderSettings,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.fusion import (
+from proxy.memory.read.fusion import (
     BM25,
     DENSE,
     ENTITY,
@@ -28,9 +28,9 @@ from proxy.memory.fusion import (
     weighted_fusion,
     written_names,
 )
-from proxy.memory.query import build_query
+from proxy.memory.read.query import build_query
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import RetrievalSettings
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.injection import (
+from proxy.memory.read.injection import (
     CLOSE_TAG,
     OPEN_TAG,
     PREAMBLE,
@@ -25,8 +25,8 @@ from proxy.memory.injection import (
     quote,
     render_item,
 )
+from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import InjectionSettings
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 ROOMY = InjectionSettings(budget_tokens=100_000, max_item_tokens=10_000)

@@ -23,13 +23,13 @@ import pytest_asyncio
 from insights.generation import SCHEMA_NAME, confidence, date_range
 from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, request_insights
 from insights.service import InsightSettings, current_insights, regenerate
-from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.injection import inject
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner
 from proxy.memory.llm import LLMUnavailable, OpenAICompatibleLLM, OpenAICompatibleSettings
+from proxy.memory.read.injection import inject
+from proxy.memory.read.retrieval import retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval import retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
 from tests.support.fake_insight_llm import InsightWriter
 from tests.support.fake_llm import FakeLLM, user_payload

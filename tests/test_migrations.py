@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.records import SCHEMA_VERSION

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.memory.keyword import stem_analyzer, word_analyzer
-from proxy.memory.query import build_query, is_anaphoric, query_dates, query_days, stem, terms, words
+from proxy.memory.read.query import build_query, is_anaphoric, query_dates, query_days, stem, terms, words
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:

@@ -9,9 +9,9 @@ from collections.abc import AsyncIterator
 import pytest
 from structlog.testing import capture_logs
 
-from proxy.memory.fusion import ArmHit, Candidate
+from proxy.memory.read.fusion import ArmHit, Candidate
+from proxy.memory.read.rerank import Reranker, RerankSettings, disagree, reordered
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.rerank import Reranker, RerankSettings, disagree, reordered
 from tests.support.fake_rerank import FakeRerank
 
 KEY = "sk-rerank-test-4f2a9c"

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from proxy.memory.errors import EmbedderError, StoreError
-from proxy.memory.fusion import BM25, DENSE, ENTITY, ArmHit, Candidate, NameIndex
-from proxy.memory.injection import Section, inject
+from proxy.memory.read.fusion import BM25, DENSE, ENTITY, ArmHit, Candidate, NameIndex
+from proxy.memory.read.injection import Section, inject
+from proxy.memory.read.rerank import Reranker, RerankSettings
+from proxy.memory.read.retrieval import ReadCache, entity_hits, plan_items, retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord, Pool
-from proxy.memory.rerank import Reranker, RerankSettings
-from proxy.memory.retrieval import ReadCache, entity_hits, plan_items, retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store import MemoryStore, StoreSettings
 from tests.support.embedder import HashingEmbedder
 from tests.support.fake_rerank import FakeRerank, relevance

@@ -10,10 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.fusion import Candidate
-from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import RetrievalSettings
-from proxy.memory.scoring import (
+from proxy.memory.read.fusion import Candidate
+from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.scoring import (
     DAY_S,
     bounded_scores,
     combined_scores,
@@ -24,6 +23,7 @@ from proxy.memory.scoring import (
     recency_weights,
     score_candidates,
 )
+from proxy.memory.records import Kind, MemoryRecord
 
 NOW = datetime(2026, 6, 1, 12, tzinfo=UTC)
 MINMAX = RetrievalSettings(scoring="minmax")

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.transfer import (

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import structlog
 
-from proxy.memory.fusion import normalise_name
+from proxy.memory.read.fusion import normalise_name
 from proxy.memory.records import Kind, MemoryRecord
 
 log = structlog.get_logger("memproxy.subjects")

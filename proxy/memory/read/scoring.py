@@ -34,9 +34,9 @@ from datetime import datetime
 import numpy as np
 import numpy.typing as npt
 
-from proxy.memory.fusion import Candidate, min_max
+from proxy.memory.read.fusion import Candidate, min_max
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import RetrievalSettings
 
 DAY_S = 86_400.0
 NEUTRAL_IMPORTANCE = 5.0  # the store's default rating: no bonus, no malus

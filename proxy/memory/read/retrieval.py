@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, TypeVar
 
-from proxy.memory.embedders import Embedder
-from proxy.memory.fusion import (
+from proxy.memory.embedders.local import Embedder
+from proxy.memory.read.fusion import (
     BM25,
     DENSE,
     ENTITY,
@@ -42,9 +42,9 @@ from proxy.memory.fusion import (
     names_in_query,
     text_name_scores,
 )
-from proxy.memory.injection import MemoryItem, Section, item_from_record
-from proxy.memory.query import Query, build_query
-from proxy.memory.read_cache import (
+from proxy.memory.read.injection import MemoryItem, Section, item_from_record
+from proxy.memory.read.query import Query, build_query
+from proxy.memory.read.read_cache import (
     NameIndexCache,
     ReadCache,
     RetrievalStore,
@@ -52,11 +52,11 @@ from proxy.memory.read_cache import (
     load_name_index,
     load_newest_turns,
 )
+from proxy.memory.read.rerank import ARM as RERANK
+from proxy.memory.read.rerank import Reranker
+from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.scoring import final_scale, recency, score_candidates
 from proxy.memory.records import Kind, MemoryRecord, Pool
-from proxy.memory.rerank import ARM as RERANK
-from proxy.memory.rerank import Reranker
-from proxy.memory.retrieval_settings import RetrievalSettings
-from proxy.memory.scoring import final_scale, recency, score_candidates
 
 __all__ = [
     "INSIGHT_PRIORITY",

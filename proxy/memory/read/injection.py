@@ -36,9 +36,9 @@ from typing import Any
 
 import numpy as np
 
-from proxy.memory.query import message_text, stems, words
+from proxy.memory.read.query import message_text, stems, words
+from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import InjectionSettings
 
 OPEN_TAG = "<memory>"
 CLOSE_TAG = "</memory>"

@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from datetime import date, timedelta
 from typing import NamedTuple, Protocol
 
-from proxy.memory.query import STOPWORDS, Query, cased_words, has_cjk, query_dates, query_days, stem, stems, words
+from proxy.memory.read.query import STOPWORDS, Query, cased_words, has_cjk, query_dates, query_days, stem, stems, words
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord
-from proxy.memory.retrieval_settings import RetrievalSettings
 
 DENSE = "dense"
 BM25 = "bm25"
