@@ -63,7 +63,8 @@ def _progress(message: str) -> None:
 
 async def _seed(path: Path, count: int) -> None:
     """Write ``count`` turns and facts of USER through the real store and the real local embedder."""
-    from proxy.memory.embedders.local import EmbedderSettings, build_embedder
+    from proxy.memory.embedders.factory import build_embedder
+    from proxy.memory.embedders.settings import EmbedderSettings
     from proxy.memory.records import Kind, MemoryRecord
     from proxy.memory.store import MemoryStore, StoreSettings
 

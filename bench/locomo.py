@@ -70,7 +70,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.memory.embedders.local import Embedder, EmbedderSettings, Vectors, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.protocol import Embedder, Vectors
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.read.injection import inject
 from proxy.memory.read.read_cache import ReadCache
 from proxy.memory.read.retrieval import retrieve

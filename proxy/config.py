@@ -28,7 +28,7 @@ from pydantic import (
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
 from proxy.memory.cluster import ClusterSettings
-from proxy.memory.embedders.local import EmbedderSettings
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings
 from proxy.memory.jobs import JobQueueSettings
 from proxy.memory.objectstore import StorageLocation

@@ -19,6 +19,7 @@ import structlog
 
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
+from proxy.chat import arms_entries
 from proxy.memory.cluster import (
     ClusterRuntime,
     ClusterSettings,
@@ -27,7 +28,8 @@ from proxy.memory.cluster import (
     ReplicatedStore,
     replica_name,
 )
-from proxy.memory.embedders.local import EmbedderSettings, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.extraction import ExtractionSettings, Extractor
 from proxy.memory.faults import StorageHealth
 from proxy.memory.features import FeatureBoard, guard_handlers
@@ -35,10 +37,11 @@ from proxy.memory.jobs import JobQueue, JobQueueSettings, JobRunner, QueueMetric
 from proxy.memory.latest_chat import LatestChats
 from proxy.memory.llm import LLMClient
 from proxy.memory.objectstore import ObjectStore
-from proxy.memory.read.fusion import Candidate
+from proxy.memory.read.candidates import Candidate
 from proxy.memory.read.injection import inject as inject_block
+from proxy.memory.read.read_cache import NameIndexCache
 from proxy.memory.read.rerank import Reranker, RerankSettings
-from proxy.memory.read.retrieval import NameIndexCache, RetrievalResult, retrieve
+from proxy.memory.read.retrieval import RetrievalResult, retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.service import Exchange, Injection
@@ -189,7 +192,7 @@ class MemoryEngine:
         started = time.perf_counter()
         messages = body["messages"]
         result = await self._retrieve(user_id, conversation_id, messages)
-        arms = tuple([*result.arms_ran, *(["gated"] if result.gated else [])])
+        arms = result.arms
         if not result.items or result.query is None:
             return Injection(arms=arms, degraded=result.degraded,
                              retrieval_ms=(time.perf_counter() - started) * 1000)
@@ -208,7 +211,7 @@ class MemoryEngine:
         if result.items and result.query is not None:
             block = inject_block(messages, result.items, result.query.terms, self.settings.injection).block
         return SearchPreview(results=[_result_row(c) for c in result.candidates[:k]],
-                             arms=[p for p in result.arms_header.split(",") if p], injected_block=block)
+                             arms=arms_entries(result.arms, result.degraded), injected_block=block)
 
     # ----------------------------------------------------------------------------------------- write path
 

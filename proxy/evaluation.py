@@ -31,9 +31,10 @@ import uvloop
 from tqdm import tqdm
 
 from proxy.config import Settings, StorageSettings
-from proxy.memory.embedders.local import build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.read.read_cache import NameIndexCache
 from proxy.memory.read.rerank import Reranker
-from proxy.memory.read.retrieval import NameIndexCache, retrieve
+from proxy.memory.read.retrieval import retrieve
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore
 from proxy.transfer import content_id

@@ -24,7 +24,7 @@ from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.logs import configure_logging
-from proxy.memory.embedders.local import build_embedder
+from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.migrations import SchemaError
 from proxy.memory.store import MemoryStore
 from proxy.state import STATE

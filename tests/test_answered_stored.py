@@ -29,7 +29,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.memory.embedders.local import EmbedderSettings, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.jobs import JobQueue, JobQueueSettings
 from proxy.memory.records import Kind
 from proxy.memory.service import Exchange, Injection

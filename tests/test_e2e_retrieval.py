@@ -19,7 +19,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from proxy.memory.embedders.local import EmbedderSettings, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.records import Kind, utcnow
 from proxy.memory.store import MemoryStore, StoreSettings
 from tests.support.fake_llm import DEFAULTS, FakeLLM, fact, facts, user_payload

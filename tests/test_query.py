@@ -8,7 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.memory.keyword import stem_analyzer, word_analyzer
-from proxy.memory.read.query import build_query, is_anaphoric, query_dates, query_days, stem, terms, words
+from proxy.memory.read.dates import query_dates, query_days
+from proxy.memory.read.query import build_query, is_anaphoric
+from proxy.memory.words import stem, terms, words
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:

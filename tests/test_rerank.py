@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 from structlog.testing import capture_logs
 
-from proxy.memory.read.fusion import ArmHit, Candidate
+from proxy.memory.read.candidates import ArmHit, Candidate
 from proxy.memory.read.rerank import Reranker, RerankSettings, disagree, reordered
 from proxy.memory.records import Kind, MemoryRecord
 from tests.support.fake_rerank import FakeRerank

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.read.fusion import Candidate
+from proxy.memory.read.candidates import Candidate
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.scoring import (
     DAY_S,

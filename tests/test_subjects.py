@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.read.fusion import NameIndex
+from proxy.memory.read.names import NameIndex
 from proxy.memory.records import Kind, MemoryRecord
 from proxy.memory.store import MemoryStore, StoreSettings
 from proxy.memory.subjects import SubjectLinker, subject_id, subject_names

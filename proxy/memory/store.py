@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
-from proxy.memory.embedders.local import Embedder
+from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, InvalidCursor, StoreError
 from proxy.memory.faults import StorageHealth
 from proxy.memory.keyword import KeywordDoc, KeywordIndex, keyword_filter

@@ -34,7 +34,7 @@ import numpy as np
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from proxy.memory.embedders.local import Vectors
+from proxy.memory.embedders.protocol import Vectors
 from proxy.memory.extraction import (
     ExchangeText,
     ExtractedFact,

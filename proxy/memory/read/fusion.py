@@ -1,79 +1,28 @@
 """Fusion of the retrieval arms into one ranked candidate list (pure functions).
 
-The arms are ``dense`` (cosine), ``bm25`` (keyword) and ``entity`` (names of the user's memories found in the
-query). Their union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
+The arms' union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
 of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
 carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
-them); besides the user's name index (entities of facts, subjects), names written in the found memories'
-own text count (``text_name_scores``). Additive boosts follow: subject similarity, adjacent turns, and dates
-the query names (a month or year, and a whole day). Keyword gating leaves BM25 out when none of its top
-results holds enough of the query's terms.
+them). The boosts (``boosts``) follow: subject similarity, adjacent turns, and dates the query names. Keyword
+gating leaves BM25 out when none of its top results holds enough of the query's terms.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
 import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from datetime import date, timedelta
-from typing import NamedTuple, Protocol
+from dataclasses import dataclass
+from typing import NamedTuple
 
-from proxy.memory.read.query import STOPWORDS, Query, cased_words, has_cjk, query_dates, query_days, stem, stems, words
+from proxy.memory.read.boosts import Lifts, date_lifts, neighbour_lifts, subject_lifts
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
+from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.records import MemoryRecord
+from proxy.memory.words import stem, stems
 
-DENSE = "dense"
-BM25 = "bm25"
-ENTITY = "entity"
 RAW_SCORE_ARMS = frozenset({ENTITY})  # arms whose scores are used without min-max normalisation
-
-
-class ScoredRecord(Protocol):
-    """One arm hit: a record and the arm's score for it (``store.Hit`` has this shape)."""
-
-    @property
-    def record(self) -> MemoryRecord: ...
-
-    @property
-    def score(self) -> float: ...
-
-
-@dataclass(frozen=True, slots=True)
-class ArmHit:
-    """A hit of an arm computed here (the entity arm) or in tests."""
-
-    record: MemoryRecord
-    score: float
-
-
-@dataclass(frozen=True, slots=True)
-class Candidate:
-    """A memory in the fused list: raw arm scores, additive boosts, fused relevance and final score."""
-
-    record: MemoryRecord
-    arm_scores: Mapping[str, float]
-    fused: float = 0.0
-    final: float = 0.0
-    boosts: Mapping[str, float] = field(default_factory=dict)
-
-    @property
-    def id(self) -> str:
-        """The record id."""
-        return self.record.id
-
-    def boosted(self, name: str, amount: float) -> Candidate:
-        """This candidate with ``amount`` added to its fused score under ``name``."""
-        if amount <= 0.0:
-            return self
-        boosts = {**self.boosts, name: amount}
-        return Candidate(self.record, self.arm_scores, self.fused + amount, self.final, boosts)
-
-    def scored(self, final: float) -> Candidate:
-        """This candidate with its final score set."""
-        return Candidate(self.record, self.arm_scores, self.fused, final, self.boosts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,20 +31,6 @@ class Fusion:
 
     candidates: list[Candidate]
     gated: bool
-
-
-def min_max(values: Sequence[float]) -> list[float]:
-    """Values mapped onto [0, 1] by min-max; when all are equal, every value maps to 1.
-
-    "Equal" is relative (1e-6, about float32's precision, in which Tantivy scores): two hits with the same
-    BM25 score up to rounding must not become a whole point apart.
-    """
-    if not values:
-        return []
-    low, high = min(values), max(values)
-    if high - low <= max(1e-12, 1e-6 * max(abs(high), abs(low))):
-        return [1.0] * len(values)
-    return [(v - low) / (high - low) for v in values]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,228 +140,6 @@ def keyword_gate(
     need = max(1, math.ceil(min_fraction * len(wanted)))
     top = sorted(bm25_hits, key=lambda h: -h.score)[:top_n]
     return all(len(wanted & stems(h.record.text)) < need for h in top)
-
-
-# --- entity arm -------------------------------------------------------------------------------------------
-
-
-def normalise_name(name: str) -> str:
-    """A name as the index keys it: lowercase word tokens joined by single spaces."""
-    return " ".join(words(name))
-
-
-@dataclass(frozen=True, slots=True)
-class NameIndex:
-    """Names found on one user's memories (entities, subjects) and the memories that carry each name."""
-
-    names: Mapping[str, tuple[str, ...]]
-    max_words: int = 1
-    cjk_names: tuple[str, ...] = ()  # matched as substrings: CJK text has no spaces between words
-    subjects: int = 0  # subject records seen (none: the subject search can be skipped)
-
-    @classmethod
-    def build(cls, records: Iterable[MemoryRecord]) -> NameIndex:
-        """Index entity names of memories, and subject names linked to their memories' ids."""
-        names: dict[str, dict[str, None]] = {}
-        subjects = 0
-        for record in records:
-            subjects += record.kind is Kind.SUBJECT
-            if record.kind is Kind.SUBJECT:
-                pairs = [(record.text, rid) for rid in record.source_ids]
-            else:
-                pairs = [(entity, record.id) for entity in record.entities]
-            for name, rid in pairs:
-                key = normalise_name(name)
-                if _usable_name(key):
-                    names.setdefault(key, {})[rid] = None
-        frozen = {key: tuple(ids) for key, ids in names.items()}
-        longest = max((len(key.split()) for key in frozen), default=1)
-        cjk = tuple(k for k in frozen if has_cjk(k))
-        return cls(names=frozen, max_words=longest, cjk_names=cjk, subjects=subjects)
-
-
-def _usable_name(key: str) -> bool:
-    """Names worth matching: not empty, not a lone stop word, not a single Latin letter or digit."""
-    if not key:
-        return False
-    single_word = " " not in key
-    return not (single_word and ((len(key) < 2 and key.isascii()) or key in _NAME_STOPWORDS))
-
-
-_NAME_STOPWORDS = frozenset({"i", "me", "my", "we", "us", "you", "he", "she", "it", "they", "the", "a", "an"})
-
-
-def names_in_query(text: str, index: NameIndex) -> list[str]:
-    """Index names the query mentions, as whole words (case-insensitive); CJK names as substrings."""
-    tokens = words(text)
-    found: dict[str, None] = {}
-    for size in range(1, index.max_words + 1):
-        for start in range(len(tokens) - size + 1):
-            key = " ".join(tokens[start : start + size])
-            if key in index.names:
-                found[key] = None
-    lowered = text.lower()
-    found.update(dict.fromkeys(key for key in index.cjk_names if key in lowered))
-    return list(found)
-
-
-@functools.lru_cache(maxsize=16_384)  # the same memories come back request after request
-def written_names(text: str) -> frozenset[str]:
-    """Names written in a memory's text: its capitalised words (lowercased), stop words and single letters left out.
-
-    Crude on purpose, and cheap enough to run over every candidate of a request: a sentence-initial word
-    ("Yesterday") counts too, which costs little, since only words the query also holds are ever used.
-    """
-    tokens = (t.lower() for t in cased_words(text) if t[0].isupper())
-    return frozenset(t for t in tokens if _usable_name(t) and t not in STOPWORDS)
-
-
-def text_name_scores(query_text: str, records: Iterable[MemoryRecord]) -> dict[str, float]:
-    """Memory id -> damped score of the query's words written as names in the memory (among ``records``).
-
-    Matched case-insensitively as whole words; a name written in many of ``records`` counts for less
-    (``name_damping`` of how many carry it), and several names add up to at most 1.
-    """
-    wanted = {w for w in words(query_text) if w not in STOPWORDS}
-    carried: dict[str, list[str]] = {}
-    for record in {r.id: r for r in records}.values():
-        for name in wanted & written_names(record.text):
-            carried.setdefault(name, []).append(record.id)
-    scores: dict[str, float] = {}
-    for ids in carried.values():
-        for rid in ids:
-            scores[rid] = min(1.0, scores.get(rid, 0.0) + name_damping(len(ids)))
-    return scores
-
-
-def name_damping(memories_with_name: int) -> float:
-    """How much one name says: 1 for a name on one memory, ~0.2 for a name on 60 (1 / (1 + ln n))."""
-    return 1.0 / (1.0 + math.log(max(1, memories_with_name)))
-
-
-def entity_scores(names: Iterable[str], index: NameIndex) -> dict[str, float]:
-    """Memory id -> sum of the damped weights of the query names it carries, capped at 1."""
-    scores: dict[str, float] = {}
-    for name in names:
-        ids = index.names.get(name, ())
-        weight = name_damping(len(ids))
-        for rid in ids:
-            scores[rid] = min(1.0, scores.get(rid, 0.0) + weight)
-    return dict(sorted(scores.items(), key=lambda item: -item[1]))
-
-
-# --- additive boosts --------------------------------------------------------------------------------------
-
-
-Lifts = dict[str, float]  # memory id -> amount added to its fused score
-
-
-class Fused(Protocol):
-    """What a boost looks at: a fused memory's id and record (a ``Candidate`` has this shape)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def record(self) -> MemoryRecord: ...
-
-
-def subject_lifts(candidates: Sequence[Fused], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
-    """``weight * max cos(q, s)`` over each candidate's subjects among ``subject_hits``."""
-    best: dict[str, float] = {}
-    for hit in subject_hits:
-        for rid in hit.record.source_ids:
-            best[rid] = max(best.get(rid, 0.0), float(hit.score))
-    return {c.id: weight * best[c.id] for c in candidates if c.id in best}
-
-
-def neighbour_lifts(
-    candidates: Sequence[Fused], fused: Mapping[str, float], weight: float, window_s: float
-) -> Lifts:
-    """``weight`` x the best ``fused`` score of each candidate turn's adjacent turns (same conversation)."""
-    by_conversation: dict[str, list[Fused]] = {}
-    for c in candidates:
-        if c.record.kind is Kind.TURN and c.record.conversation_id is not None:
-            by_conversation.setdefault(c.record.conversation_id, []).append(c)
-    lift: dict[str, float] = {}
-    for turns in by_conversation.values():
-        if len(turns) < 2:
-            continue
-        turns.sort(key=_TURN_ORDER)
-        for left, right in itertools.pairwise(turns):
-            if (right.record.created_at - left.record.created_at).total_seconds() <= window_s:
-                lift[left.id] = max(lift.get(left.id, 0.0), fused[right.id])
-                lift[right.id] = max(lift.get(right.id, 0.0), fused[left.id])
-    return {rid: weight * value for rid, value in lift.items()}
-
-
-_TURN_ORDER = operator.attrgetter("record.created_at", "record.id")
-
-
-def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:
-    """(year, month) pairs a memory is about: its creation, and a summary's or insight's span ends."""
-    stamps = [record.created_at, record.start_at, record.end_at]
-    return [(d.year, d.month) for d in stamps if d is not None]
-
-
-def _on_named_day(record: MemoryRecord, days: Sequence[date]) -> bool:
-    """Whether a memory is dated within a day of a named day (a summary's or insight's span counts whole)."""
-    start = record.start_at or record.created_at
-    end = record.end_at or record.created_at
-    first, last = min(start, record.created_at).date(), max(end, record.created_at).date()
-    return any(first - _ONE_DAY <= day <= last + _ONE_DAY for day in days)
-
-
-_ONE_DAY = timedelta(days=1)
-
-
-def date_lifts(candidates: Sequence[Fused], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
-    """``weight`` for memories dated in a month or year the query names, and ``day_weight`` more for those
-    dated within a day of a whole day it names ("on May 3, 2023")."""
-    wanted = query_dates(query_text)
-    days = query_days(query_text) if day_weight > 0 else []
-    if not wanted and not days:
-        return {}
-
-    def matches(record: MemoryRecord) -> bool:
-        return any(
-            (year is None or y == year) and (month is None or m == month)
-            for y, m in _record_dates(record)
-            for year, month in wanted
-        )
-
-    def lift(record: MemoryRecord) -> float:
-        return (weight if matches(record) else 0.0) + (day_weight if days and _on_named_day(record, days) else 0.0)
-
-    return {c.id: lift(c.record) for c in candidates}
-
-
-def _boosted(candidates: Sequence[Candidate], name: str, lifts: Lifts) -> list[Candidate]:
-    return [c.boosted(name, lifts.get(c.id, 0.0)) for c in candidates]
-
-
-def apply_subject_boost(
-    candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float
-) -> list[Candidate]:
-    """Add ``weight * max cos(q, s)`` over each memory's subjects among ``subject_hits`` (never negative)."""
-    return _boosted(candidates, "subject", subject_lifts(candidates, subject_hits, weight))
-
-
-def smooth_neighbours(candidates: Sequence[Candidate], weight: float, window_s: float) -> list[Candidate]:
-    """Add ``weight`` x the best fused score of a candidate turn's adjacent turns (same conversation)."""
-    fused = {c.id: c.fused for c in candidates}
-    return _boosted(candidates, "neighbour", neighbour_lifts(candidates, fused, weight, window_s))
-
-
-def apply_date_boost(
-    candidates: Sequence[Candidate], query_text: str, weight: float, day_weight: float = 0.0
-) -> list[Candidate]:
-    """Add ``weight`` to memories dated in a month or year the query names, and ``day_weight`` more to those
-    dated within a day of a whole day it names ("on May 3, 2023")."""
-    return _boosted(candidates, "date", date_lifts(candidates, query_text, weight, day_weight))
-
-
-# --- the whole fusion step --------------------------------------------------------------------------------
 
 
 def is_gated(

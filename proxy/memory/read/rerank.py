@@ -25,7 +25,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
 from proxy.memory.lazy import import_litellm
-from proxy.memory.read.fusion import Candidate, ScoredRecord
+from proxy.memory.read.candidates import Candidate, ScoredRecord
 
 log = structlog.get_logger("memproxy.rerank")
 

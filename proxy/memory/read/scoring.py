@@ -34,7 +34,7 @@ from datetime import datetime
 import numpy as np
 import numpy.typing as npt
 
-from proxy.memory.read.fusion import Candidate, min_max
+from proxy.memory.read.candidates import Candidate, min_max
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.records import Kind, MemoryRecord
 
