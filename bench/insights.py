@@ -90,7 +90,8 @@ def synthetic_vectors(n: int, seed: int = 0) -> tuple[list[str], np.ndarray]:
 
 async def locomo_vectors(n: int) -> tuple[list[str], np.ndarray]:
     """The first ``n`` LoCoMo turns and their local-model vectors (cached)."""
-    from proxy.memory.embedders import EmbedderSettings, build_embedder
+    from proxy.memory.embedders.factory import build_embedder
+    from proxy.memory.embedders.settings import EmbedderSettings
 
     data = json.loads(await asyncio.to_thread(LOCOMO.read_text))
     texts = [

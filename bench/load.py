@@ -63,7 +63,8 @@ def _progress(message: str) -> None:
 
 async def _seed(path: Path, count: int) -> None:
     """Write ``count`` turns and facts of USER through the real store and the real local embedder."""
-    from proxy.memory.embedders import EmbedderSettings, build_embedder
+    from proxy.memory.embedders.factory import build_embedder
+    from proxy.memory.embedders.settings import EmbedderSettings
     from proxy.memory.store.memory_store import MemoryStore, StoreSettings
     from proxy.memory.store.records import Kind, MemoryRecord
 

@@ -4,7 +4,7 @@ Each conversation of a file in LoCoMo's layout becomes one user's memories: ever
 record ``"Speaker: text"`` (an image caption appended), dated by its session's date (turns 30 s apart, each
 session its own conversation id), stored through the real ``MemoryStore`` (LanceDB + Tantivy in a temporary
 directory) with the real embedder (batched). Every category 1-4 question with valid evidence (1,536 in
-``locomo10.json``) goes through ``proxy.memory.retrieval.retrieve`` exactly as a chat request would (one
+``locomo10.json``) goes through ``proxy.memory.read.retrieval.retrieve`` exactly as a chat request would (one
 user message holding the question); its ranked list is ``result.candidates`` mapped to turn ids.
 
 Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
@@ -70,11 +70,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.memory.embedders import Embedder, EmbedderSettings, Vectors, build_embedder
-from proxy.memory.injection import inject
-from proxy.memory.read_cache import ReadCache
-from proxy.memory.retrieval import retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.protocol import Embedder, Vectors
+from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.read.injection import inject
+from proxy.memory.read.read_cache import ReadCache
+from proxy.memory.read.retrieval import retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.settings import WriterSettings
@@ -699,7 +701,7 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "retrieval_overrides": dict(pair.split("=", 1) for pair in args.retrieval),
         "clock": args.clock,
         "recency": CLOCK_NOTES[args.clock],
-        "ranking": "result.candidates of proxy.memory.retrieval.retrieve, mapped to turn ids (a fact to its "
+        "ranking": "result.candidates of proxy.memory.read.retrieval.retrieve, mapped to turn ids (a fact to its "
                    "linked turns), first occurrence kept; MRR over that whole list (0 when no gold turn is in it)",
         "seconds": run.seconds,
         "python": platform.python_version(),

@@ -41,8 +41,8 @@ from bench.locomo import CACHE, DATA, Conversation, VectorCache, load_conversati
 from proxy.app import engine_settings
 from proxy.config import load_settings
 from proxy.engine import MemoryEngine
-from proxy.memory.injection import inject
-from proxy.memory.retrieval import retrieve
+from proxy.memory.read.injection import inject
+from proxy.memory.read.retrieval import retrieve
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.write.llm import LLMUnavailable
 

@@ -36,7 +36,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from proxy.memory.embedders import Embedder
+from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
@@ -204,7 +204,8 @@ def rss_mb() -> dict[str, float]:
 def local_embedder() -> Embedder | None:
     """The shipped local model, if its files are present."""
     try:
-        from proxy.memory.embedders import EmbedderSettings, build_embedder
+        from proxy.memory.embedders.factory import build_embedder
+        from proxy.memory.embedders.settings import EmbedderSettings
 
         return build_embedder(EmbedderSettings())
     except Exception as exc:  # no model files: report ingest without real embedding only

@@ -1,14 +1,20 @@
-"""Pure helpers for chat completion requests: validation and the messages the write path learns from."""
+"""Pure helpers for chat completion requests: validation, the messages the write path learns from, and the
+entries of the ``X-Memory-Arms`` response header."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import orjson
 
 from proxy.errors import BadRequest
-from proxy.memory.query import message_text
+from proxy.memory.read.query import message_text
+
+
+def arms_entries(arms: Iterable[str], degraded: Mapping[str, str]) -> list[str]:
+    """The entries of ``X-Memory-Arms``: the arms that ran (and ``gated``), then ``degraded=<step>:<reason>``."""
+    return [*arms, *(f"degraded={name}:{reason}" for name, reason in degraded.items())]
 
 
 def parse_chat_request(raw: bytes) -> dict[str, Any]:

@@ -27,9 +27,9 @@ from pydantic import (
 
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
-from proxy.memory.embedders import EmbedderSettings
-from proxy.memory.rerank import RerankSettings
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.read.rerank import RerankSettings
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.memory_store import StoreSettings
 from proxy.memory.store.objectstore import StorageLocation

@@ -20,13 +20,16 @@ import structlog
 from insights.leader import LeaderInsightScheduler
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
-from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.chat import arms_entries
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.features import FeatureBoard, guard_handlers
-from proxy.memory.fusion import Candidate
-from proxy.memory.injection import inject as inject_block
-from proxy.memory.rerank import Reranker, RerankSettings
-from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.read.candidates import Candidate
+from proxy.memory.read.injection import inject as inject_block
+from proxy.memory.read.read_cache import NameIndexCache
+from proxy.memory.read.rerank import Reranker, RerankSettings
+from proxy.memory.read.retrieval import RetrievalResult, retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store.cluster import ClusterSettings, replica_name
 from proxy.memory.store.faults import StorageHealth
@@ -190,7 +193,7 @@ class MemoryEngine:
         started = time.perf_counter()
         messages = body["messages"]
         result = await self._retrieve(user_id, conversation_id, messages)
-        arms = tuple([*result.arms_ran, *(["gated"] if result.gated else [])])
+        arms = result.arms
         if not result.items or result.query is None:
             return Injection(arms=arms, degraded=result.degraded,
                              retrieval_ms=(time.perf_counter() - started) * 1000)
@@ -209,7 +212,7 @@ class MemoryEngine:
         if result.items and result.query is not None:
             block = inject_block(messages, result.items, result.query.terms, self.settings.injection).block
         return SearchPreview(results=[_result_row(c) for c in result.candidates[:k]],
-                             arms=[p for p in result.arms_header.split(",") if p], injected_block=block)
+                             arms=arms_entries(result.arms, result.degraded), injected_block=block)
 
     # ----------------------------------------------------------------------------------------- write path
 

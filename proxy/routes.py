@@ -24,7 +24,7 @@ from pydantic import SecretStr
 
 from proxy.access import NAMESPACE, scoped
 from proxy.bounds import capped_turn, check_json_depth, reject_duplicate_headers
-from proxy.chat import earlier_messages, new_user_messages, parse_chat_request, system_prompt
+from proxy.chat import arms_entries, earlier_messages, new_user_messages, parse_chat_request, system_prompt
 from proxy.commit import Committed
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.feature_report import readiness
@@ -40,13 +40,11 @@ log = structlog.get_logger("memproxy.request")
 
 def memory_headers(identity: Identity, injection: Injection) -> dict[str, str]:
     """The ``X-Memory-*`` response headers for one request."""
-    arms = list(injection.arms)
-    arms += [f"degraded={name}:{reason}" for name, reason in injection.degraded.items()]
     return {
         "X-Memory-Mode": identity.mode.value,
         "X-Memory-Injected": str(len(injection.injected_ids)),
         "X-Memory-Ids": ",".join(injection.injected_ids),
-        "X-Memory-Arms": ",".join(arms),
+        "X-Memory-Arms": ",".join(arms_entries(injection.arms, injection.degraded)),
         "X-Memory-Retrieval-Ms": f"{injection.retrieval_ms:.2f}",
     }
 

@@ -24,7 +24,7 @@ from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.logs import configure_logging
-from proxy.memory.embedders import build_embedder
+from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError
 from proxy.state import STATE

@@ -28,8 +28,8 @@ import structlog
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from proxy.memory.retrieval import retrieve
-from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.read.retrieval import retrieve
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store.records import utcnow
 from proxy.metrics import Metrics

@@ -15,7 +15,9 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from proxy.app import MemoryFactory, build_app
 from proxy.config import load_settings
-from proxy.memory.embedders import EmbedderSettings, LocalEmbedder, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from tests.fake_upstream import FakeUpstream
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]

@@ -17,7 +17,7 @@ import random
 import sys
 from pathlib import Path
 
-from proxy.memory.embedders import Embedder
+from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
@@ -37,7 +37,8 @@ def say(line: str) -> None:
 def make_embedder(kind: str) -> Embedder:
     """The local model if asked for, else the deterministic test embedder."""
     if kind == "local":
-        from proxy.memory.embedders import EmbedderSettings, build_embedder
+        from proxy.memory.embedders.factory import build_embedder
+        from proxy.memory.embedders.settings import EmbedderSettings
 
         return build_embedder(EmbedderSettings(threads=1))
     return HashingEmbedder()

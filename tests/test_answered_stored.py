@@ -29,7 +29,8 @@ import aiohttp
 import orjson
 import pytest
 
-from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.service import Exchange, Injection
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind

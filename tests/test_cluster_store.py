@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.lease import Lease

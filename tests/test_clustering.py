@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from insights.clustering import Cluster, cluster_messages, robust_threshold
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from tests.support.embedder import HashingEmbedder
 from tests.support.insight_scenario import (
     TOPICS,

@@ -19,7 +19,8 @@ import openai
 import pytest
 import pytest_asyncio
 
-from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, utcnow
 from tests.support.fake_llm import DEFAULTS, FakeLLM, fact, facts, user_payload

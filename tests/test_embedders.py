@@ -16,17 +16,15 @@ import pytest
 import pytest_asyncio
 from aiohttp import web
 
-from proxy.memory.embedders import (
-    Embedder,
-    EmbedderError,
-    EmbedderSettings,
-    LiteLLMEmbedder,
-    LocalEmbedder,
-    QueryCache,
-    Turns,
-    build_embedder,
-    default_model_dirs,
-)
+from proxy.memory.embedders.base import QueryCache
+from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.model_files import default_model_dirs
+from proxy.memory.embedders.protocol import Embedder
+from proxy.memory.embedders.remote import LiteLLMEmbedder
+from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.embedders.turns import Turns
+from proxy.memory.errors import EmbedderError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -8,28 +8,19 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.fusion import (
-    BM25,
-    DENSE,
-    ENTITY,
-    ArmHit,
+from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, smooth_neighbours
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, min_max
+from proxy.memory.read.fusion import fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
+from proxy.memory.read.names import (
     NameIndex,
-    apply_date_boost,
-    apply_subject_boost,
     entity_scores,
-    fuse,
-    keyword_gate,
-    min_max,
     name_damping,
     names_in_query,
-    reciprocal_rank_fusion,
-    smooth_neighbours,
     text_name_scores,
-    weighted_fusion,
     written_names,
 )
-from proxy.memory.query import build_query
-from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.read.query import build_query
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.injection import (
+from proxy.memory.read.injection import (
     CLOSE_TAG,
     OPEN_TAG,
     PREAMBLE,
@@ -25,7 +25,7 @@ from proxy.memory.injection import (
     quote,
     render_item,
 )
-from proxy.memory.retrieval_settings import InjectionSettings
+from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)

@@ -14,8 +14,8 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer
 
-from proxy.memory.injection import MemoryItem, Section, estimate_tokens, inject, quote
-from proxy.memory.retrieval_settings import InjectionSettings
+from proxy.memory.read.injection import MemoryItem, Section, estimate_tokens, inject, quote
+from proxy.memory.read.retrieval_settings import InjectionSettings
 
 Count = Callable[[str], int]
 

@@ -25,10 +25,10 @@ from structlog.testing import capture_logs
 from insights.generation import SCHEMA_NAME, confidence, date_range
 from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, request_insights
 from insights.service import InsightSettings, current_insights, regenerate
-from proxy.memory.embedders import LocalEmbedder
-from proxy.memory.injection import inject
-from proxy.memory.retrieval import retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.read.injection import inject
+from proxy.memory.read.retrieval import retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.job_types import JobQueueSettings

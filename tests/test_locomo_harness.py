@@ -17,7 +17,7 @@ from bench.locomo import (
     summarise,
     variants,
 )
-from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from tests.support.embedder import HashingEmbedder
 
 

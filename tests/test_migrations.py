@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.store.records import SCHEMA_VERSION

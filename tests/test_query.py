@@ -1,14 +1,11 @@
-"""Tests of the retrieval query: which user text the read path searches with, and its terms."""
+"""Tests of the retrieval query: which user text the read path searches with, and when it is expanded."""
 
 from __future__ import annotations
-
-from datetime import date
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.query import build_query, is_anaphoric, query_dates, query_days, stem, terms, words
-from proxy.memory.store.keyword import stem_analyzer, word_analyzer
+from proxy.memory.read.query import build_query, is_anaphoric
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:
@@ -81,61 +78,6 @@ def test_no_user_text_gives_no_query() -> None:
     assert build_query([{"role": "tool", "content": "42"}]) is None
 
 
-def test_terms_drop_stop_words_and_split_cjk_into_bigrams() -> None:
-    """Content words survive, stop words go, and CJK text becomes bigrams like the store's CJK field."""
-    assert terms("What did Caroline say about her hiking trip?") == ("caroline", "hiking", "trip")
-    assert terms("東京タワー") == ("東京", "京タ", "タワ", "ワー")
-
-
-def test_stem_makes_inflections_agree() -> None:
-    """Inflected forms compare equal, so "hikes" in a memory counts for "hiking" in a question."""
-    assert stem("hiking") == stem("hikes") == stem("hiked") == stem("hike")
-    assert stem("stories") == stem("story")
-    assert stem("glass") == "glass"
-
-
-# Inflections, irregulars, Porter2 special cases, accents, apostrophes, digits: words the light stemmer
-# and Tantivy's disagreed on, and words they agreed on.
-WORD_LIST = (  # noqa: SIM905 - a word list reads best as text
-    "running runs ran runner studied studies studying study hiking hikes hiked hike stories story glass "
-    "classes generously generate generation organisation organization happily happiness cats caresses ponies "
-    "ties caress dying lying skies news innings proceed exceed succeed arsenal universal universe agreed "
-    "feed bled sing singing wrote written gardening gardens painted painting paintings photographs "
-    "photography café naïve zürich 2023 3rd adopted adoption volunteering volunteered fitness marathon"
-).split()
-
-
-def test_stems_are_the_keyword_index_stems() -> None:
-    """The read path stems every word of a list exactly as the keyword index's ``text_stem`` field does."""
-    index = stem_analyzer()
-    for word in WORD_LIST:
-        assert [stem(word)] == index.analyze(word), word
-    assert (stem("running"), stem("studied")) == ("run", "studi")
-
-
-def test_words_are_the_keyword_index_words() -> None:
-    """Query words split text exactly as the index's ``text`` field (Hindi vowel signs, underscores included)."""
-    for text in ("Maya's snake_case note: hiking in Zürich!", "हिन्दी भाषा", "東京大学に行った", "x" * 50 + " ok"):
-        assert words(text) == word_analyzer().analyze(text)
-
-
-def test_query_dates_reads_months_and_years() -> None:
-    """Named months and years are found; the verb "may" and the word "march" are not dates."""
-    assert query_dates("What happened in May 2023?") == [(2023, 5)]
-    assert query_dates("Where did she go last August?") == [(None, 8)]
-    assert query_dates("in 2022 we moved") == [(2022, None)]
-    assert query_dates("you may go, we march on") == []
-    assert query_dates("May I ask something?") == []
-
-
-def test_query_days_reads_whole_dates_only() -> None:
-    """Days written with their month and year are found in any common order; a month and year alone is not a day."""
-    assert query_days("What did Gina find on 1 February, 2023?") == [date(2023, 2, 1)]
-    both = [date(2023, 5, 3), date(2023, 10, 13)]
-    assert query_days("the painting shown on October 13, 2023 and on 2023-05-03") == both
-    assert query_days("the 3rd of June 2023") == [date(2023, 6, 3)]
-    assert query_days("in May 2023, or on 31 February 2023") == []
-
 
 _messages = st.lists(
     st.fixed_dictionaries(
@@ -161,11 +103,3 @@ def test_build_query_never_fails_and_ends_with_the_latest_user_text(
     else:
         assert query.latest == user[-1].strip()
         assert query.text.endswith(query.latest)
-
-
-@given(st.text(max_size=200))
-def test_terms_are_lowercase_distinct_and_never_stop_words(text: str) -> None:
-    """Terms are what BM25 gating and excerpts compare: distinct, lowercase, no stop words."""
-    found = terms(text)
-    assert len(set(found)) == len(found)
-    assert all(t == t.lower() and t not in {"the", "and", "what"} for t in found)

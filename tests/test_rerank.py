@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 import pytest
 from structlog.testing import capture_logs
 
-from proxy.memory.fusion import ArmHit, Candidate
-from proxy.memory.rerank import Reranker, RerankSettings, disagree, reordered
+from proxy.memory.read.candidates import ArmHit, Candidate
+from proxy.memory.read.rerank import Reranker, RerankSettings, disagree, reordered
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.fake_rerank import FakeRerank
 

@@ -12,11 +12,15 @@ import numpy as np
 import pytest
 
 from proxy.memory.errors import EmbedderError, StoreError
-from proxy.memory.fusion import BM25, DENSE, ENTITY, ArmHit, Candidate, NameIndex
-from proxy.memory.injection import Section, inject
-from proxy.memory.rerank import Reranker, RerankSettings
-from proxy.memory.retrieval import ReadCache, entity_hits, plan_items, retrieve
-from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.read.arms import entity_hits
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate
+from proxy.memory.read.injection import Section, inject
+from proxy.memory.read.names import NameIndex
+from proxy.memory.read.read_cache import ReadCache
+from proxy.memory.read.rerank import Reranker, RerankSettings
+from proxy.memory.read.retrieval import retrieve
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.read.selection import plan_items
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord, Pool
 from tests.support.embedder import HashingEmbedder
@@ -145,7 +149,7 @@ async def test_embedder_down_keeps_bm25_serving(store: MemoryStore) -> None:
     assert BM25 in result.arms_ran
     assert result.candidates[0].record.text == "Maya's passport number ends in 4471"
     assert not result.gated
-    assert "degraded=dense:embedder-EmbedderError" in result.arms_header
+    assert DENSE not in result.arms
 
 
 async def test_embedder_timeout_is_reported_and_bm25_serves(store: MemoryStore) -> None:
@@ -197,7 +201,7 @@ async def test_weak_keyword_matches_are_gated(store: MemoryStore, embedder: Hash
     question = _ask("Caroline adoption agency interview outcome")
     result = await retrieve(store, embedder, question, "maya", _settings(gating=True), NOW)
     assert result.gated
-    assert result.arms_header.startswith("dense,bm25,entity,gated")
+    assert result.arms[:4] == (DENSE, BM25, ENTITY, "gated")
 
 
 async def test_old_turns_leave_the_window_but_facts_do_not(store: MemoryStore, embedder: HashingEmbedder) -> None:
@@ -386,7 +390,8 @@ async def test_no_user_text_means_no_retrieval(store: MemoryStore, embedder: Has
     result = await retrieve(store, embedder, [{"role": "system", "content": "x"}], "maya", _settings(), NOW)
     assert result.query is None
     assert result.items == []
-    assert result.arms_header == ""
+    assert result.arms == ()
+    assert result.degraded == {}
 
 
 async def test_timings_cover_every_step(store: MemoryStore, embedder: HashingEmbedder) -> None:
@@ -446,8 +451,8 @@ def test_recent_message_that_is_also_relevant_is_listed_once() -> None:
 async def test_gated_rerank_orders_the_head_when_the_arms_disagree(
     store: MemoryStore, embedder: HashingEmbedder
 ) -> None:
-    """Dense and BM25 disagree on first place: the reranker's order wins and X-Memory-Arms says rerank; a slow
-    reranker leaves the fused order and says degraded=rerank:timeout."""
+    """Dense and BM25 disagree on first place: the reranker's order wins and the arms say rerank; a slow
+    reranker leaves the fused order and reports rerank degraded by a timeout."""
     plan = _fact("maya", "what is the plan of the day")  # shares stop words with the question: dense's first
     dog = _fact("maya", "Maya's dog is called Rex")  # shares "dog": BM25's first
     await store.add([plan, dog, _fact("maya", "Maya's cat is called Tom")])
@@ -461,13 +466,13 @@ async def test_gated_rerank_orders_the_head_when_the_arms_disagree(
                                     for c in fused.candidates), key=lambda p: -p[1])]
     assert len(fake.calls) == 1
     assert [c.record.text for c in reranked.candidates] == wanted
-    assert "rerank" in reranked.arms_header.split(",")
+    assert "rerank" in reranked.arms
     async with FakeRerank(delay_s=5) as slow:
         settings = RerankSettings(enabled=True, api_base=slow.api_base, api_key="k", timeout_ms=200)
         async with Reranker(settings) as reranker:
             late = await retrieve(store, embedder, question, "maya", _settings(), NOW, reranker=reranker)
     assert [c.id for c in late.candidates] == [c.id for c in fused.candidates]
-    assert "degraded=rerank:timeout" in late.arms_header.split(",")
+    assert late.degraded["rerank"] == "timeout"
 
 
 async def test_a_regeneration_in_progress_never_injects_two_insight_sets(

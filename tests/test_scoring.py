@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.fusion import Candidate
-from proxy.memory.retrieval_settings import RetrievalSettings
-from proxy.memory.scoring import (
+from proxy.memory.read.candidates import Candidate
+from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.scoring import (
     DAY_S,
     bounded_scores,
     combined_scores,

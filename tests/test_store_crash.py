@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.embedders import Embedder
+from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from tests.crash_writer import make_embedder
 
@@ -29,7 +29,7 @@ ITERATIONS = 4
 def embedder_kind() -> str:
     """The shipped local model when its files are present (as in ``make test``), else the test embedder."""
     try:
-        from proxy.memory.embedders import resolve_model_dir
+        from proxy.memory.embedders.model_files import resolve_model_dir
 
         resolve_model_dir(None)
     except Exception:  # no model files: the hashing embedder exercises the same store code

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.fusion import NameIndex
+from proxy.memory.read.names import NameIndex
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.subjects import SubjectLinker, subject_id, subject_names

@@ -14,7 +14,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from proxy.memory.embedders import LocalEmbedder
+from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.transfer import (

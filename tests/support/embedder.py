@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from proxy.memory.embedders import Vectors
+from proxy.memory.embedders.protocol import Vectors
 
 _TOKEN = re.compile(r"\w+", re.UNICODE)
 

@@ -21,8 +21,8 @@ from typing import Protocol
 
 import structlog
 
-from proxy.memory.fusion import normalise_name
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.words import normalise_name
 
 log = structlog.get_logger("memproxy.subjects")
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 
-from proxy.memory.embedders import Vectors
+from proxy.memory.embedders.protocol import Vectors
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.extraction import ExtractionSettings
 from proxy.memory.write.payloads import ExchangePayload, derived_id

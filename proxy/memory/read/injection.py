@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from proxy.memory.query import message_text, stems, words
-from proxy.memory.retrieval_settings import InjectionSettings
+from proxy.memory.read.query import message_text
+from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.words import stems, words
 
 OPEN_TAG = "<memory>"
 CLOSE_TAG = "</memory>"

@@ -34,8 +34,8 @@ from datetime import datetime
 import numpy as np
 import numpy.typing as npt
 
-from proxy.memory.fusion import Candidate, min_max
-from proxy.memory.retrieval_settings import RetrievalSettings
+from proxy.memory.read.candidates import Candidate, min_max
+from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 
 DAY_S = 86_400.0

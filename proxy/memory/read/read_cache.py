@@ -23,7 +23,8 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
-from proxy.memory.fusion import NameIndex, ScoredRecord
+from proxy.memory.read.candidates import ScoredRecord
+from proxy.memory.read.names import NameIndex
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, newest_generation
 
 _T = TypeVar("_T")

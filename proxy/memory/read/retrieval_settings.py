@@ -52,7 +52,7 @@ class RetrievalSettings(BaseModel):
     neighbour_window_s: float = Field(60.0, ge=0)  # turns this close in one conversation are adjacent
     date_weight: float = Field(0.3, ge=0)  # + w when a memory's date matches a month/year the query names
     day_weight: float = Field(0.5, ge=0)  # + w more when it is within a day of a whole day the query names
-    # scoring (see proxy/memory/scoring.py): "bounded" = relevance x a bounded bonus for being new and
+    # scoring (see proxy/memory/read/scoring.py): "bounded" = relevance x a bounded bonus for being new and
     # important; "minmax" = the seed's sum of min-max normalised relevance, recency and importance
     max_candidates: int = Field(100, ge=1)  # the most relevant this many (after fusion and boosts) are scored
     scoring: Literal["bounded", "minmax"] = "bounded"

@@ -1,0 +1,192 @@
+"""What every embedder shares: batching, the query cache, gathering concurrent queries, and the lifecycle.
+
+``BaseEmbedder`` implements the ``Embedder`` protocol over one abstract call (``_embed_batch``: at most
+``batch_size`` texts); implementations are the local ONNX model (``local``) and remote models (``remote``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Self
+
+import numpy as np
+
+from proxy.memory.embedders.protocol import Vectors
+from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.errors import EmbedderError
+
+
+class QueryCache:
+    """LRU of query text to its (read-only) vector; size 0 disables it."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+        self._items: OrderedDict[str, Vectors] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def get(self, text: str) -> Vectors | None:
+        """The cached vector, refreshed as most recently used, or None."""
+        vector = self._items.get(text)
+        if vector is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self._items.move_to_end(text)
+        return vector
+
+    def put(self, text: str, vector: Vectors) -> Vectors:
+        """Store a read-only copy, evicting the least recently used beyond the size; returns it."""
+        frozen = np.array(vector, dtype=np.float32)
+        frozen.setflags(write=False)
+        if self._size == 0:
+            return frozen
+        self._items[text] = frozen
+        self._items.move_to_end(text)
+        while len(self._items) > self._size:
+            self._items.popitem(last=False)
+        return frozen
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+def batches(texts: Sequence[str], size: int) -> list[list[str]]:
+    """``texts`` cut into consecutive lists of at most ``size``."""
+    return [list(texts[i : i + size]) for i in range(0, len(texts), size)]
+
+
+class BaseEmbedder(ABC):
+    """Batching, the query cache and the start/close lifecycle shared by every embedder.
+
+    Use as ``async with build_embedder(settings) as embedder``; without ``start()`` the model is loaded
+    on first use.
+    """
+
+    def __init__(self, settings: EmbedderSettings) -> None:
+        self._settings = settings
+        self.query_cache = QueryCache(settings.query_cache_size)
+        self.texts_embedded = 0  # texts that reached the model, cache hits excluded
+        self._started = False
+        self._start_lock = asyncio.Lock()
+        self._queries: list[tuple[str, asyncio.Future[Vectors]]] = []
+        self._query_batches: asyncio.Task[None] | None = None  # owned: stopped by ``__aexit__``
+
+    @property
+    @abstractmethod
+    def model_id(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def dim(self) -> int: ...
+
+    @abstractmethod
+    async def _load(self) -> None:
+        """Make the model ready to embed."""
+
+    @abstractmethod
+    async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        """Unit vectors for at most ``batch_size`` texts (``urgent``: queries, waiting on a chat request)."""
+
+    async def start(self) -> None:
+        """Load the model now rather than on first use; idempotent."""
+        async with self._start_lock:
+            if not self._started:
+                await self._load()
+                self._started = True
+
+    @abstractmethod
+    async def aclose(self) -> None:
+        """Release what the embedder holds."""
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._query_batches is not None:
+            self._query_batches.cancel()
+            await asyncio.gather(self._query_batches, return_exceptions=True)
+        await self.aclose()
+
+    async def embed_documents(self, texts: Sequence[str]) -> Vectors:
+        """One unit row per text, shape ``(len(texts), dim)``, embedded ``batch_size`` at a time.
+
+        Texts are batched in order of length, so that a batch pads little, and returned in input order.
+        """
+        await self.start()
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        by_length = [texts[i] for i in order]
+        parts = [await self._embed_counted(b) for b in batches(by_length, self._settings.batch_size)]
+        vectors = np.empty((len(texts), self.dim), dtype=np.float32)
+        vectors[order] = np.concatenate(parts, axis=0)
+        return vectors
+
+    async def embed_query(self, text: str) -> Vectors:
+        """One unit vector, shape ``(dim,)``, from the cache when the same text was asked before.
+
+        Concurrent queries share model calls: while one batch of queries runs, the next ones gather and go
+        together (a batch of 8 short queries costs about twice one), and queries go before document batches.
+        """
+        cached = self.query_cache.get(text)
+        if cached is not None:
+            return cached
+        await self.start()
+        future: asyncio.Future[Vectors] = asyncio.get_running_loop().create_future()
+        self._queries.append((text, future))
+        if self._query_batches is None or self._query_batches.done():
+            self._query_batches = asyncio.create_task(self._run_queries())
+        return self.query_cache.put(text, await future)
+
+    async def embed_queries(self, texts: Sequence[str]) -> Vectors:
+        """Unit rows of ``texts`` embedded as queries (the query side), ``batch_size`` at a time, no cache."""
+        await self.start()
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        parts = [await self._embed_counted(b, urgent=True) for b in batches(texts, self._settings.batch_size)]
+        return np.concatenate(parts, axis=0)
+
+    @property
+    def query_model_id(self) -> str | None:
+        """The query side's own model id when queries are not embedded by the document model, else None."""
+        return None
+
+    async def _run_queries(self) -> None:
+        """Embed the waiting queries, ``batch_size`` at a time, until none wait (callers gone are skipped)."""
+        try:
+            await self._drain_queries()
+        finally:  # stopped (the embedder closes): nobody is left waiting forever
+            for _, future in self._queries:
+                if not future.done():
+                    future.set_exception(EmbedderError("the embedder is closed"))
+            self._queries = []
+
+    async def _drain_queries(self) -> None:
+        while self._queries:
+            waiting = [(text, future) for text, future in self._queries if not future.done()]
+            batch, self._queries = waiting[: self._settings.batch_size], waiting[self._settings.batch_size :]
+            if not batch:
+                continue
+            try:
+                vectors = await self._embed_counted([text for text, _ in batch], urgent=True)
+            except Exception as error:  # each caller gets the error (a cancelled caller is skipped)
+                for _, future in batch:
+                    if not future.done():
+                        future.set_exception(error)
+                continue
+            for (_, future), vector in zip(batch, vectors, strict=True):
+                if not future.done():
+                    future.set_result(vector)
+
+    async def _embed_counted(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        vectors = await self._embed_batch(texts, urgent=urgent)
+        self.texts_embedded += len(texts)
+        if vectors.shape != (len(texts), self.dim):
+            expected = (len(texts), self.dim)
+            raise EmbedderError(f"{self.model_id} returned vectors of shape {vectors.shape}, not {expected}")
+        return vectors

@@ -1,0 +1,162 @@
+"""The embedded default: all-MiniLM-L6-v2 (or another fastembed model) as ONNX from a local directory.
+
+The model runs off the event loop in one worker thread; queries may go to a lighter query side of the same
+vector space: a static model (``kind = "static"``, ~0.1 ms on the caller's thread) or another ONNX copy
+(``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+
+from proxy.memory.embedders.base import BaseEmbedder
+from proxy.memory.embedders.model_files import (
+    read_manifest,
+    read_query_manifest,
+    resolve_model_dir,
+    resolve_query_model_dir,
+)
+from proxy.memory.embedders.protocol import Vectors, l2_normalise
+from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.embedders.static import StaticQueryModel
+from proxy.memory.embedders.turns import Turns
+from proxy.memory.errors import EmbedderError
+
+T = TypeVar("T")
+
+
+def _import_fastembed() -> Any:
+    """fastembed, imported only once offline mode is set so that it never tries the model hub.
+
+    Imported here rather than at the top: the variable must be set first, and the import (onnxruntime,
+    huggingface_hub) is too heavy for every user of the ``Embedder`` protocol to pay.
+    """
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import fastembed
+
+    return fastembed
+
+
+class LocalEmbedder(BaseEmbedder):
+    """all-MiniLM-L6-v2 (or another fastembed model) as ONNX from a local directory, run off the loop.
+
+    One worker thread owns onnxruntime, and a lock lets one batch at a time reach it, so concurrent
+    callers queue in asyncio (cancellable) instead of piling work onto the thread.
+    """
+
+    def __init__(self, settings: EmbedderSettings) -> None:
+        super().__init__(settings)
+        self.model_dir = resolve_model_dir(settings.model_path)
+        self._manifest = read_manifest(self.model_dir)
+        if self._manifest.fastembed_model != settings.model:
+            raise EmbedderError(
+                f"{self.model_dir} holds {self._manifest.fastembed_model}, but the embedder is configured "
+                f"for {settings.model}"
+            )
+        self._query_dir = resolve_query_model_dir(settings.query_model) if settings.query_model else None
+        self._query_manifest = read_query_manifest(self._query_dir) if self._query_dir else None
+        if self._query_manifest is not None and (
+            self._query_manifest.query_for != self.model_id or self._query_manifest.dim != self.dim
+        ):
+            raise EmbedderError(
+                f"query model {self._query_dir} serves {self._query_manifest.query_for} "
+                f"({self._query_manifest.dim} dims), not {self.model_id} ({self.dim} dims)"
+            )
+        self._model: Any = None
+        self._query_onnx: Any = None  # an ONNX query side (kind "onnx"), run in the worker like the model
+        self._static: StaticQueryModel | None = None  # a static query side, run on the caller's thread
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
+        self._turns = Turns()
+        self._closed = False
+
+    @property
+    def model_id(self) -> str:
+        return self._manifest.model_id
+
+    @property
+    def dim(self) -> int:
+        return self._manifest.dim
+
+    @property
+    def query_model_id(self) -> str | None:
+        return self._query_manifest.model_id if self._query_manifest else None
+
+    async def embed_query(self, text: str) -> Vectors:
+        """As ``BaseEmbedder.embed_query``; a static query side answers at once, on this thread."""
+        if self._static is None:
+            return await super().embed_query(text)
+        cached = self.query_cache.get(text)
+        if cached is not None:
+            return cached
+        self.texts_embedded += 1
+        return self.query_cache.put(text, self._static.embed([text])[0])
+
+    async def _load(self) -> None:
+        await self._in_worker(self._load_sync)
+        probe = await self._embed_batch(["warm-up"])  # the first run allocates: not on a user's request
+        if probe.shape != (1, self.dim):
+            raise EmbedderError(f"{self.model_dir} makes vectors of shape {probe.shape[1:]}, its manifest "
+                                f"says ({self.dim},)")
+
+    def _load_sync(self) -> None:
+        self._model = self._onnx(self.model_dir)
+        if self._query_manifest is not None and self._query_dir is not None:
+            if self._query_manifest.kind == "static":
+                self._static = StaticQueryModel(self._query_dir, self.dim)
+            else:
+                self._query_onnx = self._onnx(self._query_dir)
+
+    def _onnx(self, model_dir: Path) -> Any:
+        fastembed = _import_fastembed()
+        try:
+            return fastembed.TextEmbedding(
+                model_name=self._settings.model,
+                specific_model_path=str(model_dir),
+                cache_dir=str(model_dir),  # else fastembed creates /tmp/fastembed_cache, unused here
+                threads=self._settings.threads,
+            )
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise EmbedderError(f"cannot load the embedding model from {model_dir}: {exc}") from exc
+
+    async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        if urgent and self._static is not None:  # queries, on the static query side
+            return self._static.embed(texts)
+        if urgent and self._query_onnx is not None:  # queries, on the ONNX query side, one at a time
+            return await self._in_worker(self._run_each, self._query_onnx, texts, urgent=True)
+        return await self._in_worker(self._embed_sync, texts, urgent=urgent)
+
+    def _embed_sync(self, texts: list[str]) -> Vectors:
+        return self._run_model(self._model, texts)
+
+    def _run_each(self, model: Any, texts: list[str]) -> Vectors:
+        """Each text alone: a dynamically quantised model scales activations per batch, so a query's vector
+        would depend on the queries it happened to share a call with."""
+        return np.concatenate([self._run_model(model, [text]) for text in texts])
+
+    def _run_model(self, model: Any, texts: list[str]) -> Vectors:
+        try:
+            rows = list(model.embed(texts, batch_size=len(texts)))
+        except Exception as exc:  # onnxruntime's errors derive from Exception only
+            raise EmbedderError(f"{self.model_id} failed to embed {len(texts)} texts: {exc}") from exc
+        return l2_normalise(np.stack(rows))
+
+    async def _in_worker(self, func: Callable[..., T], *args: Any, urgent: bool = False) -> T:
+        async with self._turns.turn(urgent=urgent):
+            if self._closed:
+                raise EmbedderError("the embedder is closed")
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, func, *args)
+
+    async def aclose(self) -> None:
+        """Wait for the batch in flight, then stop the worker thread."""
+        async with self._turns.turn(urgent=True):
+            self._closed = True
+            self._model = self._query_onnx = self._static = None
+        self._executor.shutdown(wait=False)

@@ -1,0 +1,218 @@
+"""Fusion of the retrieval arms into one ranked candidate list (pure functions).
+
+The arms' union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
+of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
+carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
+them). The boosts (``boosts``) follow: subject similarity, adjacent turns, and dates the query names. Keyword
+gating leaves BM25 out when none of its top results holds enough of the query's terms.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from proxy.memory.read.boosts import Lifts, date_lifts, neighbour_lifts, subject_lifts
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
+from proxy.memory.read.query import Query
+from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.store.records import MemoryRecord
+from proxy.memory.words import stem, stems
+
+RAW_SCORE_ARMS = frozenset({ENTITY})  # arms whose scores are used without min-max normalisation
+
+
+@dataclass(frozen=True, slots=True)
+class Fusion:
+    """The fused candidates (best first) and whether the keyword arm was gated out."""
+
+    candidates: list[Candidate]
+    gated: bool
+
+
+@dataclass(frozen=True, slots=True)
+class _Union:
+    """The union of the arms: each record, its raw score in every arm that found it, and each arm's scores."""
+
+    records: dict[str, MemoryRecord]
+    scores: dict[str, dict[str, float]]
+    per_arm: dict[str, dict[str, float]]
+
+
+def _union(arms: Mapping[str, Sequence[ScoredRecord]]) -> _Union:
+    """One pass over the arms' hits (a record's best hit per arm counts)."""
+    records: dict[str, MemoryRecord] = {}
+    scores: dict[str, dict[str, float]] = {}
+    per_arm: dict[str, dict[str, float]] = {}
+    for arm, hits in arms.items():
+        best: dict[str, float] = {}
+        for hit in hits:
+            rid, score = hit.record.id, float(hit.score)
+            if rid not in best or score > best[rid]:
+                best[rid] = score
+                if rid not in records:
+                    records[rid] = hit.record
+                    scores[rid] = {}
+        for rid, score in best.items():
+            scores[rid][arm] = score
+        per_arm[arm] = best
+    return _Union(records, scores, per_arm)
+
+
+def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
+    """Candidates by fused score, best first (ties: newer first, then id, so the order is stable).
+
+    Three stable sorts on C-level keys, cheaper than one sort on a computed tuple.
+    """
+    out = sorted(candidates, key=_RECORD_ID)
+    out.sort(key=_CREATED, reverse=True)
+    out.sort(key=_FUSED, reverse=True)
+    return out
+
+
+_RECORD_ID = operator.attrgetter("record.id")
+_CREATED = operator.attrgetter("record.created_at")
+_FUSED = operator.attrgetter("fused")
+
+
+def _built(
+    records: Mapping[str, MemoryRecord], scores: Mapping[str, dict[str, float]], fused: Mapping[str, float]
+) -> list[Candidate]:
+    """Candidates from the union and their fused scores, best first."""
+    return _ranked(Candidate(record=records[rid], arm_scores=scores[rid], fused=fused[rid]) for rid in records)
+
+
+def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]) -> list[Candidate]:
+    """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
+    union = _union(arms)
+    return _built(union.records, union.scores, _weighted_scores(union, weights))
+
+
+def _weighted_scores(union: _Union, weights: Mapping[str, float]) -> dict[str, float]:
+    fused = dict.fromkeys(union.records, 0.0)
+    for arm, best in union.per_arm.items():
+        values = list(best.values())
+        normalised = values if arm in RAW_SCORE_ARMS else min_max(values)
+        weight = weights.get(arm, 0.0)
+        for rid, value in zip(best, normalised, strict=True):
+            fused[rid] += weight * value
+    return fused
+
+
+def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 60) -> list[Candidate]:
+    """Sum of 1 / (k + rank) over the arms, best first.
+
+    Ranks start at 1 and tied scores share a rank. The entity arm's term is scaled by its damped score, since
+    its ties say nothing about order and a common name should count for less.
+    """
+    union = _union(arms)
+    return _built(union.records, union.scores, _rrf_scores(union, k))
+
+
+def _rrf_scores(union: _Union, k: int) -> dict[str, float]:
+    fused = dict.fromkeys(union.records, 0.0)
+    for arm, best in union.per_arm.items():
+        ordered = sorted(((score, rid) for rid, score in best.items()), key=lambda p: -p[0])
+        rank, previous = 0, math.inf
+        for position, (score, rid) in enumerate(ordered, start=1):
+            if score < previous:
+                rank, previous = position, score
+            scale = score if arm in RAW_SCORE_ARMS else 1.0
+            fused[rid] += scale / (k + rank)
+    return fused
+
+
+def keyword_gate(
+    query_terms: Sequence[str], bm25_hits: Sequence[ScoredRecord], *, top_n: int, min_fraction: float
+) -> bool:
+    """Whether BM25 should be left out: none of its top hits holds ``min_fraction`` of the query's terms.
+
+    A query without content terms (only stop words) gates BM25 whenever it has hits: they matched noise.
+    """
+    if not bm25_hits:
+        return False
+    wanted = {stem(t) for t in query_terms}
+    if not wanted:
+        return True
+    need = max(1, math.ceil(min_fraction * len(wanted)))
+    top = sorted(bm25_hits, key=lambda h: -h.score)[:top_n]
+    return all(len(wanted & stems(h.record.text)) < need for h in top)
+
+
+def is_gated(
+    dense_hits: Sequence[ScoredRecord], bm25_hits: Sequence[ScoredRecord], query: Query, settings: RetrievalSettings
+) -> bool:
+    """Whether keyword gating leaves BM25 out: gating on, the dense arm answered, and BM25's top hits are weak."""
+    if not settings.gating or not dense_hits:
+        return False
+    return keyword_gate(
+        query.terms, bm25_hits, top_n=settings.gating_top_n, min_fraction=settings.gating_min_term_fraction
+    )
+
+
+def fuse(
+    arms: Mapping[str, Sequence[ScoredRecord]],
+    query: Query,
+    settings: RetrievalSettings,
+    subject_hits: Sequence[ScoredRecord] = (),
+    *,
+    gated: bool | None = None,
+    limit: int | None = None,
+) -> Fusion:
+    """Gate, fuse and boost the arms' hits into one candidate list, best first.
+
+    ``gated`` is computed here unless the caller already decided it (with ``is_gated``). ``limit``: only the best
+    this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
+    """
+    if gated is None:
+        gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
+    used = {arm: hits for arm, hits in arms.items() if not (gated and arm == BM25)}
+    union = _union(used)
+    if settings.fusion == "rrf":
+        fused = _rrf_scores(union, settings.rrf_k)
+    else:
+        weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
+        fused = _weighted_scores(union, weights)
+    candidates = [_Found(rid, record) for rid, record in union.records.items()]  # what the boosts look at
+    boosts: dict[str, dict[str, float]] = {}
+
+    def add(name: str, lifts: Lifts) -> None:  # in order: a later boost sees the earlier ones in ``fused``
+        for rid, amount in lifts.items():
+            if amount > 0.0:
+                fused[rid] += amount
+                boosts.setdefault(rid, {})[name] = amount
+
+    if settings.subject_weight > 0 and subject_hits:
+        add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
+    if settings.neighbour_weight > 0:
+        add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
+    if settings.date_weight > 0 or settings.day_weight > 0:
+        add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
+    order = _ranked_ids(union.records, fused)
+    chosen = order if limit is None else order[:limit]
+    built = [
+        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
+        if rid in boosts
+        else Candidate(union.records[rid], union.scores[rid], fused[rid])
+        for rid in chosen
+    ]
+    return Fusion(candidates=built, gated=gated)
+
+
+class _Found(NamedTuple):
+    """A fused memory as the boosts see it (cheaper than a ``Candidate``, which only the kept ones become)."""
+
+    id: str
+    record: MemoryRecord
+
+
+def _ranked_ids(records: Mapping[str, MemoryRecord], fused: Mapping[str, float]) -> list[str]:
+    """Ids by fused score, best first, ties newer first, then by id: ``_ranked``'s order, on C-level keys."""
+    created = {rid: record.created_at for rid, record in records.items()}
+    order = sorted(records)
+    order.sort(key=created.__getitem__, reverse=True)
+    order.sort(key=fused.__getitem__, reverse=True)
+    return order

@@ -1,0 +1,70 @@
+"""The retrieval query of a chat request: the latest user message, expanded when it leans on the turn before.
+
+The query is the latest user message; when that message is short or leans on what came before
+("and her?", "what about that one"), the previous user turn is put in front of it so the arms have
+something to match. Its ``terms`` come from the one tokeniser every path shares (``proxy.memory.words``):
+lowercase word tokens with a small English stop list, CJK runs as overlapping bigrams.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from proxy.memory.text_cap import MAX_QUERY_CHARS, cap_text
+from proxy.memory.words import STOPWORDS, terms, words
+
+# Words that make a message lean on the previous turn.
+_ANAPHORIC = frozenset(
+    "he she him her his hers they them their it its that this those these there one ones".split()  # noqa: SIM905
+)
+_CONTINUATIONS = ("and ", "but ", "also ", "what about", "how about", "so ", "then ", "or ")
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """What the read path searches with: the text, its content terms, and whether it was expanded."""
+
+    text: str
+    latest: str
+    terms: tuple[str, ...]
+    expanded: bool
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text of one chat message: a string content, or its text parts joined by newlines."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        return "\n".join(p for p in parts if isinstance(p, str))
+    return ""
+
+
+def user_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The non-empty texts of the user messages, oldest first."""
+    texts = (message_text(m) for m in messages if isinstance(m, Mapping) and m.get("role") == "user")
+    return [t for t in texts if t.strip()]
+
+
+def is_anaphoric(text: str, short_words: int) -> bool:
+    """Whether a message is short or leans on an earlier turn ("and her?", "what about that one")."""
+    tokens = words(text)
+    lowered = text.strip().lower()
+    if len(tokens) <= short_words or lowered.startswith(_CONTINUATIONS):
+        return True
+    content = [t for t in tokens if t not in STOPWORDS]
+    return len(content) <= 2 and any(t in _ANAPHORIC for t in tokens)
+
+
+def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, expand: bool = True) -> Query | None:
+    """The query of a chat request, or None when it has no user text to search with."""
+    texts = user_texts(messages)
+    if not texts:
+        return None
+    latest = cap_text(texts[-1], MAX_QUERY_CHARS).strip()  # a huge message costs a bounded search
+    expanded = expand and len(texts) > 1 and is_anaphoric(latest, short_words)
+    text = f"{cap_text(texts[-2], MAX_QUERY_CHARS).strip()}\n{latest}" if expanded else latest
+    return Query(text=text, latest=latest, terms=terms(text), expanded=expanded)
