@@ -28,7 +28,7 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from proxy.lazy import import_litellm
+from proxy.memory.lazy import import_litellm
 from proxy.memory.routing import route_index
 from proxy.sse import DONE_EVENT, data_event
 

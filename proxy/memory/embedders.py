@@ -31,8 +31,8 @@ import numpy.typing as npt
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator
 
 import proxy
-from proxy.lazy import import_litellm
 from proxy.memory.errors import EmbedderError
+from proxy.memory.lazy import import_litellm
 
 __all__ = [
     "BaseEmbedder",

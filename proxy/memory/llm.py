@@ -31,8 +31,8 @@ from typing import Any, Protocol, runtime_checkable
 import aiohttp
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from proxy.lazy import import_litellm
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.lazy import import_litellm
 from proxy.memory.routing import route_index
 
 JSON = dict[str, Any]

@@ -24,8 +24,8 @@ from typing import Any, Self
 import structlog
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from proxy.lazy import import_litellm
 from proxy.memory.fusion import Candidate, ScoredRecord
+from proxy.memory.lazy import import_litellm
 
 log = structlog.get_logger("memproxy.rerank")
 
