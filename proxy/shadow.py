@@ -31,7 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from proxy.memory.records import utcnow
 from proxy.memory.retrieval import retrieve
 from proxy.memory.retrieval_settings import RetrievalSettings
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, MemoryAdmin
 from proxy.metrics import Metrics
 
 log = structlog.get_logger("memproxy.shadow")
@@ -130,7 +130,7 @@ class _Sample:
 class ShadowMemory:
     """Wraps the memory engine: same answers, plus shadow comparisons on a sample, run by an owned worker.
 
-    Everything else (the management API's store, search, jobs...) is the engine's, reached through it.
+    Everything else (the management operations, features, gauges...) is the engine's, reached through it.
     """
 
     def __init__(self, engine: Any, settings: ShadowSettings, metrics: Metrics, *,
@@ -151,6 +151,12 @@ class ShadowMemory:
     def ready(self) -> bool:
         """The engine's readiness."""
         return bool(self._engine.ready)
+
+    @property
+    def admin(self) -> MemoryAdmin:
+        """The engine's management operations (shadow comparisons never change what they see)."""
+        admin: MemoryAdmin = self._engine.admin
+        return admin
 
     async def __aenter__(self) -> ShadowMemory:
         self._task = asyncio.create_task(self._run(), name="memory-shadow")
