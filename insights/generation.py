@@ -31,10 +31,10 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from insights.clustering import Cluster
 from proxy.memory.errors import MemoryLayerError
-from proxy.memory.extraction import identifier_reason, injection_reason
 from proxy.memory.injection import estimate_tokens, month_year
 from proxy.memory.llm import LLMBadOutput, LLMClient
 from proxy.memory.records import Kind, MemoryRecord
+from proxy.memory.screens import identifier_reason, injection_reason
 
 log = structlog.get_logger("memproxy.insights")
 

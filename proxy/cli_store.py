@@ -24,11 +24,11 @@ from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.migrations import SchemaError, migrate_data_dir
+from proxy.memory.records import MemoryRecord
 from proxy.memory.store import MemoryStore
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,
-    MemoryRecord,
     export_lines,
     import_records,
     parse_chatgpt,

@@ -216,11 +216,9 @@ class MemoryLLMSettings(_Frozen):
 
 
 class StoreTuning(_Frozen):
-    """``[store]``: how the store batches, compacts and caches; ``StoreSettings`` without ``path``.
+    """``[store]``: how the store batches, compacts and caches (its data directory is ``storage.path``)."""
 
-    The data directory comes from ``[storage]``. Same fields, defaults and bounds as ``StoreSettings`` (a test
-    holds them equal).
-    """
+    # StoreSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
 
     flush_max_rows: int = Field(256, ge=1)
     flush_interval_ms: int = Field(20, ge=0)
@@ -230,11 +228,10 @@ class StoreTuning(_Frozen):
 
 
 class JobQueueTuning(_Frozen):
-    """``[jobs]``: how the job queue retries, leases and runs jobs; ``JobQueueSettings`` without ``path``.
+    """``[jobs]``: how the job queue retries, leases and runs jobs (its database is ``jobs.sqlite3`` in the data
+    directory)."""
 
-    The queue's database is ``jobs.sqlite3`` in the data directory. Same fields, defaults and bounds as
-    ``JobQueueSettings`` (a test holds them equal).
-    """
+    # JobQueueSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
 
     max_attempts: int = Field(default=5, ge=1)
     backoff_base_s: float = Field(default=1.0, gt=0)

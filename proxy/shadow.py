@@ -171,7 +171,7 @@ class ShadowMemory:
 
     async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
         """The engine's injection, unchanged; a sampled request is queued for a shadow comparison."""
-        injection = await self._engine.inject(user_id, conversation_id, body)
+        injection: Injection = await self._engine.inject(user_id, conversation_id, body)
         if self._rng.random() < self._settings.sample_rate:
             self._take(_Sample(user_id, conversation_id, list(body["messages"]), time.monotonic()))
         return injection

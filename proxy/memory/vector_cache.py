@@ -194,7 +194,7 @@ class UserVectors:
         """Top (id, cosine) of each pool; the query's scores against every row are computed at most once."""
         n, ids = self.n, self.ids
         scores: npt.NDArray[np.float32] | None = None
-        out = []
+        out: list[list[tuple[str, float]]] = []
         for pool in pools:
             rows = np.flatnonzero(self._mask(n, pool))
             if pool.k <= 0 or rows.size == 0:
