@@ -3,7 +3,8 @@
 The shell asks ``MemoryService.inject`` for the messages to send upstream (read path) and hands the finished
 exchange to ``MemoryService.record`` (write path). ``NullMemory`` is the pure passthrough used when memory is
 switched off. The management API works through ``ManagedMemory.admin`` (``MemoryAdmin``): a service without it
-has no memory to manage. The shell never reaches past this seam into the store or the job queue.
+has no memory to manage. The shell's handlers never reach past this seam into the store or the job queue (one
+exception left: the shadow evaluator, ``proxy/shadow.py``, runs retrieval on the engine's own parts).
 """
 
 from __future__ import annotations
