@@ -42,7 +42,7 @@ from proxy.memory.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.rerank import Reranker, RerankSettings
 from proxy.memory.retrieval import NameIndexCache, RetrievalResult, retrieve
 from proxy.memory.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.service import Exchange, Injection, MemoryAdmin
+from proxy.memory.service import Exchange, Injection, MemoryAdmin, SearchPreview
 from proxy.memory.store import MemoryStore, Page, StoreSettings
 from proxy.memory.writer import Writer, WriterSettings, exchange_payload
 
@@ -63,15 +63,6 @@ class EngineSettings:
     extraction: ExtractionSettings
     insights: InsightSettings
     cluster: ClusterSettings | None = None  # the table on object storage, shared with other replicas
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SearchPreview:
-    """What the proxy would inject for a query, with the evidence behind each result."""
-
-    results: list[dict[str, Any]]
-    arms: list[str]
-    injected_block: str
 
 
 def _result_row(candidate: Candidate) -> dict[str, Any]:

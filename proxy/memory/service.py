@@ -87,17 +87,13 @@ class RecordPage(Protocol):
     def next_cursor(self) -> str | None: ...
 
 
-class SearchPreview(Protocol):
-    """What the read path would inject for a query: ranked results with their evidence, arms, the block."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class SearchPreview:
+    """What the proxy would inject for a query, with the evidence behind each result."""
 
-    @property
-    def results(self) -> list[dict[str, Any]]: ...
-
-    @property
-    def arms(self) -> list[str]: ...
-
-    @property
-    def injected_block(self) -> str: ...
+    results: list[dict[str, Any]]
+    arms: list[str]
+    injected_block: str
 
 
 class MemoryAdmin(Protocol):
