@@ -166,7 +166,7 @@ def test_sub_package_rules_apply_once_the_package_exists(tmp_path: Path) -> None
         "proxy/memory/__init__.py": "",
         "proxy/memory/store.py": "from proxy.memory.read import fusion\n",
         "proxy/memory/read/__init__.py": "",
-        "proxy/memory/read/fusion.py": "from proxy.memory.store import records\nfrom ..write import queue\n",
+        "proxy/memory/read/fusion.py": "from proxy.memory.store.records import R\nfrom ..write import queue\n",
         "proxy/memory/write/__init__.py": "",
         "proxy/memory/write/queue.py": "from proxy.memory.embedders import onnx\n",
     }
