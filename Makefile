@@ -54,8 +54,14 @@ test: install-test
 test-cluster: $(VENV)/.test $(VENV)/.nginx
 	MEMPROXY_TEST_CLUSTER=1 $(BIN)/python -m pytest tests/test_cluster.py $(PYTEST_ARGS)
 
-lint: install-test
-	$(BIN)/ruff check proxy insights tests bench scripts
+# ruff check, ruff format --check and mypy --strict ([tool.mypy]: proxy, insights); all three run, then any failure fails.
+LINT_PATHS := proxy insights tests bench scripts
+lint: $(VENV)/.test
+	@status=0; \
+	$(BIN)/ruff check $(LINT_PATHS) || status=1; \
+	$(BIN)/ruff format --check $(LINT_PATHS) || status=1; \
+	$(BIN)/python -m mypy || status=1; \
+	exit $$status
 
 bench-overhead: install-test
 	$(BIN)/python bench/overhead.py

@@ -295,8 +295,11 @@ def probe(chat_url: str, attempts: int = 20) -> dict[str, str]:
     """
     headers: dict[str, str] = {}
     for _ in range(attempts):
-        request = urllib.request.Request(chat_url, data=body("What did I book in Kyoto last weekend?"),  # noqa: S310
-                                         headers={"Content-Type": "application/json", **ON})
+        request = urllib.request.Request(  # noqa: S310
+            chat_url,
+            data=body("What did I book in Kyoto last weekend?"),
+            headers={"Content-Type": "application/json", **ON},
+        )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 (our own http URL)
             headers = {k: v for k, v in response.headers.items()
                        if k.lower().startswith("x-memory") and k != "X-Memory-Ids"}

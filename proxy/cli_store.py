@@ -25,10 +25,10 @@ from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.errors import MemoryLayerError
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError, migrate_data_dir
+from proxy.memory.store.records import MemoryRecord
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,
-    MemoryRecord,
     export_lines,
     import_records,
     parse_chatgpt,

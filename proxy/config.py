@@ -20,7 +20,6 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
-    create_model,
     field_validator,
     model_validator,
 )
@@ -216,14 +215,35 @@ class MemoryLLMSettings(_Frozen):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
 
 
-def _without_path(model: type[BaseModel]) -> Any:
-    """``model``'s fields minus ``path`` (the data directory comes from ``storage.path``)."""
-    fields = {name: (info.annotation, info) for name, info in model.model_fields.items() if name != "path"}
-    return create_model(f"{model.__name__.removesuffix('Settings')}Tuning", __base__=_Frozen, **fields)
+class StoreTuning(_Frozen):
+    """``[store]``: how the store batches, compacts and caches (its data directory is ``storage.path``)."""
+
+    # StoreSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
+
+    flush_max_rows: int = Field(256, ge=1)
+    flush_interval_ms: int = Field(20, ge=0)
+    optimize_interval_s: float = Field(300.0, gt=0)
+    ann_index_min_rows: int = Field(50_000, ge=1)
+    vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
 
 
-StoreTuning = _without_path(StoreSettings)
-JobsTuning = _without_path(JobQueueSettings)
+class JobQueueTuning(_Frozen):
+    """``[jobs]``: how the job queue retries, leases and runs jobs (its database is ``jobs.sqlite3`` in the data
+    directory)."""
+
+    # JobQueueSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
+
+    max_attempts: int = Field(default=5, ge=1)
+    backoff_base_s: float = Field(default=1.0, gt=0)
+    backoff_max_s: float = Field(default=300.0, gt=0)
+    lease_s: float = Field(default=60.0, gt=0)
+    concurrency: int = Field(default=16, ge=1)  # jobs in flight per kind
+    poll_interval_s: float = Field(default=1.0, gt=0)
+    job_timeout_s: float = Field(default=300.0, gt=0)
+    drain_timeout_s: float = Field(default=10.0, ge=0)
+    debounce_max_delay_s: float = Field(default=3600.0, gt=0)
+    done_retention_s: float = Field(default=86400.0, ge=0)
+    waiting_recheck_s: float = Field(default=900.0, gt=0)  # a job waiting for a key/configuration looks again
 
 
 class Settings(_Frozen):
@@ -242,7 +262,7 @@ class Settings(_Frozen):
     retrieval: RetrievalSettings = RetrievalSettings()
     injection: InjectionSettings = InjectionSettings()
     rerank: RerankSettings = RerankSettings()
-    jobs: JobsTuning = JobsTuning()
+    jobs: JobQueueTuning = JobQueueTuning()
     writer: WriterSettings = WriterSettings()
     extraction: ExtractionSettings = ExtractionSettings()
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()

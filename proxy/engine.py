@@ -3,7 +3,8 @@
 ``MemoryEngine`` is an async context manager. On enter it loads the embedder, opens the store (LanceDB +
 Tantivy, with startup repair), opens the durable job queue and starts the job runner (write path and
 insights); on exit it stops them in reverse, letting running jobs finish or hand them back to the queue.
-The HTTP shell reaches memory only through ``inject``/``record`` and the management methods below.
+The HTTP shell reaches memory only through ``inject``/``record`` and the management methods below (``admin``,
+the seam's ``MemoryAdmin``).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -30,12 +31,13 @@ from proxy.memory.read.read_cache import NameIndexCache
 from proxy.memory.read.rerank import Reranker, RerankSettings
 from proxy.memory.read.retrieval import RetrievalResult, retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, MemoryAdmin, SearchPreview
 from proxy.memory.store.cluster import ClusterSettings, replica_name
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.objectstore import ObjectStore
+from proxy.memory.store.reads import Page
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.store.replicated import ReplicatedStore
 from proxy.memory.store.runtime import ClusterRuntime
@@ -66,15 +68,6 @@ class EngineSettings:
     extraction: ExtractionSettings
     insights: InsightSettings
     cluster: ClusterSettings | None = None  # the table on object storage, shared with other replicas
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class SearchPreview:
-    """What the proxy would inject for a query, with the evidence behind each result."""
-
-    results: list[dict[str, Any]]
-    arms: list[str]
-    injected_block: str
 
 
 def _result_row(candidate: Candidate) -> dict[str, Any]:
@@ -229,6 +222,28 @@ class MemoryEngine:
 
     # ------------------------------------------------------------------------------------------ management
 
+    @property
+    def admin(self) -> MemoryAdmin:
+        """The management operations: the engine's own methods below."""
+        return self
+
+    async def user_ids(self) -> list[str]:
+        """Every user with at least one record."""
+        return await self.store.user_ids()
+
+    async def get_memory(self, user_id: str, id: str) -> MemoryRecord | None:
+        """One record of the user (history included), or None."""
+        return await self.store.get(user_id, id)
+
+    async def list_memories(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
+                            cursor: str | None = None, include_invalid: bool = False) -> Page:
+        """The user's records, newest first, ``limit`` at a time (``ValueError`` for a bad cursor)."""
+        return await self.store.list(user_id, kinds, limit=limit, cursor=cursor, include_invalid=include_invalid)
+
+    def export_user(self, user_id: str) -> AsyncIterator[str]:
+        """Every record of the user, history included, oldest first, as JSON lines."""
+        return self.store.export(user_id)
+
     async def add_fact(self, user_id: str, text: str, importance: int | None = None,
                        category: str | None = None) -> MemoryRecord:
         """A fact the user (or an operator) states directly: embedded, indexed and searchable at once."""
@@ -281,6 +296,18 @@ class MemoryEngine:
     async def regenerate_insights(self, user_id: str) -> str:
         """Queue an insight regeneration for the user now (collapses with pending triggers)."""
         return await request_insights(self.jobs, user_id, reason="manual")
+
+    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Memory jobs that failed every attempt, the most recently failed first."""
+        return await self.jobs.dead_letters(limit)
+
+    async def requeue_dead_letter(self, job_id: str) -> bool:
+        """Give a dead job a fresh set of attempts; whether there was one."""
+        return await self.jobs.requeue(job_id)
+
+    async def job(self, job_id: str) -> dict[str, Any] | None:
+        """One job's row, or None."""
+        return await self.jobs.get(job_id)
 
     # --------------------------------------------------------------------------------------------- metrics
 

@@ -158,7 +158,7 @@ async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, s
     user_id = conv.turns[0][1].user_id
     now = max(record.created_at for _, record in conv.turns) + timedelta(hours=1)
     names = NameIndexCache()
-    rows = []
+    rows: list[tuple[int, Mapping[str, float]]] = []
     try:
         for text, category, evidence in conv.questions:
             result = await retrieve(store, embedder, [{"role": "user", "content": text}], user_id,

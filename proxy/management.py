@@ -3,7 +3,7 @@
 Operators and users see, correct, export and erase what memproxy keeps. Every ``/v1/memory`` route needs
 ``Authorization: Bearer <admin key>`` (``admin.api_key``, compared in constant time); with no key configured
 the API is off and answers 503. Handlers are thin: they check the key, the user id and the body (pydantic),
-then call the memory engine (``state.memory``) and its store; with memory disabled they answer 503
+then call the memory engine's management seam (``MemoryAdmin``); with memory disabled they answer 503
 ``memory_disabled``. Every read and delete is scoped to the user id in the path. The OpenAPI document
 (``proxy/openapi.json``) describes exactly these routes (a test checks both ways).
 """
@@ -11,143 +11,43 @@ then call the memory engine (``state.memory``) and its store; with memory disabl
 from __future__ import annotations
 
 import asyncio
-import builtins
-import functools
-import hmac
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Protocol, TypeVar, cast
+from typing import Any, Literal
 
-import orjson
-import structlog
 from aiohttp import web
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    StringConstraints,
-    ValidationError,
-    field_validator,
-    model_validator,
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from proxy.errors import BadRequest, NotFound
+from proxy.management_http import (
+    PREFIX,
+    USER,
+    Body,
+    Count,
+    Handler,
+    Text,
+    admin_only,
+    audit,
+    json_response,
+    memory_admin,
+    path_user,
+    read_body,
+    read_query,
 )
-
-from proxy.errors import BadRequest, NotFound, ServiceUnavailable, Unauthorized
-from proxy.identity import log_user
-from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.state import STATE, AppState
+from proxy.ui import add_ui_routes
 
-log = structlog.get_logger("memproxy.management")
-
-PREFIX = "/v1/memory"
-USER = PREFIX + "/users/{user_id}"
-PACKAGE_DIR = Path(__file__).resolve().parent
-OPENAPI_PATH = PACKAGE_DIR / "openapi.json"
-WEB_DIR = PACKAGE_DIR / "web"
-WEB_FILES = {"app.js": "application/javascript", "style.css": "text/css"}
-WEB_HEADERS = {
-    "Cache-Control": "no-cache",
-    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'",
-    "X-Content-Type-Options": "nosniff",
-    "Referrer-Policy": "no-referrer",
-}
-MAX_TEXT_CHARS = 4000
+OPENAPI_PATH = Path(__file__).resolve().parent / "openapi.json"
 EXPORT_CHUNK_BYTES = 64 * 1024
 KINDS = frozenset(str(kind) for kind in Kind)
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_M = TypeVar("_M", bound=BaseModel)
-Text = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_TEXT_CHARS)]
-
-
-class Preview(Protocol):
-    """What the engine's ``search`` returns (``proxy.engine.SearchPreview``)."""
-
-    @property
-    def results(self) -> list[dict[str, Any]]: ...
-
-    @property
-    def arms(self) -> list[str]: ...
-
-    @property
-    def injected_block(self) -> str: ...
-
-
-class Page(Protocol):
-    """A page of records (``proxy.memory.store.reads.Page``)."""
-
-    @property
-    def data(self) -> list[MemoryRecord]: ...
-
-    @property
-    def next_cursor(self) -> str | None: ...
-
-
-class AdminStore(Protocol):
-    """The store reads the management API makes (``proxy.memory.store.memory_store.MemoryStore``)."""
-
-    async def get(self, user_id: str, id: str) -> MemoryRecord | None: ...
-
-    async def list(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
-                   cursor: str | None = None, include_invalid: bool = False) -> Page: ...
-
-    def export(self, user_id: str) -> AsyncIterator[str]: ...
-
-    async def user_ids(self) -> builtins.list[str]: ...  # ``list`` is the method above in this scope
-
-
-class ManagedMemory(Protocol):
-    """The memory engine as the management API uses it (``proxy.engine.MemoryEngine``)."""
-
-    @property
-    def store(self) -> AdminStore: ...
-
-    async def search(self, user_id: str, query: str, k: int = 10) -> Preview: ...
-
-    async def add_fact(self, user_id: str, text: str, importance: int | None = None,
-                       category: str | None = None) -> MemoryRecord: ...
-
-    async def edit(self, user_id: str, id: str, text: str | None = None,
-                   importance: int | None = None) -> MemoryRecord | None: ...
-
-    async def delete(self, user_id: str, id: str) -> bool: ...
-
-    async def forget_user(self, user_id: str) -> dict[str, int]: ...
-
-    async def regenerate_insights(self, user_id: str) -> str: ...
 
 
 # --- request models -----------------------------------------------------------------------------------
 
 
-def _integral(value: Any) -> Any:
-    """JSON numbers like ``3.0`` are integers (JSON Schema agrees); strings and ``3.5`` stay refused."""
-    return int(value) if isinstance(value, float) and value.is_integer() else value
-
-
-def _no_null(value: Any) -> Any:
-    """An optional field may be left out, not sent as ``null``."""
-    if value is None:
-        raise ValueError("leave the field out instead of sending null")
-    return value
-
-
-Count = Annotated[int, BeforeValidator(_integral)]
-
-
-class _Body(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _present_means_not_null(cls, value: Any) -> Any:
-        return _no_null(value)
-
-
-class NewMemory(_Body):
+class NewMemory(Body):
     """``POST .../memories``: a fact written by an operator."""
 
     text: Text
@@ -156,7 +56,7 @@ class NewMemory(_Body):
     category: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[a-z_]+$")
 
 
-class MemoryEdit(_Body):
+class MemoryEdit(Body):
     """``PATCH .../memories/{id}``: new text (re-embedded; the old version stays in history) or importance."""
 
     text: Text | None = None
@@ -169,7 +69,7 @@ class MemoryEdit(_Body):
         return self
 
 
-class SearchRequest(_Body):
+class SearchRequest(Body):
     """``POST .../search``: what would be injected for a conversation whose last message is ``query``."""
 
     query: Text
@@ -196,89 +96,6 @@ class PageQuery(BaseModel):
     cursor: str | None = Field(None, min_length=1, max_length=512)
 
 
-def _invalid(exc: ValidationError, where: str) -> BadRequest:
-    error = exc.errors(include_url=False)[0]
-    field = ".".join(str(part) for part in error["loc"])
-    message = str(error["msg"]).removeprefix("Value error, ")
-    if not field:
-        return BadRequest(f"{where}: {message}", code="invalid_request")
-    return BadRequest(f"{field}: {message}", param=field, code="invalid_request")
-
-
-async def _body(request: web.Request, model: type[_M]) -> _M:
-    raw = await request.read()
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as exc:
-        if exc.errors()[0]["type"] == "json_invalid":
-            raise BadRequest("the request body is not valid JSON", code="invalid_json") from None
-        raise _invalid(exc, "request body must be a JSON object") from None
-
-
-def _query(request: web.Request, model: type[_M]) -> _M:
-    try:
-        return model.model_validate(dict(request.query))
-    except ValidationError as exc:
-        raise _invalid(exc, "query") from None
-
-
-# --- guards -------------------------------------------------------------------------------------------
-
-
-def _state(request: web.Request) -> AppState:
-    return request.config_dict[STATE]
-
-
-def check_admin(state: AppState, authorization: str | None) -> None:
-    """Raise unless ``authorization`` carries the configured admin key (or 503 when none is configured)."""
-    key = state.settings.admin.api_key.get_secret_value()
-    if not key:
-        raise ServiceUnavailable(
-            "the management API is off: set admin.api_key (env MEMPROXY_ADMIN__API_KEY) to turn it on",
-            code="management_disabled",
-        )
-    scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
-        raise Unauthorized("missing or wrong admin key: send the header Authorization: Bearer <admin key>")
-
-
-def admin_only(handler: Handler) -> Handler:
-    """Wrap a management handler with the admin key check."""
-
-    @functools.wraps(handler)
-    async def guarded(request: web.Request) -> web.StreamResponse:
-        check_admin(_state(request), request.headers.get("Authorization"))
-        return await handler(request)
-
-    return guarded
-
-
-def _memory(request: web.Request) -> ManagedMemory:
-    memory = _state(request).memory
-    if getattr(memory, "store", None) is None:
-        raise ServiceUnavailable("memory is disabled on this server (memory.enabled = false)",
-                                 code="memory_disabled")
-    return cast(ManagedMemory, memory)
-
-
-def _user(request: web.Request) -> str:
-    user_id = request.match_info["user_id"]
-    if not valid_app_id(user_id):
-        raise BadRequest(f"user_id must be {APP_ID_RULE}",
-                         param="user_id", code="invalid_user_id")
-    return user_id
-
-
-def _json(data: Any, status: int = 200) -> web.Response:
-    body = orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
-    return web.Response(status=status, body=body, content_type="application/json")
-
-
-def _audit(request: web.Request, action: str, user_id: str, **fields: Any) -> None:
-    how = _state(request).settings.logging.user_ids
-    log.info("management." + action, user=log_user(user_id, how), **fields)
-
-
 # --- memories -----------------------------------------------------------------------------------------
 
 
@@ -293,78 +110,78 @@ def insight_dict(record: MemoryRecord) -> dict[str, Any]:
 
 async def list_users(request: web.Request) -> web.Response:
     """``GET /v1/memory/users``: users with at least one record, by id."""
-    query = _query(request, PageQuery)
-    users = sorted(await _memory(request).store.user_ids())
+    query = read_query(request, PageQuery)
+    users = sorted(await memory_admin(request).user_ids())
     if query.cursor is not None:
         users = [user for user in users if user > query.cursor]
     page = users[: query.limit]
     next_cursor = page[-1] if len(users) > len(page) else None
-    return _json({"data": [{"user_id": user} for user in page], "next_cursor": next_cursor})
+    return json_response({"data": [{"user_id": user} for user in page], "next_cursor": next_cursor})
 
 
 async def list_memories(request: web.Request) -> web.Response:
     """``GET .../memories``: the user's records, newest first."""
-    user_id, query = _user(request), _query(request, ListQuery)
-    store = _memory(request).store
+    user_id, query = path_user(request), read_query(request, ListQuery)
+    admin = memory_admin(request)
     kinds = [query.kind] if query.kind is not None else None
     try:
-        page = await store.list(user_id, kinds, limit=query.limit, cursor=query.cursor,
-                                include_invalid=query.include_invalid)
+        page = await admin.list_memories(user_id, kinds, limit=query.limit, cursor=query.cursor,
+                                         include_invalid=query.include_invalid)
     except ValueError as exc:
         raise BadRequest(f"cursor: {exc}", param="cursor", code="invalid_cursor") from None
-    return _json({"data": [record.public_dict() for record in page.data], "next_cursor": page.next_cursor})
+    return json_response({"data": [record.public_dict() for record in page.data], "next_cursor": page.next_cursor})
 
 
 async def add_memory(request: web.Request) -> web.Response:
     """``POST .../memories``: a new fact, embedded and indexed before the answer."""
-    user_id = _user(request)
-    new = await _body(request, NewMemory)
-    memory = _memory(request)
-    record = await asyncio.shield(memory.add_fact(user_id, new.text, new.importance, new.category))
-    _audit(request, "added", user_id, id=record.id)
-    return _json(record.public_dict(), status=201)
+    user_id = path_user(request)
+    new = await read_body(request, NewMemory)
+    admin = memory_admin(request)
+    record = await asyncio.shield(admin.add_fact(user_id, new.text, new.importance, new.category))
+    audit(request, "added", user_id, id=record.id)
+    return json_response(record.public_dict(), status=201)
 
 
 async def get_memory(request: web.Request) -> web.Response:
     """``GET .../memories/{id}``: one record, history included."""
-    user_id = _user(request)
-    record = await _memory(request).store.get(user_id, request.match_info["id"])
+    user_id = path_user(request)
+    record = await memory_admin(request).get_memory(user_id, request.match_info["id"])
     if record is None:
         raise NotFound("no such memory for this user", param="id")
-    return _json(record.public_dict())
+    return json_response(record.public_dict())
 
 
 async def edit_memory(request: web.Request) -> web.Response:
     """``PATCH .../memories/{id}``: the edited record (a new id when the text changed)."""
-    user_id = _user(request)
-    edit = await _body(request, MemoryEdit)
-    memory, record_id = _memory(request), request.match_info["id"]
-    record = await asyncio.shield(memory.edit(user_id, record_id, edit.text, edit.importance))
+    user_id = path_user(request)
+    edit = await read_body(request, MemoryEdit)
+    admin, record_id = memory_admin(request), request.match_info["id"]
+    record = await asyncio.shield(admin.edit(user_id, record_id, edit.text, edit.importance))
     if record is None:
         raise NotFound("no such memory for this user", param="id")
-    _audit(request, "edited", user_id, id=record_id, new_id=record.id)
-    return _json(record.public_dict())
+    audit(request, "edited", user_id, id=record_id, new_id=record.id)
+    return json_response(record.public_dict())
 
 
 async def delete_memory(request: web.Request) -> web.Response:
     """``DELETE .../memories/{id}``: gone from both indexes and the cache."""
-    user_id, record_id = _user(request), request.match_info["id"]
-    if not await asyncio.shield(_memory(request).delete(user_id, record_id)):
+    user_id, record_id = path_user(request), request.match_info["id"]
+    if not await asyncio.shield(memory_admin(request).delete(user_id, record_id)):
         raise NotFound("no such memory for this user", param="id")
-    _audit(request, "deleted", user_id, id=record_id)
-    return _json({"id": record_id, "deleted": True})
+    audit(request, "deleted", user_id, id=record_id)
+    return json_response({"id": record_id, "deleted": True})
 
 
 async def forget_user(request: web.Request) -> web.Response:
     """``DELETE /v1/memory/users/{user_id}``: every trace of the user; counts by kind (and queued jobs)."""
-    user_id = _user(request)
-    memory = _memory(request)
+    user_id = path_user(request)
+    admin = memory_admin(request)
     started = time.perf_counter()
-    counts = await asyncio.shield(memory.forget_user(user_id))
+    counts = await asyncio.shield(admin.forget_user(user_id))
     seconds = time.perf_counter() - started
     records = sum(n for kind, n in counts.items() if kind in KINDS)
-    _audit(request, "forgotten", user_id, records=records, seconds=round(seconds, 3))
-    return _json({"user_id": user_id, "deleted": counts, "total": records, "seconds": round(seconds, 3)})
+    audit(request, "forgotten", user_id, records=records, seconds=round(seconds, 3))
+    return json_response({"user_id": user_id, "deleted": counts, "total": records, "seconds": round(seconds, 3)})
 
 
 def _download_name(user_id: str) -> str:
@@ -373,8 +190,8 @@ def _download_name(user_id: str) -> str:
 
 async def export_user(request: web.Request) -> web.StreamResponse:
     """``GET .../export``: everything kept about the user, history included, one JSON object a line."""
-    user_id = _user(request)
-    store = _memory(request).store
+    user_id = path_user(request)
+    admin = memory_admin(request)
     response = web.StreamResponse(headers={
         "Content-Type": "application/x-ndjson; charset=utf-8",
         "Content-Disposition": f'attachment; filename="{_download_name(user_id)}"',
@@ -382,7 +199,7 @@ async def export_user(request: web.Request) -> web.StreamResponse:
     await response.prepare(request)
     chunk: list[bytes] = []
     size = 0
-    async for line in store.export(user_id):
+    async for line in admin.export_user(user_id):
         chunk.append(line.encode())
         size += len(chunk[-1])
         if size >= EXPORT_CHUNK_BYTES:
@@ -390,16 +207,16 @@ async def export_user(request: web.Request) -> web.StreamResponse:
             chunk, size = [], 0
     await response.write(b"".join(chunk))
     await response.write_eof()
-    _audit(request, "exported", user_id)
+    audit(request, "exported", user_id)
     return response
 
 
 async def search(request: web.Request) -> web.Response:
     """``POST .../search``: the ranked results, the arms that ran and the exact block that would be injected."""
-    user_id = _user(request)
-    ask = await _body(request, SearchRequest)
-    preview = await _memory(request).search(user_id, ask.query, ask.k)
-    return _json({"results": preview.results, "arms": preview.arms, "injected_block": preview.injected_block})
+    user_id = path_user(request)
+    ask = await read_body(request, SearchRequest)
+    preview = await memory_admin(request).search(user_id, ask.query, ask.k)
+    return json_response({"results": preview.results, "arms": preview.arms, "injected_block": preview.injected_block})
 
 
 # --- insights -----------------------------------------------------------------------------------------
@@ -407,23 +224,24 @@ async def search(request: web.Request) -> web.Response:
 
 async def list_insights(request: web.Request) -> web.Response:
     """``GET .../insights``: the user's current insights, newest first."""
-    user_id, query = _user(request), _query(request, PageQuery)
+    user_id, query = path_user(request), read_query(request, PageQuery)
     try:
-        page = await _memory(request).store.list(user_id, [Kind.INSIGHT], limit=query.limit, cursor=query.cursor)
+        page = await memory_admin(request).list_memories(user_id, [Kind.INSIGHT], limit=query.limit,
+                                                         cursor=query.cursor)
     except ValueError as exc:
         raise BadRequest(f"cursor: {exc}", param="cursor", code="invalid_cursor") from None
-    return _json({"data": [insight_dict(record) for record in page.data], "next_cursor": page.next_cursor})
+    return json_response({"data": [insight_dict(record) for record in page.data], "next_cursor": page.next_cursor})
 
 
 async def regenerate_insights(request: web.Request) -> web.Response:
     """``POST .../insights/regenerate``: queue a fresh insight run for the user (202)."""
-    user_id = _user(request)
-    job_id = await asyncio.shield(_memory(request).regenerate_insights(user_id))
-    _audit(request, "insights_requested", user_id, job_id=job_id)
-    return _json({"job_id": job_id, "status": "queued"}, status=202)
+    user_id = path_user(request)
+    job_id = await asyncio.shield(memory_admin(request).regenerate_insights(user_id))
+    audit(request, "insights_requested", user_id, job_id=job_id)
+    return json_response({"job_id": job_id, "status": "queued"}, status=202)
 
 
-# --- documents and the web page -----------------------------------------------------------------------
+# --- the API's document ------------------------------------------------------------------------------
 
 
 def _openapi_handler(document: bytes) -> Handler:
@@ -432,25 +250,6 @@ def _openapi_handler(document: bytes) -> Handler:
         return web.Response(body=document, content_type="application/json")
 
     return openapi
-
-
-async def ui_redirect(request: web.Request) -> web.StreamResponse:
-    """``GET /ui``: to ``/ui/``."""
-    raise web.HTTPPermanentRedirect("/ui/")
-
-
-def _ui_handler(web_dir: Path) -> Handler:
-    files = {name: (web_dir / name).read_bytes() for name in ("index.html", *WEB_FILES)}
-
-    async def ui_file(request: web.Request) -> web.Response:
-        """``GET /ui/`` and its two assets; nothing else under ``/ui/`` exists."""
-        name = request.match_info.get("name") or "index.html"
-        if name not in files:
-            raise NotFound("no such file")
-        return web.Response(body=files[name], content_type=WEB_FILES.get(name, "text/html"), charset="utf-8",
-                            headers=WEB_HEADERS)
-
-    return ui_file
 
 
 ROUTES: Mapping[tuple[str, str], Handler] = {
@@ -473,7 +272,4 @@ def add_management_routes(app: web.Application) -> None:
     for (method, path), handler in ROUTES.items():
         app.router.add_route(method, path, admin_only(handler))
     app.router.add_get(PREFIX + "/openapi.json", admin_only(_openapi_handler(OPENAPI_PATH.read_bytes())))
-    ui_file = _ui_handler(WEB_DIR)
-    app.router.add_get("/ui", ui_redirect)
-    app.router.add_get("/ui/", ui_file)
-    app.router.add_get("/ui/{name}", ui_file)
+    add_ui_routes(app)

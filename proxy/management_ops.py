@@ -7,34 +7,35 @@
 - ``GET /v1/memory/dead-letters``: memory jobs (fact extraction, summaries, insights) that failed every attempt.
 - ``POST /v1/memory/dead-letters/{job_id}/requeue``: give one a fresh set of attempts.
 
-Same rules as ``proxy.management``: admin key, user id checked, pydantic bodies, 503 when memory is off.
+Same rules as ``proxy.management`` (``proxy.management_http``): admin key, user id checked, pydantic bodies, 503
+when memory is off; everything goes through the engine's management seam (``MemoryAdmin``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from datetime import UTC, datetime
-from typing import Any, Protocol, cast
+from typing import Any
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from proxy.errors import NotFound, ProxyError
-from proxy.management import (
+from proxy.management_http import (
     PREFIX,
     USER,
+    Body,
     Count,
     Handler,
     Text,
-    _audit,
-    _Body,
-    _body,
-    _json,
-    _memory,
-    _query,
-    _user,
     admin_only,
+    audit,
+    json_response,
+    memory_admin,
+    path_user,
+    read_body,
+    read_query,
 )
 from proxy.memory.errors import StoreError
 from proxy.memory.store.records import Kind, MemoryRecord, utcnow
@@ -53,7 +54,7 @@ class IdTaken(ProxyError):
     code = "id_taken"
 
 
-class BatchItem(_Body):
+class BatchItem(Body):
     """One fact of a batch (strict JSON types; an optional field is left out, never null)."""
 
     text: Text
@@ -70,7 +71,7 @@ class BatchItem(_Body):
         return value
 
 
-class BatchAdd(_Body):
+class BatchAdd(Body):
     """``POST .../memories:batch``."""
 
     memories: list[BatchItem] = Field(min_length=1, max_length=MAX_BATCH)
@@ -82,22 +83,6 @@ class LimitQuery(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     limit: int = Field(100, ge=1, le=1000)
-
-
-class BulkMemory(Protocol):
-    """The engine's bulk add (``proxy.engine.MemoryEngine.add_many``)."""
-
-    async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]: ...
-
-
-class DeadLetterQueue(Protocol):
-    """The job queue's dead letters (``proxy.memory.write.queue.JobQueue``)."""
-
-    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]: ...
-
-    async def requeue(self, job_id: str) -> bool: ...
-
-    async def get(self, job_id: str) -> dict[str, Any] | None: ...
 
 
 def _utc_datetime(value: str) -> datetime:
@@ -118,24 +103,20 @@ def _record(user_id: str, item: BatchItem) -> MemoryRecord:
 
 async def add_batch(request: web.Request) -> web.Response:
     """``POST .../memories:batch``: many facts, embedded and indexed together, idempotent by id."""
-    user_id = _user(request)
-    batch = await _body(request, BatchAdd)
+    user_id = path_user(request)
+    batch = await read_body(request, BatchAdd)
     records = list({r.id: r for r in (_record(user_id, item) for item in batch.memories)}.values())
-    memory = cast(BulkMemory, _memory(request))
+    admin = memory_admin(request)
     try:
-        added = await asyncio.shield(memory.add_many(user_id, records))
+        added = await asyncio.shield(admin.add_many(user_id, records))
     except StoreError:
         raise IdTaken("memories: an id of this batch is already used by another user's memory",
                       param="memories") from None
-    _audit(request, "batch_added", user_id, added=len(added), existing=len(records) - len(added))
-    return _json({"ids": [r.id for r in records], "added": len(added), "existing": len(records) - len(added)})
+    audit(request, "batch_added", user_id, added=len(added), existing=len(records) - len(added))
+    return json_response({"ids": [r.id for r in records], "added": len(added), "existing": len(records) - len(added)})
 
 
 # --- dead letters -------------------------------------------------------------------------------------
-
-
-def _queue(request: web.Request) -> DeadLetterQueue:
-    return cast(DeadLetterQueue, getattr(_memory(request), "jobs"))  # noqa: B009 - the protocol has no `jobs`
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -151,21 +132,21 @@ def dead_letter_dict(row: Mapping[str, Any]) -> dict[str, Any]:
 
 async def list_dead_letters(request: web.Request) -> web.Response:
     """``GET /v1/memory/dead-letters``: the most recently failed jobs first."""
-    query = _query(request, LimitQuery)
-    rows = await _queue(request).dead_letters(query.limit)
-    return _json({"data": [dead_letter_dict(row) for row in rows], "next_cursor": None})
+    query = read_query(request, LimitQuery)
+    rows = await memory_admin(request).dead_letters(query.limit)
+    return json_response({"data": [dead_letter_dict(row) for row in rows], "next_cursor": None})
 
 
 async def requeue_dead_letter(request: web.Request) -> web.Response:
     """``POST /v1/memory/dead-letters/{job_id}/requeue``: the job runs again with a fresh set of attempts."""
     job_id = request.match_info["job_id"]
-    queue = _queue(request)
-    if not await asyncio.shield(queue.requeue(job_id)):
+    admin = memory_admin(request)
+    if not await asyncio.shield(admin.requeue_dead_letter(job_id)):
         raise NotFound("no dead job with this id", param="job_id")
-    row = await queue.get(job_id)
+    row = await admin.job(job_id)
     kind = row["kind"] if row is not None else ""
-    _audit(request, "requeued", row["user_id"] if row is not None else "", job_id=job_id, kind=kind)
-    return _json({"id": job_id, "kind": kind, "status": "queued"})
+    audit(request, "requeued", row["user_id"] if row is not None else "", job_id=job_id, kind=kind)
+    return json_response({"id": job_id, "kind": kind, "status": "queued"})
 
 
 OPS_ROUTES: Mapping[tuple[str, str], Handler] = {

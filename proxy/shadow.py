@@ -30,7 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, MemoryAdmin
 from proxy.memory.store.records import utcnow
 from proxy.metrics import Metrics
 
@@ -130,7 +130,7 @@ class _Sample:
 class ShadowMemory:
     """Wraps the memory engine: same answers, plus shadow comparisons on a sample, run by an owned worker.
 
-    Everything else (the management API's store, search, jobs...) is the engine's, reached through it.
+    Everything else (the management operations, features, gauges...) is the engine's, reached through it.
     """
 
     def __init__(self, engine: Any, settings: ShadowSettings, metrics: Metrics, *,
@@ -152,6 +152,12 @@ class ShadowMemory:
         """The engine's readiness."""
         return bool(self._engine.ready)
 
+    @property
+    def admin(self) -> MemoryAdmin:
+        """The engine's management operations (shadow comparisons never change what they see)."""
+        admin: MemoryAdmin = self._engine.admin
+        return admin
+
     async def __aenter__(self) -> ShadowMemory:
         self._task = asyncio.create_task(self._run(), name="memory-shadow")
         return self
@@ -165,7 +171,7 @@ class ShadowMemory:
 
     async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
         """The engine's injection, unchanged; a sampled request is queued for a shadow comparison."""
-        injection = await self._engine.inject(user_id, conversation_id, body)
+        injection: Injection = await self._engine.inject(user_id, conversation_id, body)
         if self._rng.random() < self._settings.sample_rate:
             self._take(_Sample(user_id, conversation_id, list(body["messages"]), time.monotonic()))
         return injection

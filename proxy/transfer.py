@@ -156,10 +156,11 @@ def _mem0_record(item: Any, index: int, user_id: str | None) -> MemoryRecord:
         raise ImportFormatError(f"{where}: user_id: missing (pass --user)")
     categories = item.get("categories") or []
     meta = {"source": "mem0", **{k: item[k] for k in ("hash", "metadata", "agent_id", "run_id") if item.get(k)}}
-    row = {"user_id": owner, "kind": "fact", "text": text.strip(), "id": str(item.get("id") or ""),
+    text = text.strip()
+    record_id = str(item.get("id") or "") or content_id(owner, "fact", text)
+    row = {"user_id": owner, "kind": "fact", "text": text, "id": record_id,
            "category": categories[0] if categories and isinstance(categories[0], str) else None,
            "meta": json.dumps(meta, ensure_ascii=False)}
-    row["id"] = row["id"] or content_id(owner, "fact", row["text"])
     for name in ("created_at", "updated_at"):
         if item.get(name):
             row[name] = item[name]

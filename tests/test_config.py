@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import BaseModel
@@ -49,6 +50,20 @@ def test_default_file_documents_every_key() -> None:
 def test_examples_load(example: Path) -> None:
     """Every example config is valid."""
     load_settings(example, environ={})
+
+
+def _fields(model: type[BaseModel]) -> dict[str, tuple[Any, Any, list[Any]]]:
+    return {name: (info.annotation, info.default, info.metadata) for name, info in model.model_fields.items()}
+
+
+@pytest.mark.parametrize("section", ["store", "jobs"])
+def test_tuning_sections_are_their_component_settings_without_path(section: str) -> None:
+    """[store] and [jobs] accept exactly their component's settings but ``path``, with the same defaults and bounds."""
+    settings = Settings()
+    component = {"store": settings.store_settings, "jobs": settings.jobs_settings}[section]()
+    component_fields = _fields(type(component))
+    component_fields.pop("path")
+    assert _fields(type(getattr(settings, section))) == component_fields
 
 
 def test_env_overrides() -> None:

@@ -44,8 +44,11 @@ def quick_start_env(upstream: str) -> dict[str, str]:
 def call(url: str, path: str, method: str = "GET") -> tuple[int, Any]:
     """An admin call to the proxy at ``url`` (ending in /v1 or not); (status, JSON body)."""
     base = url.removesuffix("/v1")
-    request = urllib.request.Request(base + path, method=method,  # noqa: S310 - 127.0.0.1 only
-                                     headers={"Authorization": f"Bearer {ADMIN}"})
+    request = urllib.request.Request(  # noqa: S310 - 127.0.0.1 only
+        base + path,
+        method=method,
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
             return response.status, json.loads(response.read() or b"null")
@@ -201,10 +204,12 @@ def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
         wanted = {("assistant", 'tool call get_weather({"city": "Paris"})'),
                   ("tool", 'tool result get_weather: {"sky": "sunny", "temp_c": 18}')}
         eventually(lambda: wanted <= {(m["role"], m["text"]) for m in memories(url, "bob", "turn")})
-        request = urllib.request.Request(url.removesuffix("/v1") + "/v1/memory/users/bob/search", method="POST",  # noqa: S310
-                                         data=json.dumps({"query": "was it sunny in Paris"}).encode(),
-                                         headers={"Authorization": f"Bearer {ADMIN}",
-                                                  "Content-Type": "application/json"})
+        request = urllib.request.Request(  # noqa: S310
+            url.removesuffix("/v1") + "/v1/memory/users/bob/search",
+            method="POST",
+            data=json.dumps({"query": "was it sunny in Paris"}).encode(),
+            headers={"Authorization": f"Bearer {ADMIN}", "Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
             found = [row["text"] for row in json.loads(response.read())["results"]]
         assert 'tool result get_weather: {"sky": "sunny", "temp_c": 18}' in found

@@ -117,3 +117,19 @@ async def test_shadow_under_load_reports_agreement_and_injects_the_same(tmp_path
         finally:
             await plain.close()
             await shadowed.close()
+
+
+async def test_management_api_works_through_the_shadow_wrapper(tmp_path: Path) -> None:
+    """With shadow on, the management API adds, lists and searches the user's memories as without it."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with FakeUpstream() as fake:
+        shadowed = await _proxy(_settings(fake.base_url, tmp_path, enabled=True, sample_rate=1.0))
+        try:
+            added = await shadowed.post("/v1/memory/users/sam/memories", json={"text": FACTS[0]}, headers=auth)
+            assert added.status == 201, await added.text()
+            listed = await (await shadowed.get("/v1/memory/users/sam/memories", headers=auth)).json()
+            assert [item["text"] for item in listed["data"]] == [FACTS[0]]
+            found = await shadowed.post("/v1/memory/users/sam/search", json={"query": "rabbits"}, headers=auth)
+            assert [item["text"] for item in (await found.json())["results"]] == [FACTS[0]]
+        finally:
+            await shadowed.close()

@@ -42,8 +42,12 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-back
 def call(base: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
     """One management API call: (status, decoded JSON)."""
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(base + path, data=data, method=method,  # noqa: S310 - local test server
-                                     headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    request = urllib.request.Request(  # noqa: S310 - local test server
+        base + path,
+        data=data,
+        method=method,
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
             return response.status, json.loads(response.read())

@@ -28,17 +28,27 @@ RESULT_TEXT = 'tool result get_weather: {"sky": "sunny", "temp_c": 18}'
 
 def post(url: str, path: str, body: object, key: str) -> object:
     """POST JSON with a bearer key; the decoded answer."""
-    request = urllib.request.Request(url + path, data=json.dumps(body).encode(), method="POST",  # noqa: S310
-                                     headers={"Authorization": f"Bearer {key}", "Content-Type": "application/json",
-                                              "X-Memory-User": USER, "X-Memory-Conversation": "trip"})
+    request = urllib.request.Request(  # noqa: S310
+        url + path,
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={
+            "Authorization": f"Bearer {key}",
+            "Content-Type": "application/json",
+            "X-Memory-User": USER,
+            "X-Memory-Conversation": "trip",
+        },
+    )
     with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 - 127.0.0.1 only
         return json.loads(response.read())
 
 
 def turns(url: str) -> set[tuple[str, str]]:
     """(role, text) of the user's stored turns."""
-    request = urllib.request.Request(f"{url}/v1/memory/users/{USER}/memories?kind=turn&limit=50",  # noqa: S310
-                                     headers={"Authorization": f"Bearer {KEY}"})
+    request = urllib.request.Request(  # noqa: S310
+        f"{url}/v1/memory/users/{USER}/memories?kind=turn&limit=50",
+        headers={"Authorization": f"Bearer {KEY}"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310
         return {(r["role"], r["text"]) for r in json.loads(response.read())["data"]}
 

@@ -2,17 +2,21 @@
 
 The shell asks ``MemoryService.inject`` for the messages to send upstream (read path) and hands the finished
 exchange to ``MemoryService.record`` (write path). ``NullMemory`` is the pure passthrough used when memory is
-switched off. The shell never reaches past this seam into the store.
+switched off. The management API works through ``ManagedMemory.admin`` (``MemoryAdmin``): a service without it
+has no memory to manage. The shell's handlers never reach past this seam into the store or the job queue (one
+exception left: the shadow evaluator, ``proxy/shadow.py``, runs retrieval on the engine's own parts).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
 from typing import Any, Protocol, runtime_checkable
 
 from pydantic import SecretStr
+
+from proxy.memory.store.records import Kind, MemoryRecord
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +74,98 @@ class StorageStatus(Protocol):
     @property
     def storage_fault(self) -> str | None:
         """``component:reason`` while writes to the data directory fail, else None."""
+        ...
+
+
+class RecordPage(Protocol):
+    """One page of a user's records, newest first, and the cursor of the next (None at the end)."""
+
+    @property
+    def data(self) -> list[MemoryRecord]: ...
+
+    @property
+    def next_cursor(self) -> str | None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SearchPreview:
+    """What the proxy would inject for a query, with the evidence behind each result."""
+
+    results: list[dict[str, Any]]
+    arms: list[str]
+    injected_block: str
+
+
+class MemoryAdmin(Protocol):
+    """What operators may see and do with what memory keeps (the management API and its operator routes)."""
+
+    async def user_ids(self) -> list[str]:
+        """Every user with at least one record."""
+        ...
+
+    async def get_memory(self, user_id: str, id: str) -> MemoryRecord | None:
+        """One record of the user (history included), or None."""
+        ...
+
+    async def list_memories(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
+                            cursor: str | None = None, include_invalid: bool = False) -> RecordPage:
+        """The user's records, newest first, ``limit`` at a time (``ValueError`` for a bad cursor)."""
+        ...
+
+    def export_user(self, user_id: str) -> AsyncIterator[str]:
+        """Every record of the user, history included, as JSON lines."""
+        ...
+
+    async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:
+        """What would be injected for a conversation whose last user message is ``query``."""
+        ...
+
+    async def add_fact(self, user_id: str, text: str, importance: int | None = None,
+                       category: str | None = None) -> MemoryRecord:
+        """A fact stated directly, searchable when this returns."""
+        ...
+
+    async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
+        """Bulk add, idempotent by id; the ids that were new."""
+        ...
+
+    async def edit(self, user_id: str, id: str, text: str | None = None,
+                   importance: int | None = None) -> MemoryRecord | None:
+        """The edited record (a new one when the text changed), or None when there is no such valid record."""
+        ...
+
+    async def delete(self, user_id: str, id: str) -> bool:
+        """Delete one record for good; whether it existed."""
+        ...
+
+    async def forget_user(self, user_id: str) -> dict[str, int]:
+        """Every trace of the user; counts by kind (and ``jobs``)."""
+        ...
+
+    async def regenerate_insights(self, user_id: str) -> str:
+        """Queue an insight regeneration for the user; the job's id."""
+        ...
+
+    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
+        """Memory jobs that failed every attempt, the most recently failed first."""
+        ...
+
+    async def requeue_dead_letter(self, job_id: str) -> bool:
+        """Give a dead job a fresh set of attempts; whether there was one."""
+        ...
+
+    async def job(self, job_id: str) -> dict[str, Any] | None:
+        """One job's row, or None."""
+        ...
+
+
+@runtime_checkable
+class ManagedMemory(Protocol):
+    """A memory service whose memories can be managed (the engine; not ``NullMemory`` or an unavailable one)."""
+
+    @property
+    def admin(self) -> MemoryAdmin:
+        """The management operations."""
         ...
 
 
