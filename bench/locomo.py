@@ -462,7 +462,8 @@ class VectorCache:
 
     def __init__(self, embedder: Embedder, directory: Path | None) -> None:
         self._embedder = embedder
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", embedder.model_id)
+        weights = getattr(embedder, "weights_id", embedder.model_id)  # int8 and fp32 share a space, not vectors
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", weights)
         self._path = directory / f"{slug}.npz" if directory else None
         self._vectors: dict[str, npt.NDArray[np.float32]] = {}
         if self._path is not None and self._path.exists():
@@ -689,7 +690,8 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "questions": sum(len(c.questions) for c in conversations),
         "turns": sum(len(c.turns) for c in conversations),
         "observations": sum(len(c.observations) for c in conversations),
-        "embedder": embedder.model_id,
+        "embedder": getattr(embedder, "weights_id", embedder.model_id),
+        "embedder_space": embedder.model_id,
         "embedder_runtime": {"threads": EMBEDDER.threads, "batch_size": EMBEDDER.batch_size},
         "embedder_query": getattr(embedder, "query_model_id", None) or embedder.model_id,
         "context_weight": CONTEXT_WEIGHT,

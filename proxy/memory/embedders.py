@@ -4,11 +4,18 @@
 default, all-MiniLM-L6-v2 as ONNX shipped in the repository) and ``LiteLLMEmbedder`` (any remote
 embedding model litellm supports). Vectors are always L2-normalised so that a dot product is a cosine.
 
+The default local model is MiniLM quantised to int8 (``models/all-MiniLM-L6-v2-int8``). Its manifest says its
+vectors live in the fp32 model's *space* (``space``): an embedder's ``model_id``, which stores record and
+check, names that space, so the int8 and fp32 models write into one store without a reindex (LoCoMo R@10
+0.726 with int8 documents and queries against 0.727 with fp32 documents; ~2x less CPU per text).
+``weights_id`` names the weights themselves. A dynamically quantised model scales its activations per call,
+so it embeds each text alone (``per_text``): a text's vector never depends on the texts it was batched with.
+
 A local embedder may answer queries with its own *query side* (``embedder.query_model``, a directory under
 ``models/`` whose manifest says which document space it serves): a static model distilled into MiniLM's
 space (``kind = "static"``, a mean of token vectors, ~0.1 ms on the caller's thread) or a lighter ONNX copy
-(``kind = "onnx"``, e.g. int8). Stored vectors stay the document model's, so switching the query side needs
-no reindex; switching the document model does (``memproxy reindex``).
+(``kind = "onnx"``, e.g. int8 for fp32 documents). Stored vectors stay the document model's, so switching the
+query side needs no reindex; switching the document model to another space does (``memproxy reindex``).
 """
 
 from __future__ import annotations
@@ -79,7 +86,7 @@ class Embedder(Protocol):
         ...
 
 
-DEFAULT_QUERY_MODEL = "all-MiniLM-L6-v2-int8-query"  # LoCoMo R@10 0.729 vs 0.730 (fp32), ~half the CPU
+DEFAULT_QUERY_MODEL: str | None = None  # the int8 document model answers queries itself
 
 
 class EmbedderSettings(BaseModel):
@@ -89,7 +96,7 @@ class EmbedderSettings(BaseModel):
 
     provider: Literal["local", "litellm"] = "local"
     model: str = "sentence-transformers/all-MiniLM-L6-v2"
-    model_path: Path | None = None  # local only; None = the repository's models/all-MiniLM-L6-v2
+    model_path: Path | None = None  # local only; None = the shipped models/all-MiniLM-L6-v2-int8
     batch_size: int = Field(default=64, ge=1)
     threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 measured 2x faster on 2 busy cores
     query_cache_size: int = Field(default=2048, ge=0)
@@ -107,7 +114,9 @@ class EmbedderSettings(BaseModel):
         return None if isinstance(value, str) and value.strip().lower() in ("", "none") else value
 
 
-MODEL_DIR_NAME = "all-MiniLM-L6-v2"
+MODEL_DIR_NAME = "all-MiniLM-L6-v2-int8"
+# Query-side names that were renamed: the int8 copy was a query side before it became the default model.
+QUERY_MODEL_ALIASES = {"all-MiniLM-L6-v2-int8-query": "all-MiniLM-L6-v2-int8"}
 MODEL_FILES = ("manifest.json", "model.onnx", "tokenizer.json", "tokenizer_config.json")
 EXPORT_HINT = "produce it with scripts/export_minilm.py or set embedder.model_path"
 
@@ -146,6 +155,8 @@ class ModelManifest(BaseModel):
     fastembed_model: str
     variant: str
     dim: int = Field(ge=1)
+    space: str | None = None  # the model whose vector space this one writes into (a quantised copy); None = its own
+    per_text: bool = False  # embed each text alone: its vector would depend on its batch (dynamic quantisation)
 
 
 def read_manifest(model_dir: Path) -> ModelManifest:
@@ -175,7 +186,7 @@ class QueryManifest(BaseModel):
 def resolve_query_model_dir(name: str) -> Path:
     """A query-side model: ``models/<name>`` as every model is looked up, or a directory path."""
     path = Path(name)
-    candidates = [path] if len(path.parts) > 1 else default_model_dirs(name)
+    candidates = [path] if len(path.parts) > 1 else default_model_dirs(QUERY_MODEL_ALIASES.get(name, name))
     for candidate in candidates:
         if (candidate / "manifest.json").is_file() and (candidate / "tokenizer.json").is_file():
             return candidate
@@ -486,6 +497,8 @@ class LocalEmbedder(BaseEmbedder):
                 f"for {settings.model}"
             )
         self._query_dir = resolve_query_model_dir(settings.query_model) if settings.query_model else None
+        if self._query_dir is not None and self._query_dir.resolve() == self.model_dir.resolve():
+            self._query_dir = None  # the query side is the document model itself
         self._query_manifest = read_query_manifest(self._query_dir) if self._query_dir else None
         if self._query_manifest is not None and (
             self._query_manifest.query_for != self.model_id or self._query_manifest.dim != self.dim
@@ -503,6 +516,12 @@ class LocalEmbedder(BaseEmbedder):
 
     @property
     def model_id(self) -> str:
+        """The vector space this embedder writes into: what stores record and check."""
+        return self._manifest.space or self._manifest.model_id
+
+    @property
+    def weights_id(self) -> str:
+        """The model weights themselves (an int8 copy has its own, in its original's space)."""
         return self._manifest.model_id
 
     @property
@@ -546,6 +565,8 @@ class LocalEmbedder(BaseEmbedder):
                 specific_model_path=str(model_dir),
                 cache_dir=str(model_dir),  # else fastembed creates /tmp/fastembed_cache, unused here
                 threads=self._settings.threads,
+                # no arena: onnxruntime's keeps its peak (a batch of long texts: +350 MB) for good
+                enable_cpu_mem_arena=False,
             )
         except Exception as exc:  # onnxruntime's errors derive from Exception only
             raise EmbedderError(f"cannot load the embedding model from {model_dir}: {exc}") from exc
@@ -558,6 +579,8 @@ class LocalEmbedder(BaseEmbedder):
         return await self._in_worker(self._embed_sync, texts, urgent=urgent)
 
     def _embed_sync(self, texts: list[str]) -> Vectors:
+        if self._manifest.per_text:
+            return self._run_each(self._model, texts)
         return self._run_model(self._model, texts)
 
     def _run_each(self, model: Any, texts: list[str]) -> Vectors:
