@@ -102,10 +102,8 @@ async def locomo_vectors(n: int) -> tuple[list[str], np.ndarray]:
         for turn in session
     ][:n]
     async with build_embedder(EmbedderSettings()) as embedder:
-        cache = (
-            Path(tempfile.gettempdir())
-            / f"memproxy-bench-locomo-{len(texts)}-{embedder.model_id.replace('/', '_')}.npy"
-        )
+        weights = getattr(embedder, "weights_id", embedder.model_id).replace("/", "_")
+        cache = Path(tempfile.gettempdir()) / f"memproxy-bench-locomo-{len(texts)}-{weights}.npy"
         if cache.exists():
             return texts, np.load(cache)
         vectors = await embedder.embed_documents(texts)

@@ -416,8 +416,8 @@ def corpora(
 ) -> dict[str, Corpus]:
     """The harness users of one conversation, one per memory layout (``CORPORA``).
 
-    ``turns``: the turns, each embedded alone. ``context``: the same turns embedded with their previous turn as
-    context (``context_vectors``, what the writer stores). ``observations``: the turns and the
+    ``turns``: the turns, each embedded alone. ``context``: the same turns' vectors mixed with their session's
+    previous turn's (``context_vectors``, what the writer stores). ``observations``: the turns and the
     dataset's observation facts. ``context+observations``: both.
     """
     out = {}
@@ -443,18 +443,14 @@ def subject_records(facts: Sequence[MemoryRecord]) -> list[MemoryRecord]:
     return list(by_name.values())
 
 
-def context_texts(turns: Sequence[Turn]) -> list[str]:
-    """Each turn's text with the previous turn of its session before it (a session's first turn: alone)."""
-    out = []
-    for i, turn in enumerate(turns):
-        previous = turns[i - 1] if i > 0 and turns[i - 1].session == turn.session else None
-        out.append(f"{previous.memory_text}\n{turn.memory_text}" if previous else turn.memory_text)
-    return out
-
-
-def context_vectors(own: Vectors, with_previous: Vectors, weight: float = CONTEXT_WEIGHT) -> Vectors:
-    """Turn vectors that carry their context, as the writer stores them (``writer.context_vector``)."""
-    return context_vector(own, with_previous, weight)
+def context_vectors(turns: Sequence[Turn], own: Vectors, weight: float = CONTEXT_WEIGHT) -> Vectors:
+    """Turn vectors that carry the previous turn of their session, as the writer stores them
+    (``writer.context_vector``; a session's first turn: the turn alone)."""
+    previous = np.zeros_like(own)
+    for i in range(1, len(turns)):
+        if turns[i - 1].session == turns[i].session:
+            previous[i] = own[i - 1]
+    return context_vector(own, previous, weight)
 
 
 # --- embeddings -------------------------------------------------------------------------------------------
@@ -465,7 +461,8 @@ class VectorCache:
 
     def __init__(self, embedder: Embedder, directory: Path | None) -> None:
         self._embedder = embedder
-        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", embedder.model_id)
+        weights = getattr(embedder, "weights_id", embedder.model_id)  # int8 and fp32 share a space, not vectors
+        slug = re.sub(r"[^A-Za-z0-9._-]+", "_", weights)
         self._path = directory / f"{slug}.npz" if directory else None
         self._vectors: dict[str, npt.NDArray[np.float32]] = {}
         if self._path is not None and self._path.exists():
@@ -551,18 +548,16 @@ async def _embed_all(
     turns = [t.memory_text for c in conversations for t in c.turns]
     want_context = any(name.startswith("context") for name in corpora_needed)
     want_facts = any(name.endswith("observations") for name in corpora_needed)
-    with_previous = [text for c in conversations for text in context_texts(c.turns)] if want_context else []
     facts = [o.text for c in conversations for o in c.observations] if want_facts else []
     questions = list(dict.fromkeys(q.text for c in conversations for q in c.questions))
     turn_vectors = await cache.embed(turns, "embed turns")
-    previous_vectors = await cache.embed(with_previous, "embed turns with context")
     fact_vectors = await cache.embed(facts, "embed observations")
     question_vectors = await cache.embed_queries(questions)
     out, t0, f0 = [], 0, 0
     for c in conversations:
         t1, f1 = t0 + len(c.turns), f0 + (len(c.observations) if want_facts else 0)
         own = turn_vectors[t0:t1]
-        context = context_vectors(own, previous_vectors[t0:t1]) if want_context else own
+        context = context_vectors(c.turns, own) if want_context else own
         out.append({"turns": own, "context": context, "facts": fact_vectors[f0:f1]})
         t0, f0 = t1, f1
     return out, dict(zip(questions, question_vectors, strict=True))
@@ -692,7 +687,8 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "questions": sum(len(c.questions) for c in conversations),
         "turns": sum(len(c.turns) for c in conversations),
         "observations": sum(len(c.observations) for c in conversations),
-        "embedder": embedder.model_id,
+        "embedder": getattr(embedder, "weights_id", embedder.model_id),
+        "embedder_space": embedder.model_id,
         "embedder_runtime": {"threads": EMBEDDER.threads, "batch_size": EMBEDDER.batch_size},
         "embedder_query": getattr(embedder, "query_model_id", None) or embedder.model_id,
         "context_weight": CONTEXT_WEIGHT,

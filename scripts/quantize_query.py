@@ -1,4 +1,4 @@
-"""Build the int8 query side (models/all-MiniLM-L6-v2-int8-query) from the shipped fp32 ONNX model.
+"""Build the int8 model (models/all-MiniLM-L6-v2-int8, the default document and query model) from the fp32 ONNX model.
 
 Dynamic per-channel int8 quantisation of the weights (onnxruntime.quantization), run in a throwaway venv since
 it needs the ``onnx`` package, which the runtime does not::
@@ -19,7 +19,7 @@ from onnxruntime.quantization import QuantType, quantize_dynamic
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCE = REPO / "models" / "all-MiniLM-L6-v2"
-TARGET = REPO / "models" / "all-MiniLM-L6-v2-int8-query"
+TARGET = REPO / "models" / "all-MiniLM-L6-v2-int8"
 COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json", "LICENSE")
 
 

@@ -56,9 +56,10 @@ async def test_vectors_are_unit_float32_of_the_model_dim(local: LocalEmbedder) -
     assert abs(float(np.linalg.norm(query)) - 1.0) < 1e-5
 
 
-async def test_model_id_names_the_variant(local: LocalEmbedder) -> None:
-    """The model id says which export produced the vectors, so fp32 and int8 spaces never mix."""
+async def test_model_id_names_the_space_and_weights_id_the_weights(local: LocalEmbedder) -> None:
+    """The default int8 model writes into the fp32 model's space (one store, no reindex); its weights keep their id."""
     assert local.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
+    assert local.weights_id == "local/all-MiniLM-L6-v2-onnx-int8"
     assert isinstance(local, Embedder)
 
 
@@ -339,18 +340,34 @@ async def test_litellm_wrong_dimension_is_refused(fake_server: FakeEmbeddings) -
 STATIC = "minilm-static-query"
 
 
-async def test_default_query_side_is_int8_in_the_fp32_space() -> None:
-    """By default queries go through the int8 copy: within ~1% of fp32's vector, stored vectors unchanged."""
-    texts = ["Where does the user live?", "What did I say about my sister's cello lessons?"]
-    async with LocalEmbedder(EmbedderSettings()) as embedder:
-        queries = await embedder.embed_queries(texts)
-        one = await embedder.embed_query(texts[0])
-        documents = await embedder.embed_documents(texts)
-    assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
-    assert embedder.query_model_id == "local/all-MiniLM-L6-v2-onnx-int8-query"
-    np.testing.assert_allclose(queries[0], one, atol=1e-5)
-    assert float((queries * documents).sum(axis=1).min()) > 0.98
-    assert not np.allclose(queries, documents, atol=1e-4)  # really another model
+async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_alone() -> None:
+    """The default int8 model's vectors are within ~2% of fp32's, and a text's vector does not depend on its batch."""
+    texts = ["Where does the user live?", "What did I say about my sister's cello lessons?",
+             "Caroline: I went to the LGBTQ support group yesterday and it was so powerful, honestly life-changing."]
+    fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0])
+    async with LocalEmbedder(EmbedderSettings()) as int8, LocalEmbedder(fp32) as full:
+        batched = await int8.embed_documents(texts)
+        alone = [await int8.embed_documents([text]) for text in texts]
+        queries = await int8.embed_queries(texts)
+        reference = await full.embed_documents(texts)
+    assert int8.model_id == full.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
+    assert int8.query_model_id is None  # the int8 model answers queries itself
+    assert full.query_model_id is None
+    np.testing.assert_array_equal(batched, np.concatenate(alone))
+    np.testing.assert_allclose(queries, batched, atol=1e-6)
+    assert float((batched * reference).sum(axis=1).min()) > 0.97
+    assert not np.allclose(batched, reference, atol=1e-4)  # really another model
+
+
+async def test_former_int8_query_side_name_still_serves_fp32_documents() -> None:
+    """``query_model = "all-MiniLM-L6-v2-int8-query"`` (its name before it became the default) still loads."""
+    fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0],
+                            query_model="all-MiniLM-L6-v2-int8-query")
+    async with LocalEmbedder(fp32) as embedder:
+        query = await embedder.embed_query("Where does the user live?")
+        document = await embedder.embed_documents(["Where does the user live?"])
+    assert embedder.query_model_id == "local/all-MiniLM-L6-v2-onnx-int8"
+    assert float(query @ document[0]) > 0.97
 
 
 async def test_static_query_side_finds_documents_of_the_model() -> None:

@@ -83,6 +83,7 @@ def test_wheel_holds_the_model_and_every_package(wheel: Path) -> None:
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "proxy/models/all-MiniLM-L6-v2/model.onnx" in names
     assert "proxy/models/all-MiniLM-L6-v2/tokenizer.json" in names
+    assert "proxy/models/all-MiniLM-L6-v2-int8/model.onnx" in names
     assert "proxy/web/index.html" in names
     packages = {p.parent.relative_to(ROOT).as_posix() for top in ("proxy", "insights")
                 for p in (ROOT / top).rglob("__init__.py")}

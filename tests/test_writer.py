@@ -142,10 +142,11 @@ async def test_turn_vectors_carry_the_turn_they_answer(harness: Harness) -> None
     embed = harness.store.embedder.embed_documents
     weight = harness.writer.settings.context_weight
     for turn, previous in ((user_turn, context[-1][1]), (reply, user_turn.text)):
-        own, with_previous = await embed([turn.text, f"{previous}\n{turn.text}"])
+        own, before = await embed([turn.text, previous])
         stored = (await harness.store.get_many("u1", [turn.id]))[0].embedding
         assert stored is not None
-        assert np.allclose(stored, context_vector(own, with_previous, weight), atol=1e-5)
+        assert np.allclose(stored, context_vector(own, before, weight), atol=1e-5)
+        assert not np.allclose(stored, own, atol=1e-3)
     hits = await harness.store.keyword_search("u1", "Fushimi", 5, kinds=[Kind.TURN])
     assert hits == []  # the context's words are in the vector only, never in the turn's text
 

@@ -19,7 +19,9 @@ from proxy.memory.errors import EmbedderError
 _Manifest = TypeVar("_Manifest", bound=BaseModel)
 _PACKAGE_DIR = Path(__file__).parents[2]  # the top-level package directory: <package>/memory/embedders/this file
 
-MODEL_DIR_NAME = "all-MiniLM-L6-v2"
+MODEL_DIR_NAME = "all-MiniLM-L6-v2-int8"
+# Query-side names that were renamed: the int8 copy was a query side before it became the default model.
+QUERY_MODEL_ALIASES = {"all-MiniLM-L6-v2-int8-query": "all-MiniLM-L6-v2-int8"}
 MODEL_FILES = ("manifest.json", "model.onnx", "tokenizer.json", "tokenizer_config.json")
 EXPORT_HINT = "produce it with scripts/export_minilm.py or set embedder.model_path"
 
@@ -58,6 +60,8 @@ class ModelManifest(BaseModel):
     fastembed_model: str
     variant: str
     dim: int = Field(ge=1)
+    space: str | None = None  # the model whose vector space this one writes into (a quantised copy); None = its own
+    per_text: bool = False  # embed each text alone: its vector would depend on its batch (dynamic quantisation)
 
 
 def read_manifest(model_dir: Path) -> ModelManifest:
@@ -87,7 +91,7 @@ class QueryManifest(BaseModel):
 def resolve_query_model_dir(name: str) -> Path:
     """A query-side model: ``models/<name>`` as every model is looked up, or a directory path."""
     path = Path(name)
-    candidates = [path] if len(path.parts) > 1 else default_model_dirs(name)
+    candidates = [path] if len(path.parts) > 1 else default_model_dirs(QUERY_MODEL_ALIASES.get(name, name))
     for candidate in candidates:
         if (candidate / "manifest.json").is_file() and (candidate / "tokenizer.json").is_file():
             return candidate

@@ -1,10 +1,11 @@
 """Which embedding model to use and how to run it (``[embedder]`` of the config).
 
-``provider = "local"`` (the default) is all-MiniLM-L6-v2 as ONNX shipped with the package; ``"litellm"`` is any
+``provider = "local"`` (the default) is all-MiniLM-L6-v2 as ONNX shipped with the package (by default its int8
+copy, ``models/all-MiniLM-L6-v2-int8``, which writes into the fp32 model's vector space); ``"litellm"`` is any
 remote embedding model litellm supports. A local embedder may answer queries with its own *query side*
 (``query_model``, a directory under ``models/`` whose manifest says which document space it serves): stored
 vectors stay the document model's, so switching the query side needs no reindex; switching the document model
-does (``memproxy reindex``).
+to another space does (``memproxy reindex``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
-DEFAULT_QUERY_MODEL = "all-MiniLM-L6-v2-int8-query"  # LoCoMo R@10 0.729 vs 0.730 (fp32), ~half the CPU
+DEFAULT_QUERY_MODEL: str | None = None  # the int8 document model answers queries itself
 
 
 class EmbedderSettings(BaseModel):
@@ -24,7 +25,7 @@ class EmbedderSettings(BaseModel):
 
     provider: Literal["local", "litellm"] = "local"
     model: str = "sentence-transformers/all-MiniLM-L6-v2"
-    model_path: Path | None = None  # local only; None = the repository's models/all-MiniLM-L6-v2
+    model_path: Path | None = None  # local only; None = the shipped models/all-MiniLM-L6-v2-int8
     batch_size: int = Field(default=64, ge=1)
     threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 measured 2x faster on 2 busy cores
     query_cache_size: int = Field(default=2048, ge=0)

@@ -21,8 +21,9 @@ class WriterSettings(BaseModel):
     # MiniLM: an update of a fact scores >= 0.6 against it ("lives in London" / "moved to Paris" 0.60), unrelated
     # facts of one user ~0.27 ("likes jazz" / "has a dog"); LoCoMo's facts of one speaker: 98% >= 0.5
     reconcile_min_similarity: float = Field(default=0.5, ge=-1.0, le=1.0)
-    # a turn's vector: unit (1 - w) * its own + w * (previous turn + it); 0 embeds each turn alone. 0.5 lifted
-    # LoCoMo evidence recall@10 from 0.718 to 0.730 (bench/locomo.py, "+context"), at twice the embedding work
+    # a turn's vector: unit (1 - w) * its own + w * unit(its own + the previous turn's own) (``context_vector``);
+    # 0 stores each turn's own vector. 0.5: LoCoMo default R@10 0.728 against 0.715 for turns alone
+    # (bench/locomo.py, "+turns"), for one more embedding per exchange (the turn before it)
     context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
     # a conversation is (re-)summarised only once this many of its turns are not in its summary yet (a one-message
     # chat needs none; a short tail stays as turns, which are searchable themselves)

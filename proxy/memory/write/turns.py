@@ -50,9 +50,24 @@ def turn_records(
     ]
 
 
-def context_vector(own: Vectors, with_previous: Vectors, weight: float) -> Vectors:
-    """Unit ``(1 - weight) * own + weight * with_previous`` (row-wise for matrices): a turn's vector that also
-    carries the turn it answers, so that a question about either finds it."""
-    mixed = ((1.0 - weight) * own + weight * with_previous).astype(np.float32)
-    norms = np.linalg.norm(mixed, axis=-1, keepdims=True)
-    return (mixed / np.where(norms == 0.0, 1.0, norms)).astype(np.float32, copy=False)
+def context_vector(own: Vectors, previous: Vectors, weight: float) -> Vectors:
+    """A turn's vector that also carries the turn it answers, so that a question about either finds it.
+
+    Unit ``(1 - weight) * own + weight * unit(own + previous)``, row-wise for matrices, where ``previous`` is the
+    previous turn's own vector (a zero row: none). The pair's direction is the sum of the two turns' vectors
+    rather than an embedding of the two texts together: one embedding per turn instead of two (the pair's text is
+    also twice as long), at the same recall (LoCoMo default R@10 0.730 vs 0.728, MRR 0.503 vs 0.507).
+    """
+    return _unit((1.0 - weight) * own + weight * _unit(own + previous))
+
+
+def exchange_context_vectors(own: Vectors, before: Vectors | None, weight: float) -> Vectors:
+    """``context_vector`` of an exchange's turns (rows of ``own``), each after its predecessor: the first after
+    ``before``, the own vector of the turn before the exchange (None: the first turn alone)."""
+    first = before[np.newaxis] if before is not None else np.zeros_like(own[:1])
+    return context_vector(own, np.vstack([first, own[:-1]]), weight)
+
+
+def _unit(rows: Vectors) -> Vectors:
+    norms = np.linalg.norm(rows, axis=-1, keepdims=True)
+    return (rows / np.where(norms == 0.0, 1.0, norms)).astype(np.float32, copy=False)

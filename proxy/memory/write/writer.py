@@ -38,7 +38,7 @@ from proxy.memory.write.prefilter import any_worth_extracting
 from proxy.memory.write.queue import Handler, Job, JobQueue
 from proxy.memory.write.settings import WriterSettings
 from proxy.memory.write.summaries import SummaryJobs
-from proxy.memory.write.turns import context_vector, turn_records
+from proxy.memory.write.turns import exchange_context_vectors, turn_records
 
 log = structlog.get_logger("memproxy.writer")
 
@@ -84,21 +84,18 @@ class Writer:
     async def _with_context(
         self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
     ) -> list[MemoryRecord]:
-        """The turns with context vectors (one batched embedding of each text alone and after its previous turn)."""
+        """The turns with context vectors: one embedding of each turn, and of the turn before the exchange."""
         weight = self.settings.context_weight
         if weight <= 0 or not turns:
             return turns
-        previous = [context[-1][1] if context else None, *(t.text for t in turns[:-1])]
-        texts = [t.text for t in turns] + [f"{prev}\n{t.text}" for prev, t in zip(previous, turns, strict=True) if prev]
+        before = [context[-1][1]] if context and context[-1][1] else []
         embedder = self._store.embedder
-        vectors = await embedder.embed_documents(texts)
-        own, with_previous = vectors[: len(turns)], iter(vectors[len(turns) :])
-        out = []
-        for turn, prev, vector in zip(turns, previous, own, strict=True):
-            if prev:
-                vector = context_vector(vector, next(with_previous), weight)
-            out.append(turn.replace(embedding=[float(x) for x in vector], model_id=embedder.model_id))
-        return out
+        vectors = await embedder.embed_documents([*before, *(t.text for t in turns)])
+        mixed = exchange_context_vectors(vectors[len(before) :], vectors[0] if before else None, weight)
+        return [
+            t.replace(embedding=[float(x) for x in v], model_id=embedder.model_id)
+            for t, v in zip(turns, mixed, strict=True)
+        ]
 
     async def handle_facts(self, job: Job) -> None:
         """Extract, screen and reconcile the facts of the user's window of exchanges; then trigger insights."""
