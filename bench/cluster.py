@@ -57,15 +57,19 @@ TOPICS = ["cooking", "hiking", "music", "travel", "work", "family", "books", "he
 class NoModel:
     """The memory-side model, unreachable: the read path never calls it."""
 
-    async def complete_json(self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any],
-                            schema_name: str) -> dict[str, Any]:
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
         raise LLMUnavailable("no model in the cluster benchmark")
 
 
 def _texts(n: int, seed: int) -> list[str]:
     rng = np.random.default_rng(seed)
-    return [f"Note {i} about {TOPICS[int(rng.integers(len(TOPICS)))]}: item {int(rng.integers(10_000))} "
-            f"matters on day {int(rng.integers(365))}" for i in range(n)]
+    return [
+        f"Note {i} about {TOPICS[int(rng.integers(len(TOPICS)))]}: item {int(rng.integers(10_000))} "
+        f"matters on day {int(rng.integers(365))}"
+        for i in range(n)
+    ]
 
 
 def _questions(n: int) -> list[str]:
@@ -73,8 +77,12 @@ def _questions(n: int) -> list[str]:
 
 
 def _ms(values: Sequence[float]) -> dict[str, float]:
-    return {"p50": round(percentile(list(values), 50), 2), "p99": round(percentile(list(values), 99), 2),
-            "max": round(max(values), 2), "n": len(values)}
+    return {
+        "p50": round(percentile(list(values), 50), 2),
+        "p99": round(percentile(list(values), 99), 2),
+        "max": round(max(values), 2),
+        "n": len(values),
+    }
 
 
 class RequestCounter:
@@ -101,14 +109,29 @@ async def _records(engine: MemoryEngine, users: dict[str, int]) -> list[MemoryRe
     for k, (user, n) in enumerate(users.items()):
         texts = _texts(n, k)
         vectors = await engine.embedder.embed_documents(texts)
-        out += [MemoryRecord(user_id=user, kind=Kind.TURN if i % 3 else Kind.FACT, text=t, embedding=v,
-                             model_id=engine.embedder.model_id, conversation_id=f"c{i % 20}",
-                             role="user") for i, (t, v) in enumerate(zip(texts, vectors, strict=True))]
+        out += [
+            MemoryRecord(
+                user_id=user,
+                kind=Kind.TURN if i % 3 else Kind.FACT,
+                text=t,
+                embedding=v,
+                model_id=engine.embedder.model_id,
+                conversation_id=f"c{i % 20}",
+                role="user",
+            )
+            for i, (t, v) in enumerate(zip(texts, vectors, strict=True))
+        ]
     return out
 
 
-async def _read_path(label: str, tree: dict[str, Any], records: list[MemoryRecord], cold_users: list[str],
-                     questions: list[str], counter: RequestCounter | None) -> dict[str, Any]:
+async def _read_path(
+    label: str,
+    tree: dict[str, Any],
+    records: list[MemoryRecord],
+    cold_users: list[str],
+    questions: list[str],
+    counter: RequestCounter | None,
+) -> dict[str, Any]:
     es = engine_settings(load_settings(None, environ={}, overrides=tree))  # AWS_* from this process's environment
     async with MemoryEngine(es, NoModel()) as engine:
         for start in range(0, len(records), 2000):
@@ -132,9 +155,12 @@ async def _read_path(label: str, tree: dict[str, Any], records: list[MemoryRecor
                 warm.append((time.perf_counter() - started) * 1000)
                 requests += (counter.total() if counter else 0) - before
     print(f"{label}: warm p50 {percentile(warm, 50):.1f} ms, cold p50 {percentile(cold, 50):.1f} ms", file=sys.stderr)
-    return {"warm_ms": _ms(warm), "cold_first_read_ms": _ms(cold),
-            "object_store_requests_per_warm_read": round(requests / len(warm), 2) if counter else 0.0,
-            "object_store_requests_per_cold_read": round(float(np.mean(cold_requests)), 2) if counter else 0.0}
+    return {
+        "warm_ms": _ms(warm),
+        "cold_first_read_ms": _ms(cold),
+        "object_store_requests_per_warm_read": round(requests / len(warm), 2) if counter else 0.0,
+        "object_store_requests_per_cold_read": round(float(np.mean(cold_requests)), 2) if counter else 0.0,
+    }
 
 
 async def _load(url: str, users: list[str], concurrency: int, seconds: float) -> dict[str, Any]:
@@ -148,8 +174,11 @@ async def _load(url: str, users: list[str], concurrency: int, seconds: float) ->
         n = w
         while time.perf_counter() < deadline:
             n += concurrency
-            headers = {"Content-Type": "application/json", "X-Memory-User": users[n % len(users)],
-                       "X-Memory-Mode": "read"}
+            headers = {
+                "Content-Type": "application/json",
+                "X-Memory-User": users[n % len(users)],
+                "X-Memory-Mode": "read",
+            }
             started = time.perf_counter()
             try:
                 async with session.post(url, data=body(questions[n % len(questions)]), headers=headers) as response:
@@ -167,9 +196,14 @@ async def _load(url: str, users: list[str], concurrency: int, seconds: float) ->
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session:
         await asyncio.gather(*(worker(session, w) for w in range(concurrency)))
     wall = time.perf_counter() - started
-    return {"rps": round(len(latencies) / wall, 2), "p50_ms": round(percentile(latencies, 50), 1),
-            "p99_ms": round(percentile(latencies, 99), 1), "requests": len(latencies), "errors": errors,
-            "served_without_memory": without_memory}
+    return {
+        "rps": round(len(latencies) / wall, 2),
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p99_ms": round(percentile(latencies, 99), 1),
+        "requests": len(latencies),
+        "errors": errors,
+        "served_without_memory": without_memory,
+    }
 
 
 def _start_replicas(n: int, env: dict[str, str]) -> list[tuple[Process, int]]:
@@ -177,8 +211,7 @@ def _start_replicas(n: int, env: dict[str, str]) -> list[tuple[Process, int]]:
     for _ in range(n):
         port = free_port()
         data = tempfile.mkdtemp(prefix="bench-cluster-replica-")
-        proc = Process([str(MEMPROXY), "serve", "--port", str(port)],
-                       child_env(**env, MEMPROXY_STORAGE__PATH=data))
+        proc = Process([str(MEMPROXY), "serve", "--port", str(port)], child_env(**env, MEMPROXY_STORAGE__PATH=data))
         out.append((proc, port))
     try:
         for proc, _ in out:
@@ -191,17 +224,25 @@ def _start_replicas(n: int, env: dict[str, str]) -> list[tuple[Process, int]]:
     return out
 
 
-async def _throughput(args: argparse.Namespace, endpoint: str, uri: str, users: list[str],
-                      counter: RequestCounter) -> list[dict[str, Any]]:
+async def _throughput(
+    args: argparse.Namespace, endpoint: str, uri: str, users: list[str], counter: RequestCounter
+) -> list[dict[str, Any]]:
     rows = []
     with fake_upstream_process(latency_ms=5) as (_, upstream):
-        env = {**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint, "MEMPROXY_STORAGE__URI": uri,
-               "MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-bench"}
+        env = {
+            **CREDENTIALS,
+            "AWS_ENDPOINT_URL": endpoint,
+            "MEMPROXY_STORAGE__URI": uri,
+            "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+            "MEMPROXY_UPSTREAM__API_KEY": "sk-bench",
+        }
         replicas = _start_replicas(3, env)
         try:
             for n in (1, 2, 3):
-                with tempfile.TemporaryDirectory(prefix="bench-nginx-") as tmp, \
-                        nginx(Path(tmp), [f"127.0.0.1:{port}" for _, port in replicas[:n]]) as router:
+                with (
+                    tempfile.TemporaryDirectory(prefix="bench-nginx-") as tmp,
+                    nginx(Path(tmp), [f"127.0.0.1:{port}" for _, port in replicas[:n]]) as router,
+                ):
                     url = f"{router}/v1/chat/completions"
                     await _load(url, users, args.concurrency, 3.0)  # warm every replica's caches
                     cpu_before = sum(cpu_seconds(p.popen.pid) for p, _ in replicas)
@@ -209,10 +250,14 @@ async def _throughput(args: argparse.Namespace, endpoint: str, uri: str, users: 
                     row = await _load(url, users, args.concurrency, args.seconds)
                     row["replicas"] = n
                     row["object_store_requests_per_chat"] = round(
-                        (counter.total() - requests_before) / max(1, row["requests"]), 2)
+                        (counter.total() - requests_before) / max(1, row["requests"]), 2
+                    )
                     row["cpu_ms_per_request"] = round(
-                        (sum(cpu_seconds(p.popen.pid) for p, _ in replicas) - cpu_before) * 1000
-                        / max(1, row["requests"]), 1)
+                        (sum(cpu_seconds(p.popen.pid) for p, _ in replicas) - cpu_before)
+                        * 1000
+                        / max(1, row["requests"]),
+                        1,
+                    )
                     rows.append(row)
                     print(f"{n} replica(s): {row}", file=sys.stderr)
         finally:
@@ -230,25 +275,33 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     with moto_server_process() as (moto, endpoint), tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         counter = RequestCounter(moto)
         uri = bucket_uri("bench")
-        async with MemoryEngine(engine_settings(load_settings(None, environ={}, overrides={
-                "storage": {"path": f"{tmp}/embed"}})), NoModel()) as embedding:
+        async with MemoryEngine(
+            engine_settings(load_settings(None, environ={}, overrides={"storage": {"path": f"{tmp}/embed"}})), NoModel()
+        ) as embedding:
             records = await _records(embedding, users)
-        local = await _read_path("local", {"storage": {"path": f"{tmp}/local"}}, records, cold_users, questions,
-                                 None)
+        local = await _read_path("local", {"storage": {"path": f"{tmp}/local"}}, records, cold_users, questions, None)
         os.environ.update({**CREDENTIALS, "AWS_ENDPOINT_URL": endpoint})
-        s3 = await _read_path("s3", {"storage": {"path": f"{tmp}/s3", "uri": uri}}, records, cold_users, questions,
-                              counter)
+        s3 = await _read_path(
+            "s3", {"storage": {"path": f"{tmp}/s3", "uri": uri}}, records, cold_users, questions, counter
+        )
         throughput = await _throughput(args, endpoint, uri, ["bench-user", *cold_users], counter) if NGINX else []
     return {
         "read_path": {"local": local, "object_storage": s3},
         "throughput": throughput,
-        "meta": {"memories_warm_user": args.memories, "cold_users": args.cold_users,
-                 "memories_per_cold_user": args.cold_memories, "concurrency": args.concurrency,
-                 "seconds_per_row": args.seconds, "s3": "moto 5.2.5 server on 127.0.0.1 (requests serialised)",
-                 "note": "all replicas share 2 cores: throughput is CPU-bound and does not scale here",
-                 "python": platform.python_version(), "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-                 "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
-                 "date": datetime.now(UTC).isoformat(timespec="seconds")},
+        "meta": {
+            "memories_warm_user": args.memories,
+            "cold_users": args.cold_users,
+            "memories_per_cold_user": args.cold_memories,
+            "concurrency": args.concurrency,
+            "seconds_per_row": args.seconds,
+            "s3": "moto 5.2.5 server on 127.0.0.1 (requests serialised)",
+            "note": "all replicas share 2 cores: throughput is CPU-bound and does not scale here",
+            "python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
     }
 
 
@@ -256,14 +309,18 @@ def _print(document: dict[str, Any]) -> None:
     print("| backend | warm p50 ms | warm p99 ms | cold first read p50 ms | cold max ms | S3 req/warm read |")
     print("|---|---|---|---|---|---|")
     for name, row in document["read_path"].items():
-        print(f"| {name} | {row['warm_ms']['p50']} | {row['warm_ms']['p99']} | {row['cold_first_read_ms']['p50']} "
-              f"| {row['cold_first_read_ms']['max']} | {row['object_store_requests_per_warm_read']} |")
+        print(
+            f"| {name} | {row['warm_ms']['p50']} | {row['warm_ms']['p99']} | {row['cold_first_read_ms']['p50']} "
+            f"| {row['cold_first_read_ms']['max']} | {row['object_store_requests_per_warm_read']} |"
+        )
     print("\n| replicas | req/s | p50 ms | p99 ms | without memory | errors | S3 req/chat | CPU ms/req |")
     print("|---|---|---|---|---|---|---|---|")
     for row in document["throughput"]:
-        print(f"| {row['replicas']} | {row['rps']} | {row['p50_ms']} | {row['p99_ms']} | "
-              f"{row['served_without_memory']}/{row['requests']} | {row['errors']} | "
-              f"{row['object_store_requests_per_chat']} | {row['cpu_ms_per_request']} |")
+        print(
+            f"| {row['replicas']} | {row['rps']} | {row['p50_ms']} | {row['p99_ms']} | "
+            f"{row['served_without_memory']}/{row['requests']} | {row['errors']} | "
+            f"{row['object_store_requests_per_chat']} | {row['cpu_ms_per_request']} |"
+        )
 
 
 def main() -> None:

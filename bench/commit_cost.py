@@ -34,9 +34,17 @@ from proxy.memory.write.queue import JobQueue
 
 def exchange(n: int) -> Exchange:
     """An exchange of typical size (~300 characters of user text, ~500 of reply)."""
-    return Exchange(request_id=f"r{n}", user_id=f"u{n % 8}", conversation_id="c", model="m", route="default",
-                    user_messages=(f"message number {n} " * 18,), assistant_text=f"reply number {n} " * 36,
-                    partial=False, finished_at=datetime.now(UTC))
+    return Exchange(
+        request_id=f"r{n}",
+        user_id=f"u{n % 8}",
+        conversation_id="c",
+        model="m",
+        route="default",
+        user_messages=(f"message number {n} " * 18,),
+        assistant_text=f"reply number {n} " * 36,
+        partial=False,
+        finished_at=datetime.now(UTC),
+    )
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -54,9 +62,14 @@ async def sequential(queue: JobQueue, count: int) -> dict[str, float]:
         await queue.enqueue("exchange", f"u{n % 8}", exchange_payload(exchange(n)))
         latencies.append((time.perf_counter() - started) * 1000)
     cpu_ms = (time.process_time() - cpu0) * 1000 / count
-    return {"p50_ms": percentile(latencies, 0.5), "p90_ms": percentile(latencies, 0.9),
-            "p99_ms": percentile(latencies, 0.99), "cpu_ms_per_commit": cpu_ms,
-            "commits_per_s": count / (time.perf_counter() - wall0), "exchanges_per_fsync": 1.0}
+    return {
+        "p50_ms": percentile(latencies, 0.5),
+        "p90_ms": percentile(latencies, 0.9),
+        "p99_ms": percentile(latencies, 0.99),
+        "cpu_ms_per_commit": cpu_ms,
+        "commits_per_s": count / (time.perf_counter() - wall0),
+        "exchanges_per_fsync": 1.0,
+    }
 
 
 async def concurrent(queue: JobQueue, width: int, rounds: int) -> dict[str, float]:
@@ -74,9 +87,13 @@ async def concurrent(queue: JobQueue, width: int, rounds: int) -> dict[str, floa
         await asyncio.gather(*(one(r * width + i) for i in range(width)))
     wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
     batches, items = queue.commit_batches
-    return {"p50_ms": percentile(latencies, 0.5), "p99_ms": percentile(latencies, 0.99),
-            "commits_per_s": len(latencies) / wall, "cpu_ms_per_commit": cpu * 1000 / len(latencies),
-            "exchanges_per_fsync": (items - items0) / max(1, batches - batches0)}
+    return {
+        "p50_ms": percentile(latencies, 0.5),
+        "p99_ms": percentile(latencies, 0.99),
+        "commits_per_s": len(latencies) / wall,
+        "cpu_ms_per_commit": cpu * 1000 / len(latencies),
+        "exchanges_per_fsync": (items - items0) / max(1, batches - batches0),
+    }
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -96,8 +113,10 @@ def _table(results: dict[str, Any]) -> str:
     for name, r in results.items():
         if name == "meta":
             continue
-        rows.append(f"{name:<15} {r['p50_ms']:>6.2f}   {r['p99_ms']:>6.2f}   {r['cpu_ms_per_commit']:>13.2f}"
-                    f"   {r['commits_per_s']:>9.0f}   {r['exchanges_per_fsync']:>15.1f}")
+        rows.append(
+            f"{name:<15} {r['p50_ms']:>6.2f}   {r['p99_ms']:>6.2f}   {r['cpu_ms_per_commit']:>13.2f}"
+            f"   {r['commits_per_s']:>9.0f}   {r['exchanges_per_fsync']:>15.1f}"
+        )
     return "\n".join(rows)
 
 

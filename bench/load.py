@@ -77,11 +77,18 @@ async def _seed(path: Path, count: int) -> None:
             batch = []
             for i in range(start, min(start + 500, count)):
                 fact = i % 4 == 0
-                batch.append(MemoryRecord(
-                    user_id=USER, kind=Kind.FACT if fact else Kind.TURN, text=sentence(rng),
-                    created_at=now - step * (count - i), conversation_id=None if fact else f"conv-{i // 20}",
-                    role=None if fact else ("user" if i % 2 else "assistant"),
-                    category="preference" if fact else None, importance=rng.randint(3, 9)))
+                batch.append(
+                    MemoryRecord(
+                        user_id=USER,
+                        kind=Kind.FACT if fact else Kind.TURN,
+                        text=sentence(rng),
+                        created_at=now - step * (count - i),
+                        conversation_id=None if fact else f"conv-{i // 20}",
+                        role=None if fact else ("user" if i % 2 else "assistant"),
+                        category="preference" if fact else None,
+                        importance=rng.randint(3, 9),
+                    )
+                )
             await store.add(batch)
             _progress(f"seeded {min(start + 500, count)}/{count} memories")
 
@@ -143,12 +150,19 @@ def litellm_process(upstream: str, workdir: Path) -> Iterator[tuple[Process, str
         "  telemetry: false\n"
     )
     port = _free_port()
-    env = child_env(LITELLM_MASTER_KEY=LITELLM_KEY, LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_TELEMETRY="False",
-                    DISABLE_SCHEMA_UPDATE="True",
-                    DO_NOT_TRACK="1", ANONYMIZED_TELEMETRY="False")
+    env = child_env(
+        LITELLM_MASTER_KEY=LITELLM_KEY,
+        LITELLM_LOCAL_MODEL_COST_MAP="True",
+        LITELLM_TELEMETRY="False",
+        DISABLE_SCHEMA_UPDATE="True",
+        DO_NOT_TRACK="1",
+        ANONYMIZED_TELEMETRY="False",
+    )
     env.pop("DATABASE_URL", None)
-    proc = Process([str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-                    "--num_workers", "1"], env)
+    proc = Process(
+        [str(LITELLM_BIN), "--config", str(config), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"],
+        env,
+    )
     try:
         _wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc)
         yield proc, f"http://127.0.0.1:{port}/v1"
@@ -213,8 +227,12 @@ def queries(rng: random.Random, n: int) -> list[str]:
     out: set[str] = set()
     while len(out) < n:
         shape = rng.choice(shapes)
-        out.add(shape.format(verb=rng.choice(VERBS), obj=rng.choice(OBJECTS), place=rng.choice(PLACES),
-                             time=rng.choice(TIMES)) + f" ({rng.randrange(10**6)})" * (rng.random() < 0.3))
+        out.add(
+            shape.format(
+                verb=rng.choice(VERBS), obj=rng.choice(OBJECTS), place=rng.choice(PLACES), time=rng.choice(TIMES)
+            )
+            + f" ({rng.randrange(10**6)})" * (rng.random() < 0.3)
+        )
     return sorted(out, key=lambda _: rng.random())
 
 
@@ -222,8 +240,9 @@ async def _round(targets: list[Target], concurrency: int, requests: int, stream:
     for target in targets:
         before = degraded_reads(target.metrics_url) if target.metrics_url else 0.0
         cpu_before = tree_cpu_s(target.cpu_pid) if target.cpu_pid else 0.0
-        sample = await run(target.url, concurrency=concurrency, requests=requests, stream=stream,
-                           headers=target.headers, texts=texts)
+        sample = await run(
+            target.url, concurrency=concurrency, requests=requests, stream=stream, headers=target.headers, texts=texts
+        )
         (target.streams if stream else target.plain).append(sample)
         if target.cpu_pid:
             target.cpu_s += tree_cpu_s(target.cpu_pid) - cpu_before
@@ -233,15 +252,20 @@ async def _round(targets: list[Target], concurrency: int, requests: int, stream:
             target.rss = max(target.rss, tree_rss_mb(target.pid))
 
 
-async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: int,
-                rng: random.Random) -> None:
+async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: int, rng: random.Random) -> None:
     for target in targets:
         target.plain, target.streams, target.rss, target.degraded, target.cpu_s = [], [], 0.0, 0.0, 0.0
     for stream in (False, True):
         warm = queries(rng, 20)
         for target in targets:
-            await run(target.url, concurrency=concurrency, requests=max(20, concurrency), stream=stream,
-                      headers=target.headers, texts=warm)
+            await run(
+                target.url,
+                concurrency=concurrency,
+                requests=max(20, concurrency),
+                stream=stream,
+                headers=target.headers,
+                texts=warm,
+            )
         for _ in range(rounds):
             rng.shuffle(targets)
             await _round(targets, concurrency, requests, stream, queries(rng, requests))
@@ -259,20 +283,25 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
         lat = plain.latencies_ms
         served = len(lat) + len(streams.ttfts_ms)
         with_memory = 1.0 - target.degraded / served if target.metrics_url and served else 0.0
-        rows.append({
-            "target": name, "concurrency": concurrency,
-            "p50_ms": round(percentile(lat, 50), 3), "p95_ms": round(percentile(lat, 95), 3),
-            "p99_ms": round(percentile(lat, 99), 3),
-            "added_p50_ms": round(percentile(lat, 50) - percentile(direct_plain, 50), 3),
-            "added_p99_ms": round(percentile(lat, 99) - percentile(direct_plain, 99), 3),
-            "ttft_added_p50_ms": round(percentile(streams.ttfts_ms, 50) - percentile(direct_ttft, 50), 3),
-            "rps": round(plain.rps, 1), "errors": plain.errors + streams.errors,
-            "rss_mb": None if target.pid is None else round(target.rss, 1),
-            "degraded_reads": None if target.metrics_url is None else int(target.degraded),
-            "requests": served,
-            "with_memory_rps": round(plain.rps * with_memory, 1),
-            "cpu_ms_per_request": round(1000 * target.cpu_s / served, 3) if target.cpu_pid and served else None,
-        })
+        rows.append(
+            {
+                "target": name,
+                "concurrency": concurrency,
+                "p50_ms": round(percentile(lat, 50), 3),
+                "p95_ms": round(percentile(lat, 95), 3),
+                "p99_ms": round(percentile(lat, 99), 3),
+                "added_p50_ms": round(percentile(lat, 50) - percentile(direct_plain, 50), 3),
+                "added_p99_ms": round(percentile(lat, 99) - percentile(direct_plain, 99), 3),
+                "ttft_added_p50_ms": round(percentile(streams.ttfts_ms, 50) - percentile(direct_ttft, 50), 3),
+                "rps": round(plain.rps, 1),
+                "errors": plain.errors + streams.errors,
+                "rss_mb": None if target.pid is None else round(target.rss, 1),
+                "degraded_reads": None if target.metrics_url is None else int(target.degraded),
+                "requests": served,
+                "with_memory_rps": round(plain.rps * with_memory, 1),
+                "cpu_ms_per_request": round(1000 * target.cpu_s / served, 3) if target.cpu_pid and served else None,
+            }
+        )
     return rows
 
 
@@ -301,8 +330,9 @@ def probe(chat_url: str, attempts: int = 20) -> dict[str, str]:
             headers={"Content-Type": "application/json", **ON},
         )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 (our own http URL)
-            headers = {k: v for k, v in response.headers.items()
-                       if k.lower().startswith("x-memory") and k != "X-Memory-Ids"}
+            headers = {
+                k: v for k, v in response.headers.items() if k.lower().startswith("x-memory") and k != "X-Memory-Ids"
+            }
         if "degraded" not in headers.get("X-Memory-Arms", ""):
             return headers
         time.sleep(0.5)
@@ -313,8 +343,9 @@ def degraded_reads(base_url: str) -> float:
     """memproxy's count of requests served with degraded memory (read timeouts or failures)."""
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:  # noqa: S310
         text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("memproxy_memory_degraded_total"))
+    return sum(
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("memproxy_memory_degraded_total")
+    )
 
 
 # ---------------------------------------------------------------- reporting
@@ -322,15 +353,19 @@ def degraded_reads(base_url: str) -> float:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     """The result table on stdout."""
-    print(f"{'target':<14}{'conc':>5}{'p50':>9}{'p95':>9}{'p99':>9}{'+p50':>9}{'+p99':>9}{'+ttft50':>9}"
-          f"{'req/s':>9}{'mem r/s':>9}{'CPU ms':>8}{'errors':>8}{'rss MB':>9}{'no memory':>11}")
+    print(
+        f"{'target':<14}{'conc':>5}{'p50':>9}{'p95':>9}{'p99':>9}{'+p50':>9}{'+p99':>9}{'+ttft50':>9}"
+        f"{'req/s':>9}{'mem r/s':>9}{'CPU ms':>8}{'errors':>8}{'rss MB':>9}{'no memory':>11}"
+    )
     for r in rows:
         rss = "-" if r["rss_mb"] is None else f"{r['rss_mb']:.0f}"
         cpu = "-" if r["cpu_ms_per_request"] is None else f"{r['cpu_ms_per_request']:.2f}"
         no_memory = "-" if r["degraded_reads"] is None else f"{r['degraded_reads']}/{r['requests']}"
-        print(f"{r['target']:<14}{r['concurrency']:>5}{r['p50_ms']:>9.2f}{r['p95_ms']:>9.2f}{r['p99_ms']:>9.2f}"
-              f"{r['added_p50_ms']:>9.2f}{r['added_p99_ms']:>9.2f}{r['ttft_added_p50_ms']:>9.2f}{r['rps']:>9.1f}"
-              f"{r['with_memory_rps']:>9.1f}{cpu:>8}{r['errors']:>8}{rss:>9}{no_memory:>11}")
+        print(
+            f"{r['target']:<14}{r['concurrency']:>5}{r['p50_ms']:>9.2f}{r['p95_ms']:>9.2f}{r['p99_ms']:>9.2f}"
+            f"{r['added_p50_ms']:>9.2f}{r['added_p99_ms']:>9.2f}{r['ttft_added_p50_ms']:>9.2f}{r['rps']:>9.1f}"
+            f"{r['with_memory_rps']:>9.1f}{cpu:>8}{r['errors']:>8}{rss:>9}{no_memory:>11}"
+        )
 
 
 def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
@@ -348,25 +383,44 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
         if on and on["cpu_ms_per_request"] is not None:
             cpu, without = on["cpu_ms_per_request"], on["degraded_reads"] or 0
             fair = without <= 0.01 * on["requests"]  # requests served without memory cost far less
-            out.append((cpu <= 6.0 and fair, f"c={c} memproxy-on CPU per request {cpu:.2f} ms <= 6 ms"
-                                             + ("" if fair else f" (not comparable: {without} without memory)")))
+            out.append(
+                (
+                    cpu <= 6.0 and fair,
+                    f"c={c} memproxy-on CPU per request {cpu:.2f} ms <= 6 ms"
+                    + ("" if fair else f" (not comparable: {without} without memory)"),
+                )
+            )
         if off and lite:
             ratio = off["added_p50_ms"] / lite["added_p50_ms"] if lite["added_p50_ms"] > 0 else float("inf")
-            out.append((ratio <= 0.25, f"c={c} memproxy-off added p50 / litellm added p50 = "
-                                       f"{off['added_p50_ms']:.2f}/{lite['added_p50_ms']:.2f} = {ratio:.2f}x <= 0.25x"))
+            out.append(
+                (
+                    ratio <= 0.25,
+                    f"c={c} memproxy-off added p50 / litellm added p50 = "
+                    f"{off['added_p50_ms']:.2f}/{lite['added_p50_ms']:.2f} = {ratio:.2f}x <= 0.25x",
+                )
+            )
         if on:
             p50, p99 = on["added_p50_ms"], on["added_p99_ms"]
             out.append((p50 <= 10.0, f"c={c} memproxy-on added p50 {p50:.2f} ms <= 10 ms"))
             out.append((p99 <= 30.0, f"c={c} memproxy-on added p99 {p99:.2f} ms <= 30 ms"))
             degraded, total = on["degraded_reads"] or 0, on["requests"]
-            out.append((degraded <= 0.01 * total, f"c={c} memproxy-on requests served without memory (read "
-                                                  f"deadline) {degraded}/{total} <= 1%"))
+            out.append(
+                (
+                    degraded <= 0.01 * total,
+                    f"c={c} memproxy-on requests served without memory (read deadline) {degraded}/{total} <= 1%",
+                )
+            )
     top = max(r["concurrency"] for r in rows)
     on, lite = cell.get(("memproxy-on", top)), cell.get(("litellm", top))
     if on and lite:
         ratio = on["with_memory_rps"] / lite["rps"] if lite["rps"] else float("inf")
-        out.append((ratio >= 2.0, f"c={top} memproxy-on req/s with memory / litellm req/s = "
-                                  f"{on['with_memory_rps']:.1f}/{lite['rps']:.1f} = {ratio:.2f}x >= 2x"))
+        out.append(
+            (
+                ratio >= 2.0,
+                f"c={top} memproxy-on req/s with memory / litellm req/s = "
+                f"{on['with_memory_rps']:.1f}/{lite['rps']:.1f} = {ratio:.2f}x >= 2x",
+            )
+        )
     errors = sum(r["errors"] for r in rows)
     out.append((errors == 0, f"errors {errors} == 0"))
     return out
@@ -377,12 +431,21 @@ def _floor_checks(off: dict[str, Any], floor: dict[str, Any], c: int) -> list[tu
     out = []
     if off["cpu_ms_per_request"] is not None and floor["cpu_ms_per_request"]:
         ratio = off["cpu_ms_per_request"] / floor["cpu_ms_per_request"]
-        out.append((ratio <= 2.0, f"c={c} memproxy-off CPU per request / floor's = {off['cpu_ms_per_request']:.2f}/"
-                                  f"{floor['cpu_ms_per_request']:.2f} = {ratio:.2f}x <= 2x"))
+        out.append(
+            (
+                ratio <= 2.0,
+                f"c={c} memproxy-off CPU per request / floor's = {off['cpu_ms_per_request']:.2f}/"
+                f"{floor['cpu_ms_per_request']:.2f} = {ratio:.2f}x <= 2x",
+            )
+        )
     if c >= 64:
         share = off["rps"] / floor["rps"] if floor["rps"] else float("inf")
-        out.append((share >= 0.5, f"c={c} memproxy-off req/s / floor's = {off['rps']:.1f}/{floor['rps']:.1f} = "
-                                  f"{share:.2f} >= 0.5"))
+        out.append(
+            (
+                share >= 0.5,
+                f"c={c} memproxy-off req/s / floor's = {off['rps']:.1f}/{floor['rps']:.1f} = {share:.2f} >= 0.5",
+            )
+        )
     return out
 
 
@@ -403,25 +466,39 @@ def floor_process(upstream: str) -> Iterator[tuple[Process, str]]:
 def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) -> list[Target]:
     upstream_proc, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
     floor_proc, floor = stack.enter_context(floor_process(upstream))
-    base = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
-            "MEMPROXY_LOGGING__LEVEL": args.log_level}
+    base = {
+        "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_STORAGE__PATH": str(data),
+        "MEMPROXY_LOGGING__LEVEL": args.log_level,
+    }
     if args.read_timeout_ms:
-        base |= {"MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": str(args.read_timeout_ms),
-                 "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": str(args.read_timeout_ms),
-                 "MEMPROXY_MEMORY__READ_QUEUE_MS": str(args.read_timeout_ms)}
+        base |= {
+            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": str(args.read_timeout_ms),
+            "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": str(args.read_timeout_ms),
+            "MEMPROXY_MEMORY__READ_QUEUE_MS": str(args.read_timeout_ms),
+        }
     base |= dict(pair.split("=", 1) for pair in args.env)
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
     _progress(f"memproxy up on {proxy}")
     pid = proc.popen.pid
-    targets = [Target("direct", f"{upstream}/chat/completions", {}, None, upstream_proc.popen.pid),
-               Target("floor", f"{floor}/chat/completions", {}, floor_proc.popen.pid, floor_proc.popen.pid),
-               Target("memproxy-off", f"{proxy}/chat/completions", OFF, pid, pid),
-               Target("memproxy-on", f"{proxy}/chat/completions", ON, pid, pid, metrics_url=proxy)]
+    targets = [
+        Target("direct", f"{upstream}/chat/completions", {}, None, upstream_proc.popen.pid),
+        Target("floor", f"{floor}/chat/completions", {}, floor_proc.popen.pid, floor_proc.popen.pid),
+        Target("memproxy-off", f"{proxy}/chat/completions", OFF, pid, pid),
+        Target("memproxy-on", f"{proxy}/chat/completions", ON, pid, pid, metrics_url=proxy),
+    ]
     if not args.skip_litellm:
         lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
         _progress(f"litellm up on {lite}")
-        targets.append(Target("litellm", f"{lite}/chat/completions", {"Authorization": f"Bearer {LITELLM_KEY}"},
-                              lproc.popen.pid, lproc.popen.pid))
+        targets.append(
+            Target(
+                "litellm",
+                f"{lite}/chat/completions",
+                {"Authorization": f"Bearer {LITELLM_KEY}"},
+                lproc.popen.pid,
+                lproc.popen.pid,
+            )
+        )
     return targets
 
 
@@ -430,22 +507,37 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--latency-ms", type=float, default=5.0, help="fake upstream latency")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--requests", type=int, default=0,
-                        help="requests per round per cell (default by concurrency: 1:80, 16:240, 64:480)")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=0,
+        help="requests per round per cell (default by concurrency: 1:80, 16:240, 64:480)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell and mode")
     parser.add_argument("--memories", type=int, default=10_000, help="memories of the memproxy-on user")
     parser.add_argument("--log-level", default="info", help="memproxy log level (info logs every request)")
-    parser.add_argument("--read-timeout-ms", type=float, default=0.0,
-                        help="memproxy's retrieval and arm timeouts (default: the product's 250 ms); with 10k memories "
-                             "the cold load of the user outlasts 250 ms and is cancelled on every request")
-    parser.add_argument("--env", nargs="*", default=[], metavar="MEMPROXY_KEY=VALUE",
-                        help="more memproxy settings for the run, e.g. MEMPROXY_MEMORY__READ_QUEUE_MS=50")
+    parser.add_argument(
+        "--read-timeout-ms",
+        type=float,
+        default=0.0,
+        help="memproxy's retrieval and arm timeouts (default: the product's 250 ms); with 10k memories "
+        "the cold load of the user outlasts 250 ms and is cancelled on every request",
+    )
+    parser.add_argument(
+        "--env",
+        nargs="*",
+        default=[],
+        metavar="MEMPROXY_KEY=VALUE",
+        help="more memproxy settings for the run, e.g. MEMPROXY_MEMORY__READ_QUEUE_MS=50",
+    )
     parser.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.skip_litellm and not LITELLM_BIN.exists():
-        sys.exit(f"{LITELLM_BIN} missing: python3 -m venv bench/.venv-litellm && "
-                 "bench/.venv-litellm/bin/pip install 'litellm[proxy]' (or pass --skip-litellm)")
+        sys.exit(
+            f"{LITELLM_BIN} missing: python3 -m venv bench/.venv-litellm && "
+            "bench/.venv-litellm/bin/pip install 'litellm[proxy]' (or pass --skip-litellm)"
+        )
     started = time.perf_counter()
     seed_src = seeded_store(args.memories)
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
@@ -464,13 +556,20 @@ def main() -> None:
     results = checks(rows)
     for passed, line in results:
         print(f"{'PASS' if passed else 'FAIL'}  {line}")
-    meta = {"machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
-            "load_avg_at_end": [round(x, 2) for x in os.getloadavg()], "upstream_latency_ms": args.latency_ms,
-            "rounds": args.rounds, "memories": args.memories, "memproxy_log_level": args.log_level,
-            "memproxy_read_timeout_ms": args.read_timeout_ms or "default (250)", "memproxy_env": args.env,
-            "wall_s": round(time.perf_counter() - started, 1), "memproxy_on_probe_headers": memory_headers,
-            "memproxy_degraded_reads": degraded,
-            "checks": [{"pass": p, "check": line} for p, line in results]}
+    meta = {
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}",
+        "load_avg_at_end": [round(x, 2) for x in os.getloadavg()],
+        "upstream_latency_ms": args.latency_ms,
+        "rounds": args.rounds,
+        "memories": args.memories,
+        "memproxy_log_level": args.log_level,
+        "memproxy_read_timeout_ms": args.read_timeout_ms or "default (250)",
+        "memproxy_env": args.env,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "memproxy_on_probe_headers": memory_headers,
+        "memproxy_degraded_reads": degraded,
+        "checks": [{"pass": p, "check": line} for p, line in results],
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -47,14 +47,17 @@ def percentile(values: list[float], q: float) -> float:
 
 def body(user_text: str, *, stream: bool = False, model: str = "fake-echo") -> bytes:
     """A small chat request."""
-    payload: dict[str, Any] = {"model": model, "stream": stream,
-                               "messages": [{"role": "system", "content": "You are helpful."},
-                                            {"role": "user", "content": user_text}]}
+    payload: dict[str, Any] = {
+        "model": model,
+        "stream": stream,
+        "messages": [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": user_text}],
+    }
     return orjson.dumps(payload)
 
 
-async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: Mapping[str, str],
-               stream: bool) -> float:
+async def _one(
+    session: aiohttp.ClientSession, url: str, data: bytes, headers: Mapping[str, str], stream: bool
+) -> float:
     started = time.perf_counter()
     async with session.post(url, data=data, headers=headers) as response:
         if stream:
@@ -68,8 +71,15 @@ async def _one(session: aiohttp.ClientSession, url: str, data: bytes, headers: M
     return (time.perf_counter() - started) * 1000
 
 
-async def run(url: str, *, concurrency: int, requests: int, stream: bool = False,
-              headers: Mapping[str, str] | None = None, texts: list[str] | None = None) -> Sample:
+async def run(
+    url: str,
+    *,
+    concurrency: int,
+    requests: int,
+    stream: bool = False,
+    headers: Mapping[str, str] | None = None,
+    texts: list[str] | None = None,
+) -> Sample:
     """Drive ``url`` with ``concurrency`` closed-loop clients until ``requests`` are done."""
     hdrs = {"Content-Type": "application/json", **(headers or {})}
     prompts = texts or ["What did I say about my plans for the weekend?"]
@@ -113,8 +123,12 @@ def rss_mb(pid: int) -> float:
 
 def merge(samples: list[Sample]) -> Sample:
     """Several rounds of one cell as one sample."""
-    return Sample([v for s in samples for v in s.latencies_ms], [v for s in samples for v in s.ttfts_ms],
-                  sum(s.errors for s in samples), sum(s.wall_s for s in samples))
+    return Sample(
+        [v for s in samples for v in s.latencies_ms],
+        [v for s in samples for v in s.ttfts_ms],
+        sum(s.errors for s in samples),
+        sum(s.wall_s for s in samples),
+    )
 
 
 def median(values: list[float]) -> float:

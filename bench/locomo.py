@@ -265,8 +265,9 @@ class Row:
 
 def mean_metrics(rows: Sequence[Row]) -> dict[str, float]:
     """Per-question averages of every metric (4 decimals) and the number of questions ``n``."""
-    out: dict[str, float] = {m: round(statistics.fmean(r.metrics[m] for r in rows), 4) if rows else 0.0
-                             for m in METRICS}
+    out: dict[str, float] = {
+        m: round(statistics.fmean(r.metrics[m] for r in rows), 4) if rows else 0.0 for m in METRICS
+    }
     out["n"] = len(rows)
     return out
 
@@ -303,8 +304,14 @@ class Variant:
     block: bool = False
 
 
-_OFF = {"entity_k": 0, "gating": False, "subject_weight": 0.0, "neighbour_weight": 0.0, "date_weight": 0.0,
-        "day_weight": 0.0}
+_OFF = {
+    "entity_k": 0,
+    "gating": False,
+    "subject_weight": 0.0,
+    "neighbour_weight": 0.0,
+    "date_weight": 0.0,
+    "day_weight": 0.0,
+}
 
 
 def harness_settings(**changes: Any) -> RetrievalSettings:
@@ -341,8 +348,13 @@ def variants() -> list[Variant]:
     # Parts that act on facts only (recency) or on names that facts carry (entity): measured where facts exist.
     out += [Variant(f"+context+observations{name}", harness_settings(**ABLATIONS[name]), corpus="context+observations")
             for name in ("-recency", "-entity")]  # fmt: skip
-    out.append(Variant("+context+observations+subject fusion", harness_settings(subject_weight=SUBJECT_WEIGHT),
-                       corpus="context+observations"))
+    out.append(
+        Variant(
+            "+context+observations+subject fusion",
+            harness_settings(subject_weight=SUBJECT_WEIGHT),
+            corpus="context+observations",
+        )
+    )
     out.append(Variant("product", RetrievalSettings(), corpus="context+observations", block=True))
     return out
 
@@ -376,9 +388,7 @@ class Corpus:
     turns_of: dict[str, tuple[str, ...]]
 
 
-def turn_records(
-    user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None
-) -> list[MemoryRecord]:
+def turn_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None) -> list[MemoryRecord]:
     """The conversation's turns as one user's turn records (speaker A as ``user``, B as ``assistant``), last
     accessed at ``accessed`` (None: when created)."""
     first = conv.turns[0].speaker if conv.turns else ""
@@ -391,9 +401,7 @@ def turn_records(
     ]  # fmt: skip
 
 
-def fact_records(
-    user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None
-) -> list[MemoryRecord]:
+def fact_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None) -> list[MemoryRecord]:
     """The conversation's observations as facts: the speaker as entity, the linked turn ids as sources."""
     return [
         MemoryRecord(user_id=user_id, kind=Kind.FACT, text=o.text, id=record_id(user_id, f"fact{i}"),
@@ -438,8 +446,9 @@ def subject_records(facts: Sequence[MemoryRecord]) -> list[MemoryRecord]:
     for fact in facts:
         for name in subject_names(fact).values():
             known = by_name.get(name)
-            by_name[name] = new_subject(fact, name) if known is None else known.replace(
-                source_ids=relinked(known, add=fact.id))
+            by_name[name] = (
+                new_subject(fact, name) if known is None else known.replace(source_ids=relinked(known, add=fact.id))
+            )
     return list(by_name.values())
 
 
@@ -564,8 +573,14 @@ async def _embed_all(
 
 
 async def _ask(
-    store: MemoryStore, embedder: Embedder, corpus: Corpus, question: Question, variant: Variant, now: datetime,
-    cache: ReadCache, run: Run,
+    store: MemoryStore,
+    embedder: Embedder,
+    corpus: Corpus,
+    question: Question,
+    variant: Variant,
+    now: datetime,
+    cache: ReadCache,
+    run: Run,
 ) -> list[str]:
     """One question through the proxy's read path under one variant: its ranked turn ids."""
     messages = [{"role": "user", "content": question.text}]
@@ -582,8 +597,14 @@ async def _ask(
 
 
 async def _conversation(
-    store: MemoryStore, embedder: Embedder, conv: Conversation, users: Mapping[str, Corpus],
-    chosen: Sequence[Variant], now: datetime, run: Run, bar: tqdm,
+    store: MemoryStore,
+    embedder: Embedder,
+    conv: Conversation,
+    users: Mapping[str, Corpus],
+    chosen: Sequence[Variant],
+    now: datetime,
+    run: Run,
+    bar: tqdm,
 ) -> None:
     """Ingest one conversation's users, then ask every question under every variant."""
     needed = {v.corpus for v in chosen}
@@ -612,8 +633,12 @@ def clock(conversations: Sequence[Conversation], conv: Conversation, name: str) 
 
 
 async def run_benchmark(
-    conversations: Sequence[Conversation], embedder: Embedder, chosen: Sequence[Variant], workdir: Path,
-    cache_dir: Path | None = None, clock_name: str = "dataset",
+    conversations: Sequence[Conversation],
+    embedder: Embedder,
+    chosen: Sequence[Variant],
+    workdir: Path,
+    cache_dir: Path | None = None,
+    clock_name: str = "dataset",
 ) -> Run:
     """Embed, ingest and ask everything under one clock (``CLOCKS``); the per-variant rows of every question."""
     run = Run()
@@ -655,14 +680,18 @@ def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict
 
 def table(document: Mapping[str, Any]) -> str:
     """The printed table: per variant, all ten conversations, then R@10 / MRR on tune and test."""
-    head = (f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
-            f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}")
+    head = (
+        f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
+        f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}"
+    )
     lines = [head, "-" * len(head)]
     for name, v in document["variants"].items():
         o, tu, te = v["overall"], v["tune"], v["test"]
         cells = "".join(f"{o[m]:>7.3f}" for m in METRICS)
-        lines.append(f"{name:<32}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
-                     f"{te['evidence_recall@10']:>10.3f}{te['mrr']:>9.3f}")
+        lines.append(
+            f"{name:<32}{cells}{tu['evidence_recall@10']:>10.3f}{tu['mrr']:>9.3f}"
+            f"{te['evidence_recall@10']:>10.3f}{te['mrr']:>9.3f}"
+        )
     default = document["variants"].get(document["default_variant"])
     if default:
         lines += ["", f"default by category ({', '.join(METRICS)}):"]
@@ -673,14 +702,15 @@ def table(document: Mapping[str, Any]) -> str:
 
 CLOCK_NOTES = {
     "dataset": "the dataset's own clock: every record created and last accessed at its session's date; each "
-               "question asked one day after its own conversation's last session; importance 5 for all",
+    "question asked one day after its own conversation's last session; importance 5 for all",
     "neutral": "neutralised: every record's last_accessed_at equals the retrieval clock (one day after the last "
-               "session of all conversations), so the minmax recency term is constant; importance 5 for all",
+    "session of all conversations), so the minmax recency term is constant; importance 5 for all",
 }
 
 
-def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: Run, embedder: Embedder) -> dict[
-        str, Any]:
+def _meta(
+    args: argparse.Namespace, conversations: Sequence[Conversation], run: Run, embedder: Embedder
+) -> dict[str, Any]:
     return {
         "data": str(args.data),
         "conversations": [c.sample_id for c in conversations],
@@ -698,7 +728,7 @@ def _meta(args: argparse.Namespace, conversations: Sequence[Conversation], run: 
         "clock": args.clock,
         "recency": CLOCK_NOTES[args.clock],
         "ranking": "result.candidates of proxy.memory.read.retrieval.retrieve, mapped to turn ids (a fact to its "
-                   "linked turns), first occurrence kept; MRR over that whole list (0 when no gold turn is in it)",
+        "linked turns), first occurrence kept; MRR over that whole list (0 when no gold turn is in it)",
         "seconds": run.seconds,
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cpus, load {os.getloadavg()[0]:.1f}",
@@ -733,15 +763,30 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results")
     parser.add_argument("--cache", type=Path, default=CACHE, help="directory of the embedding cache")
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
-    parser.add_argument("--clock", choices=CLOCKS, default="dataset",
-                        help="dataset: each memory dated by its session, asked a day after its conversation's last "
-                             "session (default); neutral: every memory last accessed at the retrieval clock")
+    parser.add_argument(
+        "--clock",
+        choices=CLOCKS,
+        default="dataset",
+        help="dataset: each memory dated by its session, asked a day after its conversation's last "
+        "session (default); neutral: every memory last accessed at the retrieval clock",
+    )
     parser.add_argument("--conversations", type=int, nargs="*", help="only these conversation indexes")
     parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
-    parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="override [retrieval] settings in every variant, e.g. dense_k=50 bm25_k=50")
-    parser.add_argument("--embedder", nargs="*", default=[], type=lambda p: p.split("=", 1), metavar="KEY=VALUE",
-                        help="override [embedder] settings, e.g. query_model=minilm-static-query (empty: none)")
+    parser.add_argument(
+        "--retrieval",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override [retrieval] settings in every variant, e.g. dense_k=50 bm25_k=50",
+    )
+    parser.add_argument(
+        "--embedder",
+        nargs="*",
+        default=[],
+        type=lambda p: p.split("=", 1),
+        metavar="KEY=VALUE",
+        help="override [embedder] settings, e.g. query_model=minilm-static-query (empty: none)",
+    )
     args = parser.parse_args()
     document = asyncio.run(_main(args))
     print(table(document))

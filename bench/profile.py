@@ -47,8 +47,12 @@ def summary(raw: list[str], seconds: float, requests: int) -> str:
     if not total:
         return "no samples"
     cpu_s = total / RATE_HZ
-    lines = [f"{total} samples = {cpu_s:.1f} CPU s in {seconds:.0f} s ({cpu_s / seconds:.2f} cores busy), "
-             f"~{requests} requests: {1000 * cpu_s / max(1, requests):.1f} ms CPU per request", "", "threads:"]
+    lines = [
+        f"{total} samples = {cpu_s:.1f} CPU s in {seconds:.0f} s ({cpu_s / seconds:.2f} cores busy), "
+        f"~{requests} requests: {1000 * cpu_s / max(1, requests):.1f} ms CPU per request",
+        "",
+        "threads:",
+    ]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in threads.most_common(8)]
     lines += ["", "kind of code (leaf frame):"]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in kinds.most_common(10)]
@@ -59,9 +63,16 @@ def summary(raw: list[str], seconds: float, requests: int) -> str:
 
 def _kind(frames: list[str]) -> str:
     leaf = frames[-1]
-    for needle, name in (("onnxruntime", "onnxruntime (embedding)"), ("keyword.py", "Tantivy (keyword arm)"),
-                         ("aiohttp", "aiohttp"), ("structlog", "structlog"), ("prometheus", "prometheus"),
-                         ("numpy", "numpy"), ("(proxy/", "proxy's own code"), ("(insights/", "proxy's own code")):
+    for needle, name in (
+        ("onnxruntime", "onnxruntime (embedding)"),
+        ("keyword.py", "Tantivy (keyword arm)"),
+        ("aiohttp", "aiohttp"),
+        ("structlog", "structlog"),
+        ("prometheus", "prometheus"),
+        ("numpy", "numpy"),
+        ("(proxy/", "proxy's own code"),
+        ("(insights/", "proxy's own code"),
+    ):
         if needle in leaf:
             return name
     return "event loop / other" if "asyncio" in leaf or "runners.py" in leaf else "other"
@@ -88,15 +99,36 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp, fake_upstream_process(5.0) as (_, upstream):
         data = Path(tmp) / "data"
         shutil.copytree(seeded, data)
-        env = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
-               "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "5000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "5000",
-               "MEMPROXY_MEMORY__READ_QUEUE_MS": "5000"}
+        env = {
+            "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+            "MEMPROXY_STORAGE__PATH": str(data),
+            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "5000",
+            "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "5000",
+            "MEMPROXY_MEMORY__READ_QUEUE_MS": "5000",
+        }
         with memproxy_process(env, timeout=180.0) as (proc, proxy):
             url = f"{proxy}/chat/completions"
             asyncio.run(_drive(url, headers, args.concurrency, 100, texts[:100]))  # warm: the user's caches load
-            spy = subprocess.Popen([str(PY_SPY), "record", "-p", str(proc.popen.pid), "-d", str(args.seconds),
-                                    "-r", str(RATE_HZ), "-f", "raw", "-o", str(args.out), "--threads", "--nonblocking"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(
+                [
+                    str(PY_SPY),
+                    "record",
+                    "-p",
+                    str(proc.popen.pid),
+                    "-d",
+                    str(args.seconds),
+                    "-r",
+                    str(RATE_HZ),
+                    "-f",
+                    "raw",
+                    "-o",
+                    str(args.out),
+                    "--threads",
+                    "--nonblocking",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             size, requests, started = 10 * args.concurrency, 0, time.perf_counter()
             while spy.poll() is None:  # keep the load on for as long as py-spy records
                 batch = [texts[(100 + requests + i) % len(texts)] for i in range(size)]

@@ -53,8 +53,9 @@ SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 class NoModel:
     """The memory-side model, unreachable: the read path never calls it."""
 
-    async def complete_json(self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any],
-                            schema_name: str) -> dict[str, Any]:
+    async def complete_json(
+        self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
+    ) -> dict[str, Any]:
         raise LLMUnavailable("no model in the read-path benchmark")
 
 
@@ -65,14 +66,16 @@ def _texts(conversations: Sequence[Conversation], raw: list[dict[str, Any]]) -> 
     summaries = []
     for sample in raw:
         for by_speaker in sample.get("event_summary", {}).values():
-            facts += [(event, speaker) for speaker, events in by_speaker.items() if speaker != "date"
-                      for event in events]
+            facts += [
+                (event, speaker) for speaker, events in by_speaker.items() if speaker != "date" for event in events
+            ]
         summaries += [(text, key) for key, text in sample.get("session_summary", {}).items() if text]
     return {"turns": turns, "facts": facts, "summaries": summaries}
 
 
-def _records(user_id: str, texts: dict[str, list[tuple[str, Any]]], vectors: dict[str, Any], now: datetime,
-             limit: int) -> list[MemoryRecord]:
+def _records(
+    user_id: str, texts: dict[str, list[tuple[str, Any]]], vectors: dict[str, Any], now: datetime, limit: int
+) -> list[MemoryRecord]:
     """``limit`` memories of one user: every turn within the last 14 days, facts, summaries, a few insights, and
     older turns (outside the window) to make up the number."""
     out: list[MemoryRecord] = []
@@ -80,22 +83,65 @@ def _records(user_id: str, texts: dict[str, list[tuple[str, Any]]], vectors: dic
     turns = texts["turns"]
     for i, (text, (conv, turn)) in enumerate(turns):
         at = now - span + span * (i / len(turns))
-        out.append(MemoryRecord(user_id=user_id, kind=Kind.TURN, text=text, id=new_id(), created_at=at,
-                                embedding=vectors[text], conversation_id=f"c{conv}-s{turn.session}",
-                                role="user" if i % 2 == 0 else "assistant"))
+        out.append(
+            MemoryRecord(
+                user_id=user_id,
+                kind=Kind.TURN,
+                text=text,
+                id=new_id(),
+                created_at=at,
+                embedding=vectors[text],
+                conversation_id=f"c{conv}-s{turn.session}",
+                role="user" if i % 2 == 0 else "assistant",
+            )
+        )
     for i, (text, speaker) in enumerate(texts["facts"]):
-        out.append(MemoryRecord(user_id=user_id, kind=Kind.FACT, text=text, id=new_id(), embedding=vectors[text],
-                                created_at=now - timedelta(days=200) + timedelta(minutes=i), entities=(speaker,)))
+        out.append(
+            MemoryRecord(
+                user_id=user_id,
+                kind=Kind.FACT,
+                text=text,
+                id=new_id(),
+                embedding=vectors[text],
+                created_at=now - timedelta(days=200) + timedelta(minutes=i),
+                entities=(speaker,),
+            )
+        )
     for i, (text, _) in enumerate(texts["summaries"]):
-        out.append(MemoryRecord(user_id=user_id, kind=Kind.SUMMARY, text=text, id=new_id(), embedding=vectors[text],
-                                created_at=now - timedelta(days=30) + timedelta(hours=i)))
-    out += [MemoryRecord(user_id=user_id, kind=Kind.INSIGHT, text=f"Insight {i}: {text}", id=new_id(),
-                         confidence=0.8, embedding=vectors[text])
-            for i, (text, _) in enumerate(texts["summaries"][:8])]
-    older = [MemoryRecord(user_id=user_id, kind=Kind.TURN, text=text, id=new_id(), embedding=vectors[text],
-                          created_at=now - timedelta(days=60) + timedelta(minutes=i), conversation_id=f"old-{i // 20}",
-                          role="user" if i % 2 == 0 else "assistant")
-             for i, (text, _) in enumerate(turns[: max(0, limit - len(out))])]
+        out.append(
+            MemoryRecord(
+                user_id=user_id,
+                kind=Kind.SUMMARY,
+                text=text,
+                id=new_id(),
+                embedding=vectors[text],
+                created_at=now - timedelta(days=30) + timedelta(hours=i),
+            )
+        )
+    out += [
+        MemoryRecord(
+            user_id=user_id,
+            kind=Kind.INSIGHT,
+            text=f"Insight {i}: {text}",
+            id=new_id(),
+            confidence=0.8,
+            embedding=vectors[text],
+        )
+        for i, (text, _) in enumerate(texts["summaries"][:8])
+    ]
+    older = [
+        MemoryRecord(
+            user_id=user_id,
+            kind=Kind.TURN,
+            text=text,
+            id=new_id(),
+            embedding=vectors[text],
+            created_at=now - timedelta(days=60) + timedelta(minutes=i),
+            conversation_id=f"old-{i // 20}",
+            role="user" if i % 2 == 0 else "assistant",
+        )
+        for i, (text, _) in enumerate(turns[: max(0, limit - len(out))])
+    ]
     return (out + older)[:limit]
 
 
@@ -133,8 +179,9 @@ def _questions(args: argparse.Namespace) -> list[str]:
     return list(dict.fromkeys(q.text for c in load_conversations(args.data) for q in c.questions))
 
 
-async def _whole_path(engine: MemoryEngine, user: str, questions: Sequence[str], *, cold: bool = False
-                      ) -> dict[str, Any]:
+async def _whole_path(
+    engine: MemoryEngine, user: str, questions: Sequence[str], *, cold: bool = False
+) -> dict[str, Any]:
     """``MemoryEngine.inject`` per question: wall and CPU milliseconds, and how many got a memory block.
 
     ``cold``: the read cache (name index, insights, newest turns) is emptied before each request, as for a
@@ -150,8 +197,12 @@ async def _whole_path(engine: MemoryEngine, user: str, questions: Sequence[str],
         wall.append((time.perf_counter() - started) * 1000)
         cpu.append((time.process_time() - cpu_started) * 1000)
         injected += bool(result.injected_ids)
-    return {"wall_ms": _percentiles(wall), "cpu_ms": _percentiles(cpu), "requests": len(questions),
-            "with_memory_block": injected}
+    return {
+        "wall_ms": _percentiles(wall),
+        "cpu_ms": _percentiles(cpu),
+        "requests": len(questions),
+        "with_memory_block": injected,
+    }
 
 
 async def _stages(engine: MemoryEngine, user: str, questions: Sequence[str]) -> dict[str, Any]:
@@ -159,8 +210,16 @@ async def _stages(engine: MemoryEngine, user: str, questions: Sequence[str]) -> 
     stages: dict[str, list[float]] = {}
     for question in tqdm(questions, desc="stages", file=sys.stderr):
         messages = [SYSTEM, {"role": "user", "content": question}]
-        result = await retrieve(engine.store, engine.embedder, messages, user, engine.settings.retrieval, utcnow(),
-                                conversation_id="bench-stages", names=engine.names)
+        result = await retrieve(
+            engine.store,
+            engine.embedder,
+            messages,
+            user,
+            engine.settings.retrieval,
+            utcnow(),
+            conversation_id="bench-stages",
+            names=engine.names,
+        )
         started = time.perf_counter()
         inject(messages, result.items, result.query.terms if result.query else (), engine.settings.injection)
         stages.setdefault("injection", []).append((time.perf_counter() - started) * 1000)
@@ -187,28 +246,44 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             whole = await _whole_path(engine, user, measured)
             stages = await _stages(engine, user, staged or measured)
             cold_path = await _whole_path(engine, user, cold or measured[: args.cold_requests], cold=True)
-    return {"whole_read_path": whole, "stages_ms": stages, "whole_read_path_cold_cache": cold_path,
-            "meta": {"user_memories": count, "background_users": args.background_users,
-                     "memories_per_background_user": count,
-                     "retrieval_overrides": retrieval, "embedder_overrides": embedder,
-                     "retrieval": settings.retrieval.model_dump(mode="json"),
-                     "embedder": settings.embedder.model_dump(mode="json"), "python": platform.python_version(),
-                     "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
-                     "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2),
-                     "date": datetime.now(UTC).isoformat(timespec="seconds")}}
+    return {
+        "whole_read_path": whole,
+        "stages_ms": stages,
+        "whole_read_path_cold_cache": cold_path,
+        "meta": {
+            "user_memories": count,
+            "background_users": args.background_users,
+            "memories_per_background_user": count,
+            "retrieval_overrides": retrieval,
+            "embedder_overrides": embedder,
+            "retrieval": settings.retrieval.model_dump(mode="json"),
+            "embedder": settings.embedder.model_dump(mode="json"),
+            "python": platform.python_version(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cpus",
+            "load_before": round(load_before, 2),
+            "load_after": round(os.getloadavg()[0], 2),
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        },
+    }
 
 
 def _print(document: dict[str, Any]) -> None:
     whole = document["whole_read_path"]
-    print(f"whole read path (MemoryEngine.inject), {whole['requests']} requests, "
-          f"{document['meta']['user_memories']} memories of the user:")
+    print(
+        f"whole read path (MemoryEngine.inject), {whole['requests']} requests, "
+        f"{document['meta']['user_memories']} memories of the user:"
+    )
     for kind in ("wall_ms", "cpu_ms"):
         row = whole[kind]
-        print(f"  {kind:<8} p50 {row['p50']:>8.2f}  p90 {row['p90']:>8.2f}  p99 {row['p99']:>8.2f}  "
-              f"max {row['max']:>8.2f}")
+        print(
+            f"  {kind:<8} p50 {row['p50']:>8.2f}  p90 {row['p90']:>8.2f}  p99 {row['p99']:>8.2f}  "
+            f"max {row['max']:>8.2f}"
+        )
     cold = document["whole_read_path_cold_cache"]
-    print(f"  cold read cache ({cold['requests']} requests): wall p50 {cold['wall_ms']['p50']:.2f}  "
-          f"p99 {cold['wall_ms']['p99']:.2f}  cpu p50 {cold['cpu_ms']['p50']:.2f}")
+    print(
+        f"  cold read cache ({cold['requests']} requests): wall p50 {cold['wall_ms']['p50']:.2f}  "
+        f"p99 {cold['wall_ms']['p99']:.2f}  cpu p50 {cold['cpu_ms']['p50']:.2f}"
+    )
     print("stages (retrieve + inject, wall ms):")
     for name, row in document["stages_ms"].items():
         print(f"  {name:<12} p50 {row['p50']:>8.2f}  p90 {row['p90']:>8.2f}  p99 {row['p99']:>8.2f}")
@@ -227,10 +302,20 @@ def main() -> None:
     parser.add_argument("--cold-requests", type=int, default=50, help="requests with an emptied read cache")
     parser.add_argument("--cache", type=Path, default=CACHE, help="directory of the embedding cache")
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
-    parser.add_argument("--retrieval", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="override [retrieval] settings, e.g. dense_k=50 (default: the defaults)")
-    parser.add_argument("--embedder", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="override [embedder] settings, e.g. threads=2 (default: the defaults)")
+    parser.add_argument(
+        "--retrieval",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override [retrieval] settings, e.g. dense_k=50 (default: the defaults)",
+    )
+    parser.add_argument(
+        "--embedder",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override [embedder] settings, e.g. threads=2 (default: the defaults)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS, help="where to write the results")
     args = parser.parse_args()
     document = asyncio.run(_main(args))

@@ -89,8 +89,13 @@ class InsightJobs:
     def model_for(self, user_id: str, payload: Mapping[str, Any], state: Mapping[str, Any]) -> str | None:
         """``[insights] model``, else the configured memory model, else the user's latest chat model, else the
         model the trigger or the last run named."""
-        return (self._settings.model or self._default_model or self._latest_model(user_id)
-                or payload.get("model") or state.get("model"))
+        return (
+            self._settings.model
+            or self._default_model
+            or self._latest_model(user_id)
+            or payload.get("model")
+            or state.get("model")
+        )
 
     async def handle(self, job: Job) -> None:
         """Regenerate the job's user's insights (waits, without spending an attempt, while the LLM is down or
@@ -98,8 +103,9 @@ class InsightJobs:
         state = await job.queue.get_state(job.user_id, STATE_KEY) or {}
         model = self.model_for(job.user_id, job.payload, state)
         if not model:
-            raise WaitForConfig("no_model", "no model for insights yet: the user's next chat brings one "
-                                "(or set [insights] model)")
+            raise WaitForConfig(
+                "no_model", "no model for insights yet: the user's next chat brings one (or set [insights] model)"
+            )
         now = self._clock()
         try:
             current = await regenerate(self._store, self._llm, job.user_id, self._settings, now, model=model)

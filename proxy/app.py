@@ -56,12 +56,16 @@ async def null_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
 def keyed_routes(settings: Settings) -> set[str]:
     """The chat routes that pass the client's own key upstream (OpenAI-compatible, no key configured)."""
     routes = {"default"} if not settings.upstream.api_key.get_secret_value() else set()
-    return routes | {f"openai:{r.prefix}" for r in settings.routes
-                     if r.provider == "openai" and not (r.api_key and r.api_key.get_secret_value())}
+    return routes | {
+        f"openai:{r.prefix}"
+        for r in settings.routes
+        if r.provider == "openai" and not (r.api_key and r.api_key.get_secret_value())
+    }
 
 
-def memory_llm(settings: Settings, keys: KeySource | None = None,
-               on_usage: UsageObserver | None = None) -> tuple[PrefixRouter, list[LLMClient]]:
+def memory_llm(
+    settings: Settings, keys: KeySource | None = None, on_usage: UsageObserver | None = None
+) -> tuple[PrefixRouter, list[LLMClient]]:
     """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
     the clients behind it (to open and close). ``keys`` gives each user's held chat key, used only where
     the chat itself sends the client's key (the same route, the same base URL); ``on_usage`` gets the token
@@ -69,22 +73,42 @@ def memory_llm(settings: Settings, keys: KeySource | None = None,
     key = settings.memory_llm.api_key or settings.upstream.api_key
     base_url = settings.memory_llm.base_url or settings.upstream.base_url
     same_server = base_url.rstrip("/") == settings.upstream.base_url
-    default = OpenAICompatibleLLM(OpenAICompatibleSettings(
-        base_url=base_url, api_key=key,
-        timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
-        route="default", keys=keys if same_server else None, on_usage=on_usage)
+    default = OpenAICompatibleLLM(
+        OpenAICompatibleSettings(
+            base_url=base_url,
+            api_key=key,
+            timeout_s=settings.memory_llm.timeout_s,
+            temperature=settings.memory_llm.temperature,
+        ),
+        route="default",
+        keys=keys if same_server else None,
+        on_usage=on_usage,
+    )
     routes = []
     for route in settings.routes:
         client: LLMClient
         if route.provider == "openai":
-            client = OpenAICompatibleLLM(OpenAICompatibleSettings(
-                base_url=route.base_url or settings.upstream.base_url, api_key=route.api_key or SecretStr(""),
-                timeout_s=settings.memory_llm.timeout_s, temperature=settings.memory_llm.temperature),
-                route=f"openai:{route.prefix}", keys=keys, on_usage=on_usage)
+            client = OpenAICompatibleLLM(
+                OpenAICompatibleSettings(
+                    base_url=route.base_url or settings.upstream.base_url,
+                    api_key=route.api_key or SecretStr(""),
+                    timeout_s=settings.memory_llm.timeout_s,
+                    temperature=settings.memory_llm.temperature,
+                ),
+                route=f"openai:{route.prefix}",
+                keys=keys,
+                on_usage=on_usage,
+            )
         else:
-            client = LiteLLMClient(LiteLLMSettings(api_base=route.base_url, api_key=route.api_key,
-                                                   timeout_s=settings.memory_llm.timeout_s,
-                                                   provider=route.pinned_provider), on_usage=on_usage)
+            client = LiteLLMClient(
+                LiteLLMSettings(
+                    api_base=route.base_url,
+                    api_key=route.api_key,
+                    timeout_s=settings.memory_llm.timeout_s,
+                    provider=route.pinned_provider,
+                ),
+                on_usage=on_usage,
+            )
         routes.append(Route(route.prefix, client, route.strip_prefix))
     return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
 
@@ -94,17 +118,27 @@ def engine_settings(settings: Settings) -> EngineSettings:
     writer = settings.writer
     if writer.model is None and settings.memory_llm.model:
         writer = writer.model_copy(update={"model": settings.memory_llm.model})
-    return EngineSettings(embedder=settings.embedder, store=settings.store_settings(),
-                          jobs=settings.jobs_settings(), retrieval=settings.retrieval,
-                          injection=settings.injection, rerank=settings.rerank, writer=writer,
-                          extraction=settings.extraction, insights=settings.insights,
-                          cluster=settings.storage.cluster(os.environ))
+    return EngineSettings(
+        embedder=settings.embedder,
+        store=settings.store_settings(),
+        jobs=settings.jobs_settings(),
+        retrieval=settings.retrieval,
+        injection=settings.injection,
+        rerank=settings.rerank,
+        writer=writer,
+        extraction=settings.extraction,
+        insights=settings.insights,
+        cluster=settings.storage.cluster(os.environ),
+    )
 
 
 def latest_chats(settings: Settings) -> LatestChats:
     """Each user's latest chat model, route and (where the chat passes it on) key, in memory only."""
-    return LatestChats(keyed_routes(settings), key_ttl_s=settings.memory_llm.client_key_ttl_s,
-                       hold_keys=settings.memory_llm.hold_client_keys)
+    return LatestChats(
+        keyed_routes(settings),
+        key_ttl_s=settings.memory_llm.client_key_ttl_s,
+        hold_keys=settings.memory_llm.hold_client_keys,
+    )
 
 
 @contextlib.asynccontextmanager

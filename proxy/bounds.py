@@ -68,8 +68,7 @@ def check_json_depth(raw: bytes, limit: int = MAX_JSON_DEPTH) -> None:
         return
     depth = json_depth(raw)
     if depth > limit:
-        raise BadRequest(f"request body nests JSON {depth} levels deep; the limit is {limit}",
-                         code="json_too_deep")
+        raise BadRequest(f"request body nests JSON {depth} levels deep; the limit is {limit}", code="json_too_deep")
 
 
 def reject_duplicate_headers(headers: CIMultiDictProxy[str] | Mapping[str, str]) -> None:
@@ -79,8 +78,7 @@ def reject_duplicate_headers(headers: CIMultiDictProxy[str] | Mapping[str, str])
         return
     for name in (USER_HEADER, CONVERSATION_HEADER, MODE_HEADER):
         if len(getall(name, ())) > 1:
-            raise BadRequest(f"{name} appears more than once; send it once", param=name,
-                             code="duplicate_header")
+            raise BadRequest(f"{name} appears more than once; send it once", param=name, code="duplicate_header")
 
 
 def capped_turn(text: str, max_chars: int = MAX_TURN_CHARS) -> str:

@@ -41,15 +41,17 @@ def _check_model(body: Mapping[str, Any]) -> None:
 
 def _check_messages(body: Mapping[str, Any]) -> None:
     if "messages" not in body:
-        raise BadRequest("missing required parameter: 'messages'", param="messages",
-                         code="missing_required_parameter")
+        raise BadRequest("missing required parameter: 'messages'", param="messages", code="missing_required_parameter")
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty array", param="messages", code="invalid_type")
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise BadRequest(f"'messages[{index}]' must be an object with a string 'role'",
-                             param=f"messages[{index}]", code="invalid_type")
+            raise BadRequest(
+                f"'messages[{index}]' must be an object with a string 'role'",
+                param=f"messages[{index}]",
+                code="invalid_type",
+            )
 
 
 def new_user_messages(messages: list[dict[str, Any]]) -> tuple[str, ...]:

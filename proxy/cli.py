@@ -31,8 +31,11 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--config", type=Path, help="TOML config file (default: $MEMPROXY_CONFIG or built-in)")
     run.add_argument("--host", help="listen address (overrides server.host)")
     run.add_argument("--port", type=int, help="listen port (overrides server.port; 0 picks a free one)")
-    reindex = commands.add_parser("reindex", help="re-embed every memory with the configured embedding model "
-                                  "(stop the server first: one process owns the data directory)")
+    reindex = commands.add_parser(
+        "reindex",
+        help="re-embed every memory with the configured embedding model "
+        "(stop the server first: one process owns the data directory)",
+    )
     reindex.add_argument("--config", type=Path, help="TOML config file (default: $MEMPROXY_CONFIG or built-in)")
     add_memory_commands(commands)
     add_ops_commands(commands)

@@ -311,8 +311,12 @@ def connection_options() -> argparse.ArgumentParser:
     """``--url``, ``--key-env`` and ``--json``: how every command that speaks to a server is told where and how."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", default=DEFAULT_URL, help=f"the memproxy server (default {DEFAULT_URL})")
-    common.add_argument("--key-env", default=KEY_ENV, metavar="NAME",
-                        help=f"environment variable holding the admin key (default {KEY_ENV})")
+    common.add_argument(
+        "--key-env",
+        default=KEY_ENV,
+        metavar="NAME",
+        help=f"environment variable holding the admin key (default {KEY_ENV})",
+    )
     common.add_argument("--json", action="store_true", help="print the API's JSON instead of a table")
     return common
 
@@ -367,10 +371,10 @@ def _add_memories(subparsers: Any, common: argparse.ArgumentParser) -> None:
 def _add_insights(subparsers: Any, common: argparse.ArgumentParser) -> None:
     insights = subparsers.add_parser("insights", help="see or regenerate a user's insights")
     actions = insights.add_subparsers(dest="action", required=True)
-    actions.add_parser("list", parents=[common], help="the current insights").set_defaults(
-        handler=cmd_insights_list)
+    actions.add_parser("list", parents=[common], help="the current insights").set_defaults(handler=cmd_insights_list)
     actions.add_parser("regenerate", parents=[common], help="queue a fresh insight run").set_defaults(
-        handler=cmd_regenerate)
+        handler=cmd_regenerate
+    )
 
 
 def add_memory_commands(subparsers: Any) -> None:

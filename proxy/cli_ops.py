@@ -37,8 +37,9 @@ def _config_arg(parser: argparse.ArgumentParser) -> None:
 def _add_config(commands: Any) -> None:
     config = commands.add_parser("config", help="check a config file or print its JSON Schema")
     actions = config.add_subparsers(dest="action", required=True)
-    check = actions.add_parser("check", help="validate FILE (and MEMPROXY_* variables) without starting; "
-                               "exit 2 naming the bad key")
+    check = actions.add_parser(
+        "check", help="validate FILE (and MEMPROXY_* variables) without starting; exit 2 naming the bad key"
+    )
     check.add_argument("file", type=Path)
     actions.add_parser("schema", help="the JSON Schema of the TOML file (for editors)")
 
@@ -51,17 +52,24 @@ def _add_transfer(commands: Any) -> None:
     imp = commands.add_parser("import", help="add memories from a file: idempotent, all or nothing")
     _config_arg(imp)
     imp.add_argument("file", type=Path, help="the file to read ('-' for stdin)")
-    imp.add_argument("--format", choices=IMPORT_FORMATS, default="memproxy",
-                     help="memproxy JSONL (default), mem0 get_all JSON, or ChatGPT saved memories (text lines)")
-    imp.add_argument("--user", help="the user the memories belong to (required for chatgpt; for mem0, "
-                     "overrides the user_id of each item)")
+    imp.add_argument(
+        "--format",
+        choices=IMPORT_FORMATS,
+        default="memproxy",
+        help="memproxy JSONL (default), mem0 get_all JSON, or ChatGPT saved memories (text lines)",
+    )
+    imp.add_argument(
+        "--user",
+        help="the user the memories belong to (required for chatgpt; for mem0, overrides the user_id of each item)",
+    )
     migrate = commands.add_parser("migrate", help="bring the data directory's schemas up to this version")
     _config_arg(migrate)
 
 
 def _add_eval(commands: Any) -> None:
-    evaluate = commands.add_parser("eval", help="the retrieval benchmark on a LoCoMo-layout file with the "
-                                   "current configuration")
+    evaluate = commands.add_parser(
+        "eval", help="the retrieval benchmark on a LoCoMo-layout file with the current configuration"
+    )
     _config_arg(evaluate)
     evaluate.add_argument("--data", type=Path, required=True, help="a JSON file in LoCoMo's layout")
     evaluate.add_argument("--json", action="store_true", help="print the metrics as JSON")
@@ -96,9 +104,17 @@ def cmd_dead_list(client: Client, args: argparse.Namespace, out: IO[str]) -> int
     if args.json:
         print_json(result, out)
         return EXIT_OK
-    rows = [[job["id"], job["kind"], job.get("user_id") or "-", str(job["attempts"]),
-             short_date(job.get("updated_at")), one_line(job.get("last_error") or "", 80)]
-            for job in result["data"]]
+    rows = [
+        [
+            job["id"],
+            job["kind"],
+            job.get("user_id") or "-",
+            str(job["attempts"]),
+            short_date(job.get("updated_at")),
+            one_line(job.get("last_error") or "", 80),
+        ]
+        for job in result["data"]
+    ]
     if not rows:
         out.write("no dead letters\n")
     table(rows, ["id", "kind", "user", "attempts", "died", "last error"], out)

@@ -75,8 +75,10 @@ def cmd_config(args: argparse.Namespace, out: IO[str]) -> int:
         out.write(json.dumps(schema, indent=2, sort_keys=True) + "\n")
         return EXIT_OK
     settings = _settings(args.file)
-    out.write(f"{args.file}: ok (upstream {settings.upstream.base_url}, data {settings.storage.path}, "
-              f"{len(settings.routes)} routes)\n")
+    out.write(
+        f"{args.file}: ok (upstream {settings.upstream.base_url}, data {settings.storage.path}, "
+        f"{len(settings.routes)} routes)\n"
+    )
     return EXIT_OK
 
 
@@ -155,8 +157,9 @@ def cmd_import(args: argparse.Namespace, out: IO[str]) -> int:
     read = _reader(args)
     total = sum(1 for _ in read())  # the check pass: nothing is written unless every line is valid
     counts = uvloop.run(import_into(settings, read, total))
-    out.write(f"read {counts.read}, added {counts.added}, already present {counts.existing}, "
-              f"embedded {counts.reembedded}\n")
+    out.write(
+        f"read {counts.read}, added {counts.added}, already present {counts.existing}, embedded {counts.reembedded}\n"
+    )
     return EXIT_OK
 
 
@@ -180,7 +183,11 @@ def cmd_eval(args: argparse.Namespace, out: IO[str]) -> int:
 
 
 COMMANDS: dict[str, Callable[[argparse.Namespace, IO[str]], int]] = {
-    "config": cmd_config, "export": cmd_export, "import": cmd_import, "migrate": cmd_migrate, "eval": cmd_eval,
+    "config": cmd_config,
+    "export": cmd_export,
+    "import": cmd_import,
+    "migrate": cmd_migrate,
+    "eval": cmd_eval,
 }
 
 

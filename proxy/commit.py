@@ -90,8 +90,11 @@ class ExchangeCommitter:
 
     def gauges(self) -> dict[str, float]:
         """Spooled exchanges and bytes, and exchanges dropped from a full spool, for ``/metrics``."""
-        return {"exchanges": float(len(self._spool)), "bytes": float(self._spool_bytes),
-                "dropped_total": float(self.dropped)}
+        return {
+            "exchanges": float(len(self._spool)),
+            "bytes": float(self._spool_bytes),
+            "dropped_total": float(self.dropped),
+        }
 
     async def commit(self, exchange: Exchange) -> Committed:
         """Hand ``exchange`` to the write path; a cancelled caller stops waiting, the commit goes on."""

@@ -55,8 +55,9 @@ def expand_references(tree: Any, environ: Mapping[str, str], key: str = "") -> A
     if isinstance(tree, str):
         return _resolve(tree, key or "(root)", environ)
     if isinstance(tree, dict):
-        return {name: expand_references(value, environ, f"{key}.{name}" if key else name)
-                for name, value in tree.items()}
+        return {
+            name: expand_references(value, environ, f"{key}.{name}" if key else name) for name, value in tree.items()
+        }
     if isinstance(tree, list):
         return [expand_references(value, environ, f"{key}.{i}") for i, value in enumerate(tree)]
     return tree

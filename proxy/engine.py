@@ -80,15 +80,31 @@ def _result_row(candidate: Candidate) -> dict[str, Any]:
     return row
 
 
-_PUBLIC_FIELDS = ("id", "kind", "text", "created_at", "category", "importance", "conversation_id", "role",
-                  "entities", "last_accessed_at", "flagged")
+_PUBLIC_FIELDS = (
+    "id",
+    "kind",
+    "text",
+    "created_at",
+    "category",
+    "importance",
+    "conversation_id",
+    "role",
+    "entities",
+    "last_accessed_at",
+    "flagged",
+)
 
 
 class MemoryEngine:
     """Read path, write path and memory management over one store, one queue and one embedder."""
 
-    def __init__(self, settings: EngineSettings, llm: LLMClient, latest: LatestChats | None = None,
-                 features: FeatureBoard | None = None) -> None:
+    def __init__(
+        self,
+        settings: EngineSettings,
+        llm: LLMClient,
+        latest: LatestChats | None = None,
+        features: FeatureBoard | None = None,
+    ) -> None:
         self.settings = settings
         self._llm = llm
         self.latest = latest or LatestChats(())
@@ -98,8 +114,9 @@ class MemoryEngine:
         self.jobs = JobQueue(settings.jobs, health=self.health)
         self.store = self._build_store(settings)
         self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
-        self.insight_jobs = InsightJobs(self.store, llm, settings.insights, default_model=settings.writer.model,
-                                        latest_model=self.latest.model)
+        self.insight_jobs = InsightJobs(
+            self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model
+        )
         self.names = NameIndexCache()
         self.reranker = Reranker(settings.rerank)
         self._stack = contextlib.AsyncExitStack()
@@ -115,8 +132,9 @@ class MemoryEngine:
             return MemoryStore(settings.store, self.embedder, health=self.health)
         self.objects = ObjectStore(settings.cluster.location)
         replica = replica_name()
-        store = ReplicatedStore(settings.store, self.embedder, settings.cluster, self.objects, replica,
-                                health=self.health)
+        store = ReplicatedStore(
+            settings.store, self.embedder, settings.cluster, self.objects, replica, health=self.health
+        )
         self.journal = Journal(self.objects, replica, self.jobs, settings.cluster.dead_after_s)
         return store
 
@@ -176,10 +194,20 @@ class MemoryEngine:
 
     # ------------------------------------------------------------------------------------------ read path
 
-    async def _retrieve(self, user_id: str, conversation_id: str | None,
-                        messages: list[dict[str, Any]]) -> RetrievalResult:
-        return await retrieve(self.store, self.embedder, messages, user_id, self.settings.retrieval, utcnow(),
-                              conversation_id=conversation_id, names=self.names, reranker=self.reranker)
+    async def _retrieve(
+        self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]]
+    ) -> RetrievalResult:
+        return await retrieve(
+            self.store,
+            self.embedder,
+            messages,
+            user_id,
+            self.settings.retrieval,
+            utcnow(),
+            conversation_id=conversation_id,
+            names=self.names,
+            reranker=self.reranker,
+        )
 
     async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
         """Retrieve the user's memories and merge the memory block into the request's messages."""
@@ -188,14 +216,18 @@ class MemoryEngine:
         result = await self._retrieve(user_id, conversation_id, messages)
         arms = result.arms
         if not result.items or result.query is None:
-            return Injection(arms=arms, degraded=result.degraded,
-                             retrieval_ms=(time.perf_counter() - started) * 1000)
+            return Injection(arms=arms, degraded=result.degraded, retrieval_ms=(time.perf_counter() - started) * 1000)
         merged = inject_block(messages, result.items, result.query.terms, self.settings.injection)
         ids = tuple(merged.ids)
         if ids:
             await self.store.touch(user_id, ids)
-        return Injection(messages=merged.messages if ids else None, injected_ids=ids, arms=arms,
-                         degraded=result.degraded, retrieval_ms=(time.perf_counter() - started) * 1000)
+        return Injection(
+            messages=merged.messages if ids else None,
+            injected_ids=ids,
+            arms=arms,
+            degraded=result.degraded,
+            retrieval_ms=(time.perf_counter() - started) * 1000,
+        )
 
     async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:
         """Exactly what the proxy would inject for a conversation whose last user message is ``query``."""
@@ -204,8 +236,11 @@ class MemoryEngine:
         block = ""
         if result.items and result.query is not None:
             block = inject_block(messages, result.items, result.query.terms, self.settings.injection).block
-        return SearchPreview(results=[_result_row(c) for c in result.candidates[:k]],
-                             arms=arms_entries(result.arms, result.degraded), injected_block=block)
+        return SearchPreview(
+            results=[_result_row(c) for c in result.candidates[:k]],
+            arms=arms_entries(result.arms, result.degraded),
+            injected_block=block,
+        )
 
     # ----------------------------------------------------------------------------------------- write path
 
@@ -215,8 +250,9 @@ class MemoryEngine:
         if self.latest.remember(exchange.user_id, exchange.model, exchange.route, exchange.client_key):
             await self.jobs.resume_waiting(exchange.user_id)
         if self.journal is not None:  # with replicas, the exchange is also on object storage when this returns
-            await self.journal.record("exchange", exchange.user_id,
-                                      exchange_payload(exchange, self.settings.extraction))
+            await self.journal.record(
+                "exchange", exchange.user_id, exchange_payload(exchange, self.settings.extraction)
+            )
             return
         await self.writer.record(exchange)
 
@@ -235,8 +271,15 @@ class MemoryEngine:
         """One record of the user (history included), or None."""
         return await self.store.get(user_id, id)
 
-    async def list_memories(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
-                            cursor: str | None = None, include_invalid: bool = False) -> Page:
+    async def list_memories(
+        self,
+        user_id: str,
+        kinds: Sequence[Kind] | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_invalid: bool = False,
+    ) -> Page:
         """The user's records, newest first, ``limit`` at a time (``ValueError`` for a bad cursor)."""
         return await self.store.list(user_id, kinds, limit=limit, cursor=cursor, include_invalid=include_invalid)
 
@@ -244,11 +287,18 @@ class MemoryEngine:
         """Every record of the user, history included, oldest first, as JSON lines."""
         return self.store.export(user_id)
 
-    async def add_fact(self, user_id: str, text: str, importance: int | None = None,
-                       category: str | None = None) -> MemoryRecord:
+    async def add_fact(
+        self, user_id: str, text: str, importance: int | None = None, category: str | None = None
+    ) -> MemoryRecord:
         """A fact the user (or an operator) states directly: embedded, indexed and searchable at once."""
-        record = MemoryRecord(user_id=user_id, kind=Kind.FACT, text=text, importance=importance or 5,
-                              category=category, meta='{"source": "manual"}')
+        record = MemoryRecord(
+            user_id=user_id,
+            kind=Kind.FACT,
+            text=text,
+            importance=importance or 5,
+            category=category,
+            meta='{"source": "manual"}',
+        )
         [stored] = await self.store.add([record])
         self.names.invalidate(user_id)
         return stored
@@ -262,8 +312,9 @@ class MemoryEngine:
             self.names.invalidate(user_id)
         return [record.id for record in new]
 
-    async def edit(self, user_id: str, id: str, text: str | None = None,
-                   importance: int | None = None) -> MemoryRecord | None:
+    async def edit(
+        self, user_id: str, id: str, text: str | None = None, importance: int | None = None
+    ) -> MemoryRecord | None:
         """Edit a memory; a text edit keeps the old version as history (superseded by the new one)."""
         current = await self.store.get(user_id, id)
         if current is None or not current.valid:
@@ -272,9 +323,15 @@ class MemoryEngine:
             if importance is None:
                 return current
             return await self.store.update(user_id, id, importance=importance)
-        new = current.replace(id=new_id(), text=text,
-                              embedding=None, importance=importance or current.importance,
-                              created_at=utcnow(), updated_at=utcnow(), superseded_by=None)
+        new = current.replace(
+            id=new_id(),
+            text=text,
+            embedding=None,
+            importance=importance or current.importance,
+            created_at=utcnow(),
+            updated_at=utcnow(),
+            superseded_by=None,
+        )
         stored = await self.store.supersede(user_id, id, new)
         self.names.invalidate(user_id)
         return stored
@@ -328,5 +385,7 @@ class MemoryEngine:
 
     def storage_gauges(self) -> dict[str, float]:
         """Whether the data directory is failing now, and how many storage faults began since start."""
-        return {"storage_failing": float(self.health.reason is not None),
-                "storage_faults_total": float(self.health.faults_total)}
+        return {
+            "storage_failing": float(self.health.reason is not None),
+            "storage_faults_total": float(self.health.faults_total),
+        }

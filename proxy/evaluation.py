@@ -70,9 +70,15 @@ def _turns(user_id: str, conversation: Mapping[str, Any]) -> list[tuple[str, Mem
             caption = f" [shared an image: {raw['blip_caption']}]" if raw.get("blip_caption") else ""
             text = f"{raw['speaker']}: {raw['text']}{caption}"
             role = "user" if raw["speaker"] == (first or raw["speaker"]) else "assistant"
-            record = MemoryRecord(user_id=user_id, kind=Kind.TURN, text=text, role=role,
-                                  id=content_id(user_id, "turn", raw["dia_id"]), conversation_id=f"session_{n}",
-                                  created_at=start.replace(tzinfo=UTC) + i * TURN_SPACING)
+            record = MemoryRecord(
+                user_id=user_id,
+                kind=Kind.TURN,
+                text=text,
+                role=role,
+                id=content_id(user_id, "turn", raw["dia_id"]),
+                conversation_id=f"session_{n}",
+                created_at=start.replace(tzinfo=UTC) + i * TURN_SPACING,
+            )
             out.append((raw["dia_id"], record))
     return out
 
@@ -96,8 +102,11 @@ def load_locomo(path: Path) -> list[Conversation]:
         try:
             turns = _turns(f"eval-{index}", sample["conversation"])
             known = {dia for dia, _ in turns}
-            questions = tuple((qa["question"], int(qa["category"]), _evidence(qa.get("evidence", []), known))
-                              for qa in sample["qa"] if qa.get("category") in CATEGORIES)
+            questions = tuple(
+                (qa["question"], int(qa["category"]), _evidence(qa.get("evidence", []), known))
+                for qa in sample["qa"]
+                if qa.get("category") in CATEGORIES
+            )
         except (KeyError, TypeError, ValueError) as exc:
             problem = f"{type(exc).__name__}: {exc}"
             raise EvalDataError(f"{path}: sample {index}: not in LoCoMo's layout ({problem})") from None
@@ -114,9 +123,15 @@ def question_metrics(ranked: Sequence[str], gold: Sequence[str]) -> dict[str, fl
     def found(k: int) -> int:
         return len(wanted & set(ranked[:k]))
 
-    return {"evidence_recall@5": found(5) / len(wanted), "evidence_recall@10": found(10) / len(wanted),
-            "hit@1": float(found(1) > 0), "hit@5": float(found(5) > 0), "hit@10": float(found(10) > 0),
-            "all@10": float(found(10) == len(wanted)), "mrr": 0.0 if first is None else 1.0 / (first + 1)}
+    return {
+        "evidence_recall@5": found(5) / len(wanted),
+        "evidence_recall@10": found(10) / len(wanted),
+        "hit@1": float(found(1) > 0),
+        "hit@5": float(found(5) > 0),
+        "hit@10": float(found(10) > 0),
+        "all@10": float(found(10) == len(wanted)),
+        "mrr": 0.0 if first is None else 1.0 / (first + 1),
+    }
 
 
 def _mean(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
@@ -125,13 +140,15 @@ def _mean(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
 
 def summarise(rows: Sequence[tuple[int, Mapping[str, float]]]) -> dict[str, Any]:
     """Overall and per-category means of per-question metrics."""
-    by_category = {CATEGORIES[c]: _mean([m for cat, m in rows if cat == c]) for c in CATEGORIES
-                   if any(cat == c for cat, _ in rows)}
+    by_category = {
+        CATEGORIES[c]: _mean([m for cat, m in rows if cat == c]) for c in CATEGORIES if any(cat == c for cat, _ in rows)
+    }
     return {"questions": len(rows), "overall": _mean([m for _, m in rows]), "by_category": by_category}
 
 
-async def evaluate(settings: Settings, conversations: Sequence[Conversation], *, bar: tqdm[Any] | None = None
-                   ) -> dict[str, Any]:
+async def evaluate(
+    settings: Settings, conversations: Sequence[Conversation], *, bar: tqdm[Any] | None = None
+) -> dict[str, Any]:
     """Ingest every conversation into a temporary store and score every question with ``settings``."""
     rows: list[tuple[int, Mapping[str, float]]] = []
     with tempfile.TemporaryDirectory(prefix="memproxy-eval-") as tmp:
@@ -145,12 +162,17 @@ async def evaluate(settings: Settings, conversations: Sequence[Conversation], *,
                 rows += await _conversation(store, embedder, reranker, scratch, conv)
                 if bar is not None:
                     bar.update(len(conv.questions))
-    return {"model": settings.embedder.model, "fusion": settings.retrieval.fusion, "neutralised": NEUTRALISED,
-            **summarise(rows)}
+    return {
+        "model": settings.embedder.model,
+        "fusion": settings.retrieval.fusion,
+        "neutralised": NEUTRALISED,
+        **summarise(rows),
+    }
 
 
-async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, settings: Settings,
-                        conv: Conversation) -> list[tuple[int, Mapping[str, float]]]:
+async def _conversation(
+    store: MemoryStore, embedder: Any, reranker: Reranker, settings: Settings, conv: Conversation
+) -> list[tuple[int, Mapping[str, float]]]:
     if not conv.turns:
         return []
     await store.add([record for _, record in conv.turns])
@@ -161,8 +183,16 @@ async def _conversation(store: MemoryStore, embedder: Any, reranker: Reranker, s
     rows: list[tuple[int, Mapping[str, float]]] = []
     try:
         for text, category, evidence in conv.questions:
-            result = await retrieve(store, embedder, [{"role": "user", "content": text}], user_id,
-                                    settings.retrieval, now, names=names, reranker=reranker)
+            result = await retrieve(
+                store,
+                embedder,
+                [{"role": "user", "content": text}],
+                user_id,
+                settings.retrieval,
+                now,
+                names=names,
+                reranker=reranker,
+            )
             ranked = list(dict.fromkeys(turn_of[c.id] for c in result.candidates if c.id in turn_of))
             rows.append((category, question_metrics(ranked, evidence)))
     finally:
@@ -176,8 +206,10 @@ def _width(name: str) -> int:
 
 def table(report: Mapping[str, Any]) -> str:
     """The report as an aligned text table: overall, then one line per category."""
-    lines = [f"{report['questions']} questions, embedder {report['model']}, fusion {report['fusion']}",
-             f"{'':<12}" + "".join(f"{name:>{_width(name)}}" for name in METRICS)]
+    lines = [
+        f"{report['questions']} questions, embedder {report['model']}, fusion {report['fusion']}",
+        f"{'':<12}" + "".join(f"{name:>{_width(name)}}" for name in METRICS),
+    ]
     for label, values in [("overall", report["overall"]), *report["by_category"].items()]:
         lines.append(f"{label:<12}" + "".join(f"{values.get(name, 0.0):>{_width(name)}.3f}" for name in METRICS))
     return "\n".join(lines)

@@ -50,8 +50,9 @@ def configured_features(settings: Settings, rejected: str | None = None) -> dict
     mode = settings.memory.default_mode
     key = _memory_key(settings)
     writes = _memory_model(settings, settings.writer.model, "each chat's own model and route")
-    insights = _memory_model(settings, settings.insights.model or settings.writer.model,
-                             "each user's latest chat model and route")
+    insights = _memory_model(
+        settings, settings.insights.model or settings.writer.model, "each user's latest chat model and route"
+    )
     states = {
         "retrieval": FeatureState(True, f"embedder {settings.embedder.model}; default mode {mode}"),
         "turns": FeatureState(True, f"stored after each reply; default mode {mode}"),
@@ -61,8 +62,9 @@ def configured_features(settings: Settings, rejected: str | None = None) -> dict
     }
     if rejected is not None:
         for name in ("facts", "summaries", "insights"):
-            states[name] = FeatureState(False, f"the upstream rejects the configured memory key ({rejected}); "
-                                               "jobs wait until the key is fixed")
+            states[name] = FeatureState(
+                False, f"the upstream rejects the configured memory key ({rejected}); jobs wait until the key is fixed"
+            )
     return states
 
 
@@ -76,9 +78,10 @@ async def probe_key(settings: Settings) -> str | None:
     headers = {"Authorization": f"Bearer {key.get_secret_value()}"}
     try:
         timeout = aiohttp.ClientTimeout(total=PROBE_TIMEOUT_S)
-        async with aiohttp.ClientSession(timeout=timeout) as session, session.get(
-            f"{base_url}/models", headers=headers
-        ) as response:
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(f"{base_url}/models", headers=headers) as response,
+        ):
             status = response.status
     except (aiohttp.ClientError, TimeoutError):
         return None
@@ -108,15 +111,18 @@ class FeatureCollector(Collector):
         self._waiting = waiting
 
     def collect(self) -> Iterable[Metric]:
-        live = GaugeMetricFamily("memproxy_memory_feature_live", "Memory feature live (1) or off (0)",
-                                 labels=["feature"])
+        live = GaugeMetricFamily(
+            "memproxy_memory_feature_live", "Memory feature live (1) or off (0)", labels=["feature"]
+        )
         for name, value in self._board.gauges().items():
             live.add_metric([name], value)
         now, total = self._waiting()
-        waiting = GaugeMetricFamily("memproxy_jobs_waiting", "Jobs waiting for a key or configuration",
-                                    labels=["reason"])
-        waits = CounterMetricFamily("memproxy_jobs_waits", "Times a job started waiting for a key or configuration",
-                                    labels=["reason"])
+        waiting = GaugeMetricFamily(
+            "memproxy_jobs_waiting", "Jobs waiting for a key or configuration", labels=["reason"]
+        )
+        waits = CounterMetricFamily(
+            "memproxy_jobs_waits", "Times a job started waiting for a key or configuration", labels=["reason"]
+        )
         for reason in sorted({*WAIT_REASONS, *now, *total}):
             waiting.add_metric([reason], float(now.get(reason, 0)))
             waits.add_metric([reason], float(total.get(reason, 0)))

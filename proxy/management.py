@@ -125,8 +125,9 @@ async def list_memories(request: web.Request) -> web.Response:
     admin = memory_admin(request)
     kinds = [query.kind] if query.kind is not None else None
     try:
-        page = await admin.list_memories(user_id, kinds, limit=query.limit, cursor=query.cursor,
-                                         include_invalid=query.include_invalid)
+        page = await admin.list_memories(
+            user_id, kinds, limit=query.limit, cursor=query.cursor, include_invalid=query.include_invalid
+        )
     except ValueError as exc:
         raise BadRequest(f"cursor: {exc}", param="cursor", code="invalid_cursor") from None
     return json_response({"data": [record.public_dict() for record in page.data], "next_cursor": page.next_cursor})
@@ -226,8 +227,9 @@ async def list_insights(request: web.Request) -> web.Response:
     """``GET .../insights``: the user's current insights, newest first."""
     user_id, query = path_user(request), read_query(request, PageQuery)
     try:
-        page = await memory_admin(request).list_memories(user_id, [Kind.INSIGHT], limit=query.limit,
-                                                         cursor=query.cursor)
+        page = await memory_admin(request).list_memories(
+            user_id, [Kind.INSIGHT], limit=query.limit, cursor=query.cursor
+        )
     except ValueError as exc:
         raise BadRequest(f"cursor: {exc}", param="cursor", code="invalid_cursor") from None
     return json_response({"data": [insight_dict(record) for record in page.data], "next_cursor": page.next_cursor})

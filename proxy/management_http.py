@@ -127,8 +127,7 @@ def memory_admin(request: web.Request) -> MemoryAdmin:
     """The memory engine's management operations; 503 ``memory_disabled`` when memory is off."""
     memory = _state(request).memory
     if not isinstance(memory, ManagedMemory):
-        raise ServiceUnavailable("memory is disabled on this server (memory.enabled = false)",
-                                 code="memory_disabled")
+        raise ServiceUnavailable("memory is disabled on this server (memory.enabled = false)", code="memory_disabled")
     return memory.admin
 
 

@@ -96,9 +96,16 @@ def _utc_datetime(value: str) -> datetime:
 
 def _record(user_id: str, item: BatchItem) -> MemoryRecord:
     created = _utc_datetime(item.created_at) if item.created_at else utcnow()
-    return MemoryRecord(user_id=user_id, kind=Kind.FACT, text=item.text, importance=item.importance or 5,
-                        id=item.id or content_id(user_id, "fact", item.text), category=item.category,
-                        created_at=created, meta='{"source": "batch"}')
+    return MemoryRecord(
+        user_id=user_id,
+        kind=Kind.FACT,
+        text=item.text,
+        importance=item.importance or 5,
+        id=item.id or content_id(user_id, "fact", item.text),
+        category=item.category,
+        created_at=created,
+        meta='{"source": "batch"}',
+    )
 
 
 async def add_batch(request: web.Request) -> web.Response:
@@ -110,8 +117,9 @@ async def add_batch(request: web.Request) -> web.Response:
     try:
         added = await asyncio.shield(admin.add_many(user_id, records))
     except StoreError:
-        raise IdTaken("memories: an id of this batch is already used by another user's memory",
-                      param="memories") from None
+        raise IdTaken(
+            "memories: an id of this batch is already used by another user's memory", param="memories"
+        ) from None
     audit(request, "batch_added", user_id, added=len(added), existing=len(records) - len(added))
     return json_response({"ids": [r.id for r in records], "added": len(added), "existing": len(records) - len(added)})
 
@@ -125,9 +133,15 @@ def _iso(epoch: float | None) -> str | None:
 
 def dead_letter_dict(row: Mapping[str, Any]) -> dict[str, Any]:
     """A dead job as the API shows it (no payload: it may hold conversation text)."""
-    return {"id": row["id"], "kind": row["kind"], "user_id": row["user_id"], "attempts": row["attempts"],
-            "created_at": _iso(row["created_at"]), "updated_at": _iso(row["updated_at"]),
-            "last_error": row["last_error"]}
+    return {
+        "id": row["id"],
+        "kind": row["kind"],
+        "user_id": row["user_id"],
+        "attempts": row["attempts"],
+        "created_at": _iso(row["created_at"]),
+        "updated_at": _iso(row["updated_at"]),
+        "last_error": row["last_error"],
+    }
 
 
 async def list_dead_letters(request: web.Request) -> web.Response:

@@ -24,9 +24,12 @@ GaugeSource = Callable[[], Mapping[str, float]]
 Refresh = Callable[[], Awaitable[None]]
 QueueSource = Callable[[], QueueMetrics | None]
 MAX_MODEL_LABELS = 50
-_JOB_COUNTERS = (("completed", "Memory jobs completed"), ("failed", "Memory job attempts that failed"),
-                 ("deferred", "Memory jobs deferred while a dependency was down"),
-                 ("dead", "Memory jobs that gave up (dead letters)"))
+_JOB_COUNTERS = (
+    ("completed", "Memory jobs completed"),
+    ("failed", "Memory job attempts that failed"),
+    ("deferred", "Memory jobs deferred while a dependency was down"),
+    ("dead", "Memory jobs that gave up (dead letters)"),
+)
 
 
 class _GaugeCollector(Collector):
@@ -71,10 +74,14 @@ class QueueCollector(Collector):
         yield from self._durations(snap)
 
     def _levels(self, snap: QueueMetrics) -> Iterable[Metric]:
-        levels = {"depth": (snap.depth, "Unfinished jobs"), "ready": (snap.ready, "Jobs due now"),
-                  "scheduled": (snap.scheduled, "Jobs waiting for a later time"),
-                  "running": (snap.running, "Jobs running"), "dead_letters": (snap.dead, "Dead jobs kept"),
-                  "oldest_age_seconds": (snap.oldest_age_s, "Age of the oldest due job")}
+        levels = {
+            "depth": (snap.depth, "Unfinished jobs"),
+            "ready": (snap.ready, "Jobs due now"),
+            "scheduled": (snap.scheduled, "Jobs waiting for a later time"),
+            "running": (snap.running, "Jobs running"),
+            "dead_letters": (snap.dead, "Dead jobs kept"),
+            "oldest_age_seconds": (snap.oldest_age_s, "Age of the oldest due job"),
+        }
         for name, (value, text) in levels.items():
             yield GaugeMetricFamily(f"memproxy_jobs_{name}", text, value=float(value))
         queued = GaugeMetricFamily("memproxy_jobs_queued", "Unfinished jobs by kind", labels=["kind"])
@@ -97,26 +104,47 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("memproxy_requests", "Requests served", ["endpoint", "status"],
-                                registry=self.registry)
-        self.stage_seconds = Histogram("memproxy_stage_seconds", "Time per request stage",
-                                       ["stage"], buckets=_BUCKETS, registry=self.registry)
-        self.upstream_errors = Counter("memproxy_upstream_errors", "Upstream failures", ["kind"],
-                                       registry=self.registry)
-        self.memory_degraded = Counter("memproxy_memory_degraded", "Requests served with degraded memory",
-                                       ["component"], registry=self.registry)
+        self.requests = Counter("memproxy_requests", "Requests served", ["endpoint", "status"], registry=self.registry)
+        self.stage_seconds = Histogram(
+            "memproxy_stage_seconds", "Time per request stage", ["stage"], buckets=_BUCKETS, registry=self.registry
+        )
+        self.upstream_errors = Counter(
+            "memproxy_upstream_errors", "Upstream failures", ["kind"], registry=self.registry
+        )
+        self.memory_degraded = Counter(
+            "memproxy_memory_degraded", "Requests served with degraded memory", ["component"], registry=self.registry
+        )
         self._stages: dict[str, Histogram] = {}
         self._refreshers: list[Refresh] = []
-        self.injected = Histogram("memproxy_memories_injected", "Memories injected per request",
-                                  buckets=(0, 1, 2, 5, 10, 20, 50), registry=self.registry)
-        self.chat_seconds = Histogram("memproxy_chat_seconds", "Chat request duration, end to end",
-                                      ["route", "model"], buckets=_BUCKETS, registry=self.registry)
-        self.upstream_seconds = Histogram("memproxy_upstream_ttfb_seconds", "Time to the upstream's first byte",
-                                          ["route", "model"], buckets=_BUCKETS, registry=self.registry)
-        self.memory_llm_tokens = Counter("memproxy_memory_llm_tokens", "Tokens of memory-side LLM calls",
-                                         ["call", "model", "type"], registry=self.registry)
-        self.memory_llm_calls = Counter("memproxy_memory_llm_calls", "Memory-side LLM calls answered",
-                                        ["call", "model"], registry=self.registry)
+        self.injected = Histogram(
+            "memproxy_memories_injected",
+            "Memories injected per request",
+            buckets=(0, 1, 2, 5, 10, 20, 50),
+            registry=self.registry,
+        )
+        self.chat_seconds = Histogram(
+            "memproxy_chat_seconds",
+            "Chat request duration, end to end",
+            ["route", "model"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_seconds = Histogram(
+            "memproxy_upstream_ttfb_seconds",
+            "Time to the upstream's first byte",
+            ["route", "model"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.memory_llm_tokens = Counter(
+            "memproxy_memory_llm_tokens",
+            "Tokens of memory-side LLM calls",
+            ["call", "model", "type"],
+            registry=self.registry,
+        )
+        self.memory_llm_calls = Counter(
+            "memproxy_memory_llm_calls", "Memory-side LLM calls answered", ["call", "model"], registry=self.registry
+        )
         self._models: set[str] = set()
 
     def add_gauges(self, prefix: str, source: GaugeSource, refresh: Refresh | None = None) -> None:

@@ -121,8 +121,9 @@ class ChatCall:
         if not settings.memory.enabled:
             identity = Identity(identity.user_id, identity.conversation_id, Mode.OFF)
         self.state.metrics.observe("parse", time.perf_counter() - self.started)
-        structlog.contextvars.bind_contextvars(request_id=self.request_id,
-                                               user=log_user(identity.user_id, settings.logging.user_ids))
+        structlog.contextvars.bind_contextvars(
+            request_id=self.request_id, user=log_user(identity.user_id, settings.logging.user_ids)
+        )
         injection = await _inject(self.state, identity, body)
         if identity.mode.reads:
             self.state.metrics.observe("retrieve", injection.retrieval_ms / 1000)
@@ -133,8 +134,14 @@ class ChatCall:
         finally:
             self._log(body, identity, injection, len(raw))
 
-    async def _forward(self, body: dict[str, Any], outgoing: dict[str, Any], raw: bytes | None,
-                       identity: Identity, injection: Injection) -> web.StreamResponse:
+    async def _forward(
+        self,
+        body: dict[str, Any],
+        outgoing: dict[str, Any],
+        raw: bytes | None,
+        identity: Identity,
+        injection: Injection,
+    ) -> web.StreamResponse:
         upstream = self.state.router.pick(body["model"])
         self.route = upstream.name
         headers = memory_headers(identity, injection)
@@ -146,8 +153,7 @@ class ChatCall:
                 self.state.metrics.observe_upstream(self.route, body.get("model"), reply.ttfb_s)
                 if reply.status >= 400:
                     self.state.metrics.upstream_errors.labels(str(reply.status)).inc()
-                    raise UpstreamStatusError(reply.status, await reply.read(),
-                                              reply.headers.get("Content-Type", ""))
+                    raise UpstreamStatusError(reply.status, await reply.read(), reply.headers.get("Content-Type", ""))
                 headers.update(relayed_headers(reply.headers))
                 if body.get("stream"):
                     return await self._relay_stream(reply, headers, body, identity)
@@ -158,14 +164,20 @@ class ChatCall:
                 self.state.metrics.upstream_errors.labels(type(exc).__name__).inc()
             raise
 
-    async def _relay_json(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
-                          identity: Identity) -> web.StreamResponse:
+    async def _relay_json(
+        self, reply: Any, headers: dict[str, str], body: dict[str, Any], identity: Identity
+    ) -> web.StreamResponse:
         data = await reply.read()
         self.status = reply.status
         if identity.mode.writes:  # committed before the client has a byte of the answer
             completion = _loads_or_none(data)
-            committed = await self._record(body, identity, reply_from_completion(completion), partial=False,
-                                           tool_calls=reply_tool_calls(completion))
+            committed = await self._record(
+                body,
+                identity,
+                reply_from_completion(completion),
+                partial=False,
+                tool_calls=reply_tool_calls(completion),
+            )
             if committed is not Committed.DURABLE:
                 _say_write_degraded(headers, self._write_degraded() or committed.value)
         response = web.StreamResponse(status=reply.status, headers=headers)
@@ -176,8 +188,9 @@ class ChatCall:
         await response.write_eof()
         return response
 
-    async def _relay_stream(self, reply: Any, headers: dict[str, str], body: dict[str, Any],
-                            identity: Identity) -> web.StreamResponse:
+    async def _relay_stream(
+        self, reply: Any, headers: dict[str, str], body: dict[str, Any], identity: Identity
+    ) -> web.StreamResponse:
         response = web.StreamResponse(status=reply.status, headers=headers)
         await response.prepare(self.request)
         self.status = reply.status
@@ -195,8 +208,14 @@ class ChatCall:
         await response.write_eof()
         return response
 
-    async def _pump(self, reply: Any, response: web.StreamResponse, assembler: ToolReplyAssembler,
-                    body: dict[str, Any], identity: Identity) -> ProxyError | None:
+    async def _pump(
+        self,
+        reply: Any,
+        response: web.StreamResponse,
+        assembler: ToolReplyAssembler,
+        body: dict[str, Any],
+        identity: Identity,
+    ) -> ProxyError | None:
         first = True
         try:
             async for chunk in reply.chunks():
@@ -216,26 +235,34 @@ class ChatCall:
             return exc
         return None
 
-    async def _record_stream(self, body: dict[str, Any], identity: Identity, assembler: ToolReplyAssembler, *,
-                             partial: bool) -> None:
+    async def _record_stream(
+        self, body: dict[str, Any], identity: Identity, assembler: ToolReplyAssembler, *, partial: bool
+    ) -> None:
         if identity.mode.writes and (assembler.text or assembler.tool_texts) and not self.recorded:
             await self._record(body, identity, assembler.text, partial=partial, tool_calls=assembler.tool_texts)
 
-    async def _record(self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool,
-                      tool_calls: tuple[str, ...] = ()) -> Committed:
+    async def _record(
+        self, body: dict[str, Any], identity: Identity, text: str, *, partial: bool, tool_calls: tuple[str, ...] = ()
+    ) -> Committed:
         if identity.user_id is None or identity.conversation_id is None or self.recorded:
             return Committed.DURABLE
         self.recorded = True
         messages, cap = body["messages"], self.state.settings.memory.max_turn_chars
         exchange = Exchange(
-            request_id=self.request_id, user_id=identity.user_id, conversation_id=identity.conversation_id,
-            model=body["model"], route=self.route,
+            request_id=self.request_id,
+            user_id=identity.user_id,
+            conversation_id=identity.conversation_id,
+            model=body["model"],
+            route=self.route,
             user_messages=tuple(capped_turn(m, cap) for m in new_user_messages(messages)),
-            assistant_text=capped_turn(text, cap), partial=partial, finished_at=datetime.now(UTC),
+            assistant_text=capped_turn(text, cap),
+            partial=partial,
+            finished_at=datetime.now(UTC),
             system_prompt=capped_turn(system_prompt(messages) or "", cap) or None,
             context=tuple((role, capped_turn(t, cap)) for role, t in earlier_messages(messages)),
             client_key=bearer_key(self.request.headers),
-            tool_calls=tool_calls, tool_results=new_tool_results(messages),
+            tool_calls=tool_calls,
+            tool_results=new_tool_results(messages),
         )
         return await self.state.commits.commit(exchange)
 
@@ -246,11 +273,20 @@ class ChatCall:
         total = time.perf_counter() - self.started
         self.state.metrics.observe("total", total)
         self.state.metrics.observe_chat(self.route, body.get("model"), total)
-        log.info("request.completed", model=body.get("model"), route=self.route, status=self.status,
-                 mode=identity.mode.value, injected=len(injection.injected_ids),
-                 retrieval_ms=round(injection.retrieval_ms, 2), total_ms=round(total * 1000, 2),
-                 bytes_in=bytes_in, bytes_out=self.bytes_out, partial=self.partial,
-                 degraded=dict(injection.degraded) or None)
+        log.info(
+            "request.completed",
+            model=body.get("model"),
+            route=self.route,
+            status=self.status,
+            mode=identity.mode.value,
+            injected=len(injection.injected_ids),
+            retrieval_ms=round(injection.retrieval_ms, 2),
+            total_ms=round(total * 1000, 2),
+            bytes_in=bytes_in,
+            bytes_out=self.bytes_out,
+            partial=self.partial,
+            degraded=dict(injection.degraded) or None,
+        )
 
 
 def storage_degraded(state: AppState) -> str | None:

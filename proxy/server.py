@@ -42,8 +42,9 @@ class _JsonProtocolErrors(RequestHandler):
     same status with an OpenAI-style body naming only what was wrong, and the log gets one line.
     """
 
-    def handle_error(self, request: Any, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
         if request.writer.output_size > 0:  # a response already started: aiohttp closes the connection
             return super().handle_error(request, status, exc, message)
         if status >= 500:
@@ -51,8 +52,10 @@ class _JsonProtocolErrors(RequestHandler):
             err: ProxyError = ProxyError("internal server error")
         else:
             log.info("http.malformed_request", status=status, error=type(exc).__name__)
-            err = BadRequest(f"{HTTPStatus(status).phrase}: the request line or headers are malformed or too long",
-                             code="malformed_request")
+            err = BadRequest(
+                f"{HTTPStatus(status).phrase}: the request line or headers are malformed or too long",
+                code="malformed_request",
+            )
         err.status = status
         response = error_response(err)
         response.force_close()
@@ -76,8 +79,9 @@ class AppRunner(web.AppRunner):
 async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
     """Serve until a termination signal arrives."""
     app = build_app(settings, memory_factory=memory_factory)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=settings.server.shutdown_grace_s)
+    runner = AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
+    )
     await runner.setup()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -87,8 +91,13 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
         site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
         await site.start()
         addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
-        log.info("server.started", addresses=addresses, port=runner.addresses[0][1],
-                 upstream=settings.upstream.base_url, memory=settings.memory.enabled)
+        log.info(
+            "server.started",
+            addresses=addresses,
+            port=runner.addresses[0][1],
+            upstream=settings.upstream.base_url,
+            memory=settings.memory.enabled,
+        )
         await stop.wait()
         log.info("server.stopping", grace_s=settings.server.shutdown_grace_s)
         app[STATE].stopping = True

@@ -98,15 +98,25 @@ class ShadowMetrics:
 
     def __init__(self, metrics: Metrics) -> None:
         registry = metrics.registry
-        self.overlap = Histogram("memproxy_shadow_overlap", "Overlap@k of the shadow and live rankings",
-                                 buckets=_RATIO_BUCKETS, registry=registry)
-        self.correlation = Histogram("memproxy_shadow_rank_correlation", "Spearman correlation of the rankings",
-                                     buckets=_CORRELATION_BUCKETS, registry=registry)
-        self.only_found = Counter("memproxy_shadow_only_found", "Memories in the top k of one ranking only",
-                                  ["side"], registry=registry)
+        self.overlap = Histogram(
+            "memproxy_shadow_overlap",
+            "Overlap@k of the shadow and live rankings",
+            buckets=_RATIO_BUCKETS,
+            registry=registry,
+        )
+        self.correlation = Histogram(
+            "memproxy_shadow_rank_correlation",
+            "Spearman correlation of the rankings",
+            buckets=_CORRELATION_BUCKETS,
+            registry=registry,
+        )
+        self.only_found = Counter(
+            "memproxy_shadow_only_found", "Memories in the top k of one ranking only", ["side"], registry=registry
+        )
         self.runs = Counter("memproxy_shadow_runs", "Shadow comparisons by outcome", ["outcome"], registry=registry)
-        self.seconds = Histogram("memproxy_shadow_seconds", "Time of one shadow comparison (both rankings)",
-                                 registry=registry)
+        self.seconds = Histogram(
+            "memproxy_shadow_seconds", "Time of one shadow comparison (both rankings)", registry=registry
+        )
 
     def record(self, result: Agreement, seconds: float) -> None:
         """Count one comparison."""
@@ -133,8 +143,9 @@ class ShadowMemory:
     Everything else (the management operations, features, gauges...) is the engine's, reached through it.
     """
 
-    def __init__(self, engine: Any, settings: ShadowSettings, metrics: Metrics, *,
-                 rng: random.Random | None = None) -> None:
+    def __init__(
+        self, engine: Any, settings: ShadowSettings, metrics: Metrics, *, rng: random.Random | None = None
+    ) -> None:
         self._engine = engine
         self._settings = settings
         self._metrics = ShadowMetrics(metrics)
@@ -206,11 +217,21 @@ class ShadowMemory:
                 self._metrics.runs.labels("failed").inc()
                 log.warning("shadow.failed", error=type(exc).__name__, detail=str(exc)[:200])
 
-    async def _ranking(self, user_id: str, conversation_id: str, messages: list[dict[str, Any]],
-                       settings: RetrievalSettings) -> list[str]:
+    async def _ranking(
+        self, user_id: str, conversation_id: str, messages: list[dict[str, Any]], settings: RetrievalSettings
+    ) -> list[str]:
         engine = self._engine
-        result = await retrieve(engine.store, engine.embedder, messages, user_id, settings, utcnow(),
-                                conversation_id=conversation_id, names=engine.names, reranker=engine.reranker)
+        result = await retrieve(
+            engine.store,
+            engine.embedder,
+            messages,
+            user_id,
+            settings,
+            utcnow(),
+            conversation_id=conversation_id,
+            names=engine.names,
+            reranker=engine.reranker,
+        )
         return [candidate.id for candidate in result.candidates]
 
     async def compare(self, user_id: str, conversation_id: str, messages: list[dict[str, Any]]) -> Agreement:
@@ -221,7 +242,13 @@ class ShadowMemory:
         result = agreement(live, shadow, self._settings.k)
         seconds = time.perf_counter() - started
         self._metrics.record(result, seconds)
-        log.info("shadow.compared", k=self._settings.k, overlap=round(result.overlap, 3),
-                 rank_correlation=round(result.rank_correlation, 3), only_live=result.only_live,
-                 only_shadow=result.only_shadow, ms=round(seconds * 1000, 1))
+        log.info(
+            "shadow.compared",
+            k=self._settings.k,
+            overlap=round(result.overlap, 3),
+            rank_correlation=round(result.rank_correlation, 3),
+            only_live=result.only_live,
+            only_shadow=result.only_shadow,
+            ms=round(seconds * 1000, 1),
+        )
         return result

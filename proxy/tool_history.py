@@ -47,8 +47,11 @@ def reply_tool_calls(completion: Any) -> tuple[str, ...]:
         calls = completion["choices"][0]["message"].get("tool_calls") or []
     except (KeyError, IndexError, TypeError, AttributeError):
         return ()
-    texts = [call_text(str(_function(c).get("name") or ""), str(_function(c).get("arguments") or ""))
-             for c in calls if isinstance(c, Mapping)]
+    texts = [
+        call_text(str(_function(c).get("name") or ""), str(_function(c).get("arguments") or ""))
+        for c in calls
+        if isinstance(c, Mapping)
+    ]
     return tuple(texts[:MAX_TOOL_ITEMS])
 
 

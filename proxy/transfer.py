@@ -98,8 +98,10 @@ def checked(record: MemoryRecord, where: str) -> MemoryRecord:
         raise ImportFormatError(f"{where}: id: not a valid record id")
     if not record.text.strip():
         raise ImportFormatError(f"{where}: text: empty")
-    times = {name: _utc(getattr(record, name)) for name in
-             ("created_at", "updated_at", "last_accessed_at", "start_at", "end_at")}
+    times = {
+        name: _utc(getattr(record, name))
+        for name in ("created_at", "updated_at", "last_accessed_at", "start_at", "end_at")
+    }
     return record.replace(**times)
 
 
@@ -141,7 +143,7 @@ def _mem0_items(document: Any) -> list[Any]:
         return list(document["memories"])
     if isinstance(document, list):
         return document
-    raise ImportFormatError("item 0: expected mem0's get_all output: a list or {\"results\": [...]}")
+    raise ImportFormatError('item 0: expected mem0\'s get_all output: a list or {"results": [...]}')
 
 
 def _mem0_record(item: Any, index: int, user_id: str | None) -> MemoryRecord:
@@ -158,9 +160,14 @@ def _mem0_record(item: Any, index: int, user_id: str | None) -> MemoryRecord:
     meta = {"source": "mem0", **{k: item[k] for k in ("hash", "metadata", "agent_id", "run_id") if item.get(k)}}
     text = text.strip()
     record_id = str(item.get("id") or "") or content_id(owner, "fact", text)
-    row = {"user_id": owner, "kind": "fact", "text": text, "id": record_id,
-           "category": categories[0] if categories and isinstance(categories[0], str) else None,
-           "meta": json.dumps(meta, ensure_ascii=False)}
+    row = {
+        "user_id": owner,
+        "kind": "fact",
+        "text": text,
+        "id": record_id,
+        "category": categories[0] if categories and isinstance(categories[0], str) else None,
+        "meta": json.dumps(meta, ensure_ascii=False),
+    }
     for name in ("created_at", "updated_at"):
         if item.get(name):
             row[name] = item[name]
@@ -186,8 +193,9 @@ def parse_chatgpt_line(line: str, number: int, user_id: str) -> MemoryRecord | N
         return None
     if len(text) > MAX_TEXT_CHARS:
         raise ImportFormatError(f"line {number}: longer than {MAX_TEXT_CHARS} characters")
-    record = MemoryRecord(user_id=user_id, kind=Kind.FACT, text=text, id=content_id(user_id, "fact", text),
-                          meta='{"source": "chatgpt"}')
+    record = MemoryRecord(
+        user_id=user_id, kind=Kind.FACT, text=text, id=content_id(user_id, "fact", text), meta='{"source": "chatgpt"}'
+    )
     return checked(record, f"line {number}")
 
 
@@ -230,8 +238,9 @@ async def _present(store: RecordStore, records: Sequence[MemoryRecord]) -> set[s
     return present
 
 
-async def write_records(store: RecordStore, records: Sequence[MemoryRecord], model_id: str, dim: int,
-                        counts: ImportCounts) -> list[MemoryRecord]:
+async def write_records(
+    store: RecordStore, records: Sequence[MemoryRecord], model_id: str, dim: int, counts: ImportCounts
+) -> list[MemoryRecord]:
     """Add one chunk of already-checked records, skipping (and counting) ids the store holds."""
     present = await _present(store, records)
     new = {r.id: for_model(r, model_id, dim) for r in records if r.id not in present}
@@ -255,8 +264,13 @@ def chunked(records: Iterable[MemoryRecord], size: int = CHUNK_RECORDS) -> Itera
         yield chunk
 
 
-async def import_records(store: RecordStore, records: Iterable[MemoryRecord], model_id: str, dim: int,
-                         progress: Callable[[int], None] | None = None) -> ImportCounts:
+async def import_records(
+    store: RecordStore,
+    records: Iterable[MemoryRecord],
+    model_id: str,
+    dim: int,
+    progress: Callable[[int], None] | None = None,
+) -> ImportCounts:
     """Write ``records`` (checked beforehand) chunk by chunk; ``progress`` gets each chunk's size."""
     counts = ImportCounts()
     for chunk in chunked(records):

@@ -35,8 +35,9 @@ def _ui_handler(web_dir: Path) -> Handler:
         name = request.match_info.get("name") or "index.html"
         if name not in files:
             raise NotFound("no such file")
-        return web.Response(body=files[name], content_type=WEB_FILES.get(name, "text/html"), charset="utf-8",
-                            headers=WEB_HEADERS)
+        return web.Response(
+            body=files[name], content_type=WEB_FILES.get(name, "text/html"), charset="utf-8", headers=WEB_HEADERS
+        )
 
     return ui_file
 

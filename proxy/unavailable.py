@@ -43,8 +43,9 @@ class UnavailableMemory:
         """Nothing can be stored (the write-degraded header says so)."""
 
 
-async def open_memory_or_unavailable(stack: contextlib.AsyncExitStack,
-                                     memory: contextlib.AbstractAsyncContextManager[MemoryService]) -> MemoryService:
+async def open_memory_or_unavailable(
+    stack: contextlib.AsyncExitStack, memory: contextlib.AbstractAsyncContextManager[MemoryService]
+) -> MemoryService:
     """``memory`` entered on ``stack``; ``UnavailableMemory`` if its storage cannot be opened."""
     try:
         return await stack.enter_async_context(memory)
@@ -52,6 +53,10 @@ async def open_memory_or_unavailable(stack: contextlib.AsyncExitStack,
         if not is_storage_fault(error):
             raise
         reason = fault_reason(error)
-        log.error("memory.unavailable", reason=reason, detail=str(error)[:300],
-                  fix="make the data directory writable (and not full), then restart memproxy")
+        log.error(
+            "memory.unavailable",
+            reason=reason,
+            detail=str(error)[:300],
+            fix="make the data directory writable (and not full), then restart memproxy",
+        )
         return UnavailableMemory(reason)

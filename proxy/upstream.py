@@ -34,10 +34,23 @@ from proxy.sse import DONE_EVENT, data_event
 
 # Request headers a client may pass on to an OpenAI-compatible upstream (lower case).
 FORWARDED_REQUEST_HEADERS = frozenset(
-    {"openai-organization", "openai-project", "openai-beta", "user-agent", "x-stainless-lang",
-     "x-stainless-package-version", "x-stainless-os", "x-stainless-arch", "x-stainless-runtime",
-     "x-stainless-runtime-version", "x-stainless-retry-count", "x-stainless-timeout", "idempotency-key",
-     "traceparent", "tracestate"}  # W3C trace context: the client's trace continues upstream
+    {
+        "openai-organization",
+        "openai-project",
+        "openai-beta",
+        "user-agent",
+        "x-stainless-lang",
+        "x-stainless-package-version",
+        "x-stainless-os",
+        "x-stainless-arch",
+        "x-stainless-runtime",
+        "x-stainless-runtime-version",
+        "x-stainless-retry-count",
+        "x-stainless-timeout",
+        "idempotency-key",
+        "traceparent",
+        "tracestate",
+    }  # W3C trace context: the client's trace continues upstream
 )
 # Request fields passed to litellm on a litellm route: OpenAI chat-completion parameters only. Everything else
 # in ``litellm.acompletion``'s signature or its ``**kwargs`` (api_base, base_url, api_key, api_version,
@@ -110,8 +123,9 @@ class Upstream(Protocol):
 
     name: str
 
-    def open(self, body: dict[str, Any], raw: bytes | None,
-             headers: Mapping[str, str]) -> contextlib.AbstractAsyncContextManager[UpstreamReply]:
+    def open(
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+    ) -> contextlib.AbstractAsyncContextManager[UpstreamReply]:
         """Send one chat completion request; ``raw`` is the client's bytes when the body is unchanged."""
         ...
 
@@ -136,8 +150,9 @@ class _AiohttpReply:
 class OpenAICompatibleUpstream:
     """Raw passthrough to an OpenAI-compatible ``/chat/completions`` over one pooled session."""
 
-    def __init__(self, name: str, base_url: str, api_key: str, session: aiohttp.ClientSession,
-                 strip_prefix: str | None = None) -> None:
+    def __init__(
+        self, name: str, base_url: str, api_key: str, session: aiohttp.ClientSession, strip_prefix: str | None = None
+    ) -> None:
         self.name = name
         self._strip_prefix = strip_prefix
         self._url = f"{base_url.rstrip('/')}/chat/completions"
@@ -157,10 +172,11 @@ class OpenAICompatibleUpstream:
         return headers
 
     @contextlib.asynccontextmanager
-    async def open(self, body: dict[str, Any], raw: bytes | None,
-                   headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
+    async def open(
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+    ) -> AsyncIterator[UpstreamReply]:
         if self._strip_prefix and str(body.get("model", "")).startswith(self._strip_prefix):
-            body = {**body, "model": str(body["model"])[len(self._strip_prefix):]}
+            body = {**body, "model": str(body["model"])[len(self._strip_prefix) :]}
             raw = None
         data = raw if raw is not None else orjson.dumps(body)
         started = time.perf_counter()
@@ -210,8 +226,9 @@ def map_litellm_errors() -> Iterator[None]:
     except Exception as exc:  # litellm raises many unrelated types; every one must become an API error
         status = getattr(exc, "status_code", None)
         if isinstance(status, int) and 400 <= status < 600:
-            body = orjson.dumps({"error": {"message": str(exc)[:2000], "type": "upstream_error",
-                                           "param": None, "code": None}})
+            body = orjson.dumps(
+                {"error": {"message": str(exc)[:2000], "type": "upstream_error", "param": None, "code": None}}
+            )
             raise UpstreamStatusError(status, body, "application/json") from exc
         if isinstance(exc, TimeoutError | asyncio.TimeoutError):
             raise UpstreamTimeout("the upstream did not answer in time") from exc
@@ -230,12 +247,15 @@ class LiteLLMUpstream:
         """litellm's arguments: the allowed request fields, then the route's own provider, address and key."""
         steering = sorted(LITELLM_STEERING_FIELDS.intersection(body))
         if steering:
-            raise BadRequest(f"'{steering[0]}' is not accepted: the route fixes where and with which key a call "
-                             "goes", param=steering[0], code="unsupported_parameter")
+            raise BadRequest(
+                f"'{steering[0]}' is not accepted: the route fixes where and with which key a call goes",
+                param=steering[0],
+                code="unsupported_parameter",
+            )
         args = {k: v for k, v in body.items() if k in LITELLM_FIELDS}
         model = str(args["model"])
         if self._route.strip_prefix:
-            model = model[len(self._route.prefix):]
+            model = model[len(self._route.prefix) :]
         provider = self._route.pinned_provider
         args["model"] = model.removeprefix(f"{provider}/")
         args["custom_llm_provider"] = provider
@@ -247,8 +267,9 @@ class LiteLLMUpstream:
         return args
 
     @contextlib.asynccontextmanager
-    async def open(self, body: dict[str, Any], raw: bytes | None,
-                   headers: Mapping[str, str]) -> AsyncIterator[UpstreamReply]:
+    async def open(
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+    ) -> AsyncIterator[UpstreamReply]:
         litellm = await asyncio.to_thread(import_litellm)
         started = time.perf_counter()
         trace = {name: headers[name] for name in TRACE_HEADERS if name in headers}
@@ -266,8 +287,7 @@ class LiteLLMUpstream:
 class Router:
     """Chooses the upstream for a model by the one routing rule (``route_index``), else the default."""
 
-    def __init__(self, default: OpenAICompatibleUpstream,
-                 routes: list[tuple[RouteSettings, Upstream]]) -> None:
+    def __init__(self, default: OpenAICompatibleUpstream, routes: list[tuple[RouteSettings, Upstream]]) -> None:
         self.default = default
         self._routes = routes
         self._prefixes = tuple(route.prefix for route, _ in routes)
@@ -280,26 +300,36 @@ class Router:
 
 def build_session(settings: UpstreamSettings) -> aiohttp.ClientSession:
     """The one pooled client session for every OpenAI-compatible upstream."""
-    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s,
-                                    sock_read=settings.timeout_s)
-    connector = aiohttp.TCPConnector(limit=settings.max_connections, limit_per_host=settings.max_connections,
-                                     ttl_dns_cache=300)
-    return aiohttp.ClientSession(timeout=timeout, connector=connector, auto_decompress=True,
-                                 skip_auto_headers=("User-Agent",))
+    timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s, sock_read=settings.timeout_s)
+    connector = aiohttp.TCPConnector(
+        limit=settings.max_connections, limit_per_host=settings.max_connections, ttl_dns_cache=300
+    )
+    return aiohttp.ClientSession(
+        timeout=timeout, connector=connector, auto_decompress=True, skip_auto_headers=("User-Agent",)
+    )
 
 
-def build_router(settings: UpstreamSettings, routes: tuple[RouteSettings, ...],
-                 session: aiohttp.ClientSession) -> Router:
+def build_router(
+    settings: UpstreamSettings, routes: tuple[RouteSettings, ...], session: aiohttp.ClientSession
+) -> Router:
     """The router for the configured default upstream and routes."""
-    default = OpenAICompatibleUpstream("default", settings.base_url,
-                                       settings.api_key.get_secret_value(), session)
+    default = OpenAICompatibleUpstream("default", settings.base_url, settings.api_key.get_secret_value(), session)
     built: list[tuple[RouteSettings, Upstream]] = []
     for route in routes:
         if route.provider == "openai":
             key = route.api_key.get_secret_value() if route.api_key else ""
-            built.append((route, OpenAICompatibleUpstream(
-                f"openai:{route.prefix}", route.base_url or settings.base_url, key, session,
-                route.prefix if route.strip_prefix else None)))
+            built.append(
+                (
+                    route,
+                    OpenAICompatibleUpstream(
+                        f"openai:{route.prefix}",
+                        route.base_url or settings.base_url,
+                        key,
+                        session,
+                        route.prefix if route.strip_prefix else None,
+                    ),
+                )
+            )
         else:
             built.append((route, LiteLLMUpstream(route, settings.timeout_s)))
     return Router(default, built)

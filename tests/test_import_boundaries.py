@@ -140,17 +140,20 @@ def _tree(root: Path, files: dict[str, str]) -> Path:
 
 def test_the_walk_sees_hidden_relative_and_dynamic_imports(tmp_path: Path) -> None:
     """Imports inside functions, relative ones, ``import proxy`` and ``import_module`` literals are all caught."""
-    root = _tree(tmp_path, {
-        "proxy/__init__.py": "",
-        "proxy/routes.py": "",
-        "proxy/memory/__init__.py": "",
-        "proxy/memory/ok.py": "from proxy.memory import errors\nfrom . import errors as e\n",
-        "proxy/memory/errors.py": "",
-        "proxy/memory/shell.py": "import proxy\n\ndef f():\n    from ..routes import x\n",
-        "proxy/memory/dyn.py": "import importlib\nimportlib.import_module('insights.service')\n",
-        "insights/__init__.py": "",
-        "insights/service.py": "from proxy.memory.errors import E\nfrom proxy import routes\n",
-    })
+    root = _tree(
+        tmp_path,
+        {
+            "proxy/__init__.py": "",
+            "proxy/routes.py": "",
+            "proxy/memory/__init__.py": "",
+            "proxy/memory/ok.py": "from proxy.memory import errors\nfrom . import errors as e\n",
+            "proxy/memory/errors.py": "",
+            "proxy/memory/shell.py": "import proxy\n\ndef f():\n    from ..routes import x\n",
+            "proxy/memory/dyn.py": "import importlib\nimportlib.import_module('insights.service')\n",
+            "insights/__init__.py": "",
+            "insights/service.py": "from proxy.memory.errors import E\nfrom proxy import routes\n",
+        },
+    )
     assert violations(root) == [
         "insights/service.py:2: insights.service -> proxy.routes (insights imports the HTTP shell)",
         "proxy/memory/dyn.py:2: proxy.memory.dyn -> insights.service (the memory core imports insights)",

@@ -261,8 +261,7 @@ def test_token_estimate_is_word_piece_like() -> None:
 _CJK_RANGE = "\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _EUROPEAN_RANGE = "\u00c0-\u024f\u0370-\u052f"
 _MARKS_RANGE = (
-    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed"
-    "\u0900-\u0dff\u0e31-\u0e4e"
+    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed\u0900-\u0dff\u0e31-\u0e4e"
 )
 _LETTER = r"(?=[^\W\d_])"
 _PIECES = re.compile(

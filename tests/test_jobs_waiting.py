@@ -55,6 +55,7 @@ async def test_a_waiting_job_spends_no_attempt_and_runs_when_its_user_is_resumed
 
 async def test_resume_wakes_only_that_users_waiting_jobs(tmp_path: Path) -> None:
     """A key for one user makes that user's waiting jobs due, not another user's."""
+
     async def refuse(job: Job) -> None:
         raise WaitForConfig("key_rejected", "401")
 

@@ -17,8 +17,9 @@ def _route(fake: FakeUpstream) -> dict[str, object]:
 async def test_litellm_route_non_stream(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """A litellm route answers a chat completion with the upstream's text."""
     proxy = await make_proxy(routes=[_route(fake)])
-    response = await proxy.post(CHAT, json={"model": "openai/fake-echo",
-                                            "messages": [{"role": "user", "content": "via litellm"}]})
+    response = await proxy.post(
+        CHAT, json={"model": "openai/fake-echo", "messages": [{"role": "user", "content": "via litellm"}]}
+    )
     assert response.status == 200
     body = await response.json()
     assert body["object"] == "chat.completion"
@@ -30,8 +31,9 @@ async def test_litellm_route_non_stream(make_proxy: ProxyFactory, fake: FakeUpst
 async def test_litellm_route_stream(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """A streamed litellm route is re-emitted as chat.completion.chunk events ending in [DONE]."""
     proxy = await make_proxy(routes=[_route(fake)])
-    response = await proxy.post(CHAT, json={"model": "openai/fake-echo", "stream": True,
-                                            "messages": [{"role": "user", "content": "s t"}]})
+    response = await proxy.post(
+        CHAT, json={"model": "openai/fake-echo", "stream": True, "messages": [{"role": "user", "content": "s t"}]}
+    )
     events = [e for e in (await response.read()).decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
     chunks = [orjson.loads(e[6:]) for e in events[:-1]]
@@ -43,8 +45,9 @@ async def test_litellm_route_stream(make_proxy: ProxyFactory, fake: FakeUpstream
 async def test_litellm_route_error_keeps_status(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """An upstream 429 behind a litellm route is still a 429 in OpenAI error format."""
     proxy = await make_proxy(routes=[_route(fake)])
-    response = await proxy.post(CHAT, json={"model": "openai/fake-error-429",
-                                            "messages": [{"role": "user", "content": "x"}]})
+    response = await proxy.post(
+        CHAT, json={"model": "openai/fake-error-429", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert response.status == 429
     assert "error" in await response.json()
 

@@ -51,16 +51,26 @@ def _sample() -> dict[str, Any]:
         "Ann": [["Ann adopted a golden retriever called Biscuit.", "D1:1"]],
         "Ben": [["Ben plays the cello in the Riverside orchestra.", ["D1:4"]]],
     }}  # fmt: skip
-    conversation = {"speaker_a": "Ann", "speaker_b": "Ben", "session_1_date_time": "1:00 pm on 8 May, 2023",
-                    "session_1": session_1, "session_2_date_time": "2:00 pm on 20 June, 2023", "session_2": session_2}
+    conversation = {
+        "speaker_a": "Ann",
+        "speaker_b": "Ben",
+        "session_1_date_time": "1:00 pm on 8 May, 2023",
+        "session_1": session_1,
+        "session_2_date_time": "2:00 pm on 20 June, 2023",
+        "session_2": session_2,
+    }
     return {"sample_id": "conv-a", "conversation": conversation, "qa": qa, "observation": observation}
 
 
 def _other_sample() -> dict[str, Any]:
     """A second user whose single question is answered by its first turn."""
     turns = _session(("Cy", "Di"), ["My sister Eve moved to Lisbon in March", "Lisbon is beautiful"], 1)
-    conversation = {"speaker_a": "Cy", "speaker_b": "Di", "session_1_date_time": "9:15 am on 2 March, 2024",
-                    "session_1": turns}
+    conversation = {
+        "speaker_a": "Cy",
+        "speaker_b": "Di",
+        "session_1_date_time": "9:15 am on 2 March, 2024",
+        "session_1": turns,
+    }
     qa = [{"question": "Where did Cy's sister Eve move?", "answer": "Lisbon", "evidence": ["D1:1"], "category": 4}]
     return {"sample_id": "conv-b", "conversation": conversation, "qa": qa, "observation": {}}
 

@@ -40,9 +40,12 @@ async def _client(**sections: Any) -> Client:
 async def api(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]:
     """The proxy with memory on and the admin key set, shared by the module."""
     async with FakeUpstream() as upstream:
-        client = await _client(upstream={"base_url": upstream.base_url}, admin={"api_key": KEY},
-                               storage={"path": str(tmp_path_factory.mktemp("mgmt"))},
-                               retrieval={"arm_timeout_ms": 10_000})  # a loaded CI box must not degrade arms
+        client = await _client(
+            upstream={"base_url": upstream.base_url},
+            admin={"api_key": KEY},
+            storage={"path": str(tmp_path_factory.mktemp("mgmt"))},
+            retrieval={"arm_timeout_ms": 10_000},
+        )  # a loaded CI box must not degrade arms
         yield client
         await client.close()
 
@@ -72,8 +75,13 @@ async def error_of(response: Any, status: int) -> dict[str, Any]:
 
 async def test_missing_or_wrong_key_is_401(api: Client) -> None:
     """Without the right bearer key nothing is shown, and the answer is an OpenAI-style 401."""
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {KEY}"},
-                    {"Authorization": KEY}, {"Authorization": "Bearer " + KEY + "x"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer nope"},
+        {"Authorization": f"Basic {KEY}"},
+        {"Authorization": KEY},
+        {"Authorization": "Bearer " + KEY + "x"},
+    ):
         error = await error_of(await api.get("/v1/memory/users/alice/memories", headers=headers), 401)
         assert error["code"] == "invalid_api_key"
         assert KEY not in error["message"]
@@ -83,8 +91,11 @@ async def test_no_admin_key_configured_turns_the_api_off() -> None:
     """With no admin key configured every management route says the API is off (503), even with a key."""
     client = await _client(memory={"enabled": False})
     try:
-        for method, path in (("GET", "/v1/memory/users"), ("DELETE", "/v1/memory/users/alice"),
-                             ("GET", "/v1/memory/openapi.json")):
+        for method, path in (
+            ("GET", "/v1/memory/users"),
+            ("DELETE", "/v1/memory/users/alice"),
+            ("GET", "/v1/memory/openapi.json"),
+        ):
             error = await error_of(await client.request(method, path, headers=AUTH), 503)
             assert error["code"] == "management_disabled"
             assert "MEMPROXY_ADMIN__API_KEY" in error["message"]
@@ -121,8 +132,7 @@ async def test_added_fact_is_searchable_at_once(api: Client) -> None:
     assert record["category"] == "health"
     got = await api.get(f"/v1/memory/users/ann/memories/{record['id']}", headers=AUTH)
     assert (await got.json())["text"] == "Ann is allergic to peanuts"
-    found = await api.post("/v1/memory/users/ann/search", json={"query": "can Ann eat peanuts?", "k": 5},
-                           headers=AUTH)
+    found = await api.post("/v1/memory/users/ann/search", json={"query": "can Ann eat peanuts?", "k": 5}, headers=AUTH)
     preview = await found.json()
     assert preview["results"][0]["id"] == record["id"]
     assert preview["results"][0]["arms"]
@@ -147,9 +157,16 @@ async def test_pages_walk_every_memory_once_newest_first(api: Client) -> None:
     assert seen == texts[::-1]
 
 
-@pytest.mark.parametrize(("query", "param"), [("?limit=0", "limit"), ("?limit=501", "limit"),
-                                              ("?kind=bogus", "kind"), ("?cursor=!!!", "cursor"),
-                                              ("?colour=red", "colour")])
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("?limit=0", "limit"),
+        ("?limit=501", "limit"),
+        ("?kind=bogus", "kind"),
+        ("?cursor=!!!", "cursor"),
+        ("?colour=red", "colour"),
+    ],
+)
 async def test_bad_list_query_is_400_naming_the_parameter(api: Client, query: str, param: str) -> None:
     """A malformed query parameter is a 400 whose param names it."""
     error = await error_of(await api.get(f"/v1/memory/users/bo/memories{query}", headers=AUTH), 400)
@@ -189,8 +206,9 @@ async def test_body_that_is_not_json_is_400(api: Client) -> None:
 async def test_text_edit_keeps_the_old_version_in_history(api: Client) -> None:
     """Editing text gives a new current record; the old one stays readable as history, superseded by it."""
     old = await add(api, "eve", "Eve lives in Paris", importance=6)
-    response = await api.patch(f"/v1/memory/users/eve/memories/{old['id']}", json={"text": "Eve lives in Berlin"},
-                               headers=AUTH)
+    response = await api.patch(
+        f"/v1/memory/users/eve/memories/{old['id']}", json={"text": "Eve lives in Berlin"}, headers=AUTH
+    )
     new = await response.json()
     assert response.status == 200
     assert new["text"] == "Eve lives in Berlin"
@@ -200,8 +218,9 @@ async def test_text_edit_keeps_the_old_version_in_history(api: Client) -> None:
     assert history["valid"] is False
     assert history["superseded_by"] == new["id"]
     assert {r["id"] for r in await listed(api, "eve", "?include_invalid=true")} == {old["id"], new["id"]}
-    preview = await (await api.post("/v1/memory/users/eve/search", json={"query": "where does Eve live"},
-                                    headers=AUTH)).json()
+    preview = await (
+        await api.post("/v1/memory/users/eve/search", json={"query": "where does Eve live"}, headers=AUTH)
+    ).json()
     assert "Berlin" in preview["injected_block"]
     assert "Paris" not in preview["injected_block"]
 
@@ -209,8 +228,7 @@ async def test_text_edit_keeps_the_old_version_in_history(api: Client) -> None:
 async def test_importance_edit_keeps_the_id(api: Client) -> None:
     """Changing only the importance edits the record in place."""
     record = await add(api, "fay", "Fay plays the cello", importance=3)
-    response = await api.patch(f"/v1/memory/users/fay/memories/{record['id']}", json={"importance": 8},
-                               headers=AUTH)
+    response = await api.patch(f"/v1/memory/users/fay/memories/{record['id']}", json={"importance": 8}, headers=AUTH)
     edited = await response.json()
     assert edited["id"] == record["id"]
     assert edited["importance"] == 8
@@ -236,8 +254,7 @@ async def test_delete_one_and_scoping(api: Client) -> None:
     await error_of(await api.get(f"/v1/memory/users/hal/memories/{gone['id']}", headers=AUTH), 404)
     await error_of(await api.delete(f"/v1/memory/users/hal/memories/{gone['id']}", headers=AUTH), 404)
     assert [r["id"] for r in await listed(api, "hal")] == [keep["id"]]
-    preview = await (await api.post("/v1/memory/users/hal/search", json={"query": "Hal red bike"},
-                                    headers=AUTH)).json()
+    preview = await (await api.post("/v1/memory/users/hal/search", json={"query": "Hal red bike"}, headers=AUTH)).json()
     assert gone["id"] not in {r["id"] for r in preview["results"]}
 
 
@@ -264,8 +281,7 @@ async def test_forget_user_erases_everything_and_only_them(api: Client) -> None:
 async def test_export_is_jsonl_with_history(api: Client) -> None:
     """The export is newline-delimited JSON of every record, history included, as a download."""
     old = await add(api, "lee", "Lee works at a bakery")
-    await api.patch(f"/v1/memory/users/lee/memories/{old['id']}", json={"text": "Lee works at a library"},
-                    headers=AUTH)
+    await api.patch(f"/v1/memory/users/lee/memories/{old['id']}", json={"text": "Lee works at a library"}, headers=AUTH)
     response = await api.get("/v1/memory/users/lee/export", headers=AUTH)
     assert response.headers["Content-Type"].startswith("application/x-ndjson")
     assert "attachment" in response.headers["Content-Disposition"]
@@ -307,10 +323,25 @@ async def test_search_body_is_validated(api: Client) -> None:
 async def test_insights_show_confidence_dates_and_size(api: Client) -> None:
     """Current insights are listed with confidence, date range and cluster size; old ones are not."""
     start, end = datetime(2025, 1, 1, tzinfo=UTC), datetime(2025, 3, 1, tzinfo=UTC)
-    current = MemoryRecord(user_id="nia", kind=Kind.INSIGHT, text="Nia cooks most evenings", confidence=0.8,
-                           start_at=start, end_at=end, cluster_size=12, generation_id="g2")
-    stale = MemoryRecord(user_id="nia", kind=Kind.INSIGHT, text="Nia rarely cooks", confidence=0.4,
-                         created_at=start - timedelta(days=1), valid=False, generation_id="g1")
+    current = MemoryRecord(
+        user_id="nia",
+        kind=Kind.INSIGHT,
+        text="Nia cooks most evenings",
+        confidence=0.8,
+        start_at=start,
+        end_at=end,
+        cluster_size=12,
+        generation_id="g2",
+    )
+    stale = MemoryRecord(
+        user_id="nia",
+        kind=Kind.INSIGHT,
+        text="Nia rarely cooks",
+        confidence=0.4,
+        created_at=start - timedelta(days=1),
+        valid=False,
+        generation_id="g1",
+    )
     await api.server.app[STATE].memory.store.add([current, stale])
     page = await (await api.get("/v1/memory/users/nia/insights", headers=AUTH)).json()
     assert page["next_cursor"] is None

@@ -29,10 +29,13 @@ Client = TestClient[Any, Any]
 async def api(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]:
     """The proxy with memory on (a job with a corrupt payload gives up at once)."""
     async with FakeUpstream() as upstream:
-        settings = admin_settings(upstream={"base_url": upstream.base_url}, admin={"api_key": KEY},
-                                  storage={"path": str(tmp_path_factory.mktemp("ops"))},
-                                  memory={"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
-                                  retrieval={"arm_timeout_ms": 20_000})
+        settings = admin_settings(
+            upstream={"base_url": upstream.base_url},
+            admin={"api_key": KEY},
+            storage={"path": str(tmp_path_factory.mktemp("ops"))},
+            memory={"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000},
+            retrieval={"arm_timeout_ms": 20_000},
+        )
         client = TestClient(TestServer(build_app(settings), host="127.0.0.1"))
         await client.start_server()
         yield client
@@ -56,8 +59,11 @@ async def _batch(api: Client, user: str, items: list[dict[str, Any]]) -> Any:
 
 async def test_batch_adds_searchable_facts_once(api: Client) -> None:
     """A batch of facts is searchable on return; sending it again adds nothing."""
-    items = [{"text": "Grace keeps bees on her roof"}, {"text": "Grace is allergic to penicillin", "importance": 9},
-             {"text": "Grace moved to Oslo", "id": "grace-oslo", "created_at": "2024-05-01T12:00:00Z"}]
+    items = [
+        {"text": "Grace keeps bees on her roof"},
+        {"text": "Grace is allergic to penicillin", "importance": 9},
+        {"text": "Grace moved to Oslo", "id": "grace-oslo", "created_at": "2024-05-01T12:00:00Z"},
+    ]
     first = await _batch(api, "grace", items)
     assert first.status == 200, await first.text()
     body = await first.json()
@@ -126,8 +132,16 @@ async def test_cli_lists_and_requeues_dead_letters(api: Client) -> None:
     env = child_env(MEMPROXY_ADMIN__API_KEY=KEY)
 
     async def run(*args: str) -> tuple[int, str]:
-        proc = await asyncio.create_subprocess_exec(str(MEMPROXY), "dead-letters", *args, "--url", url, env=env,
-                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        proc = await asyncio.create_subprocess_exec(
+            str(MEMPROXY),
+            "dead-letters",
+            *args,
+            "--url",
+            url,
+            env=env,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
         out, err = await proc.communicate()
         return int(proc.returncode or 0), out.decode() + err.decode()
 

@@ -69,8 +69,11 @@ SCHEMA = schemathesis.openapi.from_path(OPENAPI_PATH)
 @pytest.fixture(scope="module")
 def live_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The real app with memory on, served in a thread; the memory LLM points at a closed local port."""
-    settings = admin_settings(admin={"api_key": KEY}, upstream={"base_url": "http://127.0.0.1:9/v1"},
-                              storage={"path": str(tmp_path_factory.mktemp("fuzz"))})
+    settings = admin_settings(
+        admin={"api_key": KEY},
+        upstream={"base_url": "http://127.0.0.1:9/v1"},
+        storage={"path": str(tmp_path_factory.mktemp("fuzz"))},
+    )
     with live_app(settings) as url:
         yield url
 
@@ -89,5 +92,6 @@ def excused_checks(case: schemathesis.Case) -> list[Any]:
 @hypothesis.settings(max_examples=15, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
 def test_fuzzed_requests_get_no_server_error(case: schemathesis.Case, live_url: str) -> None:
     """Requests generated from the document (valid and invalid) never get a 5xx and match the document."""
-    case.call_and_validate(base_url=live_url, headers={"Authorization": f"Bearer {KEY}"},
-                           excluded_checks=excused_checks(case))
+    case.call_and_validate(
+        base_url=live_url, headers={"Authorization": f"Bearer {KEY}"}, excluded_checks=excused_checks(case)
+    )

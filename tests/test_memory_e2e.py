@@ -15,8 +15,11 @@ CHAT = "/v1/chat/completions"
 
 
 def _chat(text: str, **extra: Any) -> dict[str, Any]:
-    return {"model": "fake-echo", "messages": [{"role": "system", "content": "You are a helpful assistant."},
-                                              {"role": "user", "content": text}], **extra}
+    return {
+        "model": "fake-echo",
+        "messages": [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}],
+        **extra,
+    }
 
 
 async def _settled(proxy: TestClient[Any, Any], wait_s: float = 20.0) -> None:
@@ -39,19 +42,28 @@ def _system_of(fake: FakeUpstream) -> str:
 async def test_fact_crosses_conversations_not_users(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """Told in one conversation, a fact is injected in another conversation of the same user, never another's."""
     proxy = await make_proxy()
-    told = await proxy.post(CHAT, json=_chat("Remember that my sister Priya moved to Lisbon last spring."),
-                            headers={"X-Memory-User": "alice", "X-Memory-Conversation": "c1"})
+    told = await proxy.post(
+        CHAT,
+        json=_chat("Remember that my sister Priya moved to Lisbon last spring."),
+        headers={"X-Memory-User": "alice", "X-Memory-Conversation": "c1"},
+    )
     assert told.status == 200
     await _settled(proxy)
-    asked = await proxy.post(CHAT, json=_chat("Where does my sister Priya live now?"),
-                             headers={"X-Memory-User": "alice", "X-Memory-Conversation": "c2"})
+    asked = await proxy.post(
+        CHAT,
+        json=_chat("Where does my sister Priya live now?"),
+        headers={"X-Memory-User": "alice", "X-Memory-Conversation": "c2"},
+    )
     assert int(asked.headers["X-Memory-Injected"]) >= 1
     assert "dense" in asked.headers["X-Memory-Arms"]
     system = _system_of(fake)
     assert system.startswith("You are a helpful assistant.")
     assert "Lisbon" in system
-    other = await proxy.post(CHAT, json=_chat("Where does my sister Priya live now?"),
-                             headers={"X-Memory-User": "bob", "X-Memory-Conversation": "c9"})
+    other = await proxy.post(
+        CHAT,
+        json=_chat("Where does my sister Priya live now?"),
+        headers={"X-Memory-User": "bob", "X-Memory-Conversation": "c9"},
+    )
     assert other.headers["X-Memory-Injected"] == "0"
     assert "Lisbon" not in str(fake.requests[-1]["json"])
 
@@ -59,8 +71,7 @@ async def test_fact_crosses_conversations_not_users(make_proxy: ProxyFactory, fa
 async def test_remember_yields_a_fact(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """'Remember that ...' is stored as a fact even when the memory-side model finds nothing."""
     proxy = await make_proxy()
-    await proxy.post(CHAT, json=_chat("Remember that I am allergic to peanuts."),
-                     headers={"X-Memory-User": "carol"})
+    await proxy.post(CHAT, json=_chat("Remember that I am allergic to peanuts."), headers={"X-Memory-User": "carol"})
     await _settled(proxy)
     engine = proxy.app[STATE].memory
     page = await engine.store.list("carol", ["fact"])  # type: ignore[attr-defined]
@@ -70,8 +81,9 @@ async def test_remember_yields_a_fact(make_proxy: ProxyFactory, fake: FakeUpstre
 async def test_mode_off_stores_nothing(make_proxy: ProxyFactory) -> None:
     """A temporary chat (mode off) leaves no trace in the store."""
     proxy = await make_proxy()
-    await proxy.post(CHAT, json=_chat("My bank PIN is 1234."),
-                     headers={"X-Memory-User": "dave", "X-Memory-Mode": "off"})
+    await proxy.post(
+        CHAT, json=_chat("My bank PIN is 1234."), headers={"X-Memory-User": "dave", "X-Memory-Mode": "off"}
+    )
     await _settled(proxy)
     engine = proxy.app[STATE].memory
     assert await engine.store.count("dave") == 0  # type: ignore[attr-defined]

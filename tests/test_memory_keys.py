@@ -46,7 +46,7 @@ async def _facts(proxy: TestClient[Any, Any], user: str = "ann") -> list[str]:
 
 
 async def _metrics(proxy: TestClient[Any, Any]) -> str:
-    return (await (await proxy.get("/metrics")).text())
+    return await (await proxy.get("/metrics")).text()
 
 
 async def test_the_clients_key_makes_facts_and_is_never_written(
@@ -92,9 +92,7 @@ async def test_jobs_wait_for_a_key_across_a_restart_and_run_when_it_comes(
     assert (await (await second.get("/readyz")).json())["features"]["facts"]["live"] is True
 
 
-async def test_a_rejected_key_waits_until_a_different_key_comes(
-    make_proxy: ProxyFactory, fake: HostedUpstream
-) -> None:
+async def test_a_rejected_key_waits_until_a_different_key_comes(make_proxy: ProxyFactory, fake: HostedUpstream) -> None:
     """Memory-side calls reject the user's key: the job waits, the same key does not wake it, a new key runs it."""
     proxy = await make_proxy()
     fake.memory_keys_accepted = {"sk-new"}
@@ -141,8 +139,6 @@ def test_a_held_key_expires_and_goes_only_to_its_own_route() -> None:
     finally:
         CURRENT_USER.reset(token)
     assert latest.model("ann") == "gpt-4o-mini"
-
-
 
 
 async def test_each_routes_key_goes_only_to_that_route(make_proxy: ProxyFactory, fake: HostedUpstream) -> None:

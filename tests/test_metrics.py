@@ -20,8 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 DASHBOARD = ROOT / "deploy" / "grafana-dashboard.json"
 CHAT = "/v1/chat/completions"
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-_SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",),
-             "summary": ("_sum", "_count", "")}
+_SUFFIXES = {
+    "counter": ("_total",),
+    "histogram": ("_bucket", "_sum", "_count"),
+    "gauge": ("",),
+    "summary": ("_sum", "_count", ""),
+}
 
 
 def _chat(text: str, model: str = "fake-echo") -> dict[str, Any]:
@@ -68,8 +72,11 @@ async def test_metrics_use_labels_histograms_and_counters(make_proxy: ProxyFacto
     assert re.search(r'memproxy_job_seconds_count\{kind="exchange"\} [1-9]', text)
     assert re.search(r'memproxy_chat_seconds_count\{model="fake-echo",route="default"\} 1\.0', text)
     assert re.search(r'memproxy_upstream_ttfb_seconds_count\{model="fake-error-500",route="default"\} 1\.0', text)
-    prompt = [s for s in families["memproxy_memory_llm_tokens"].samples
-              if s.name.endswith("_total") and s.labels["type"] == "prompt"]
+    prompt = [
+        s
+        for s in families["memproxy_memory_llm_tokens"].samples
+        if s.name.endswith("_total") and s.labels["type"] == "prompt"
+    ]
     assert prompt
     assert all(s.labels["model"] == "fake-echo" for s in prompt)
     assert sum(s.value for s in prompt) >= 10  # the fake upstream reports 10 prompt tokens per call
@@ -103,7 +110,8 @@ def test_model_label_is_capped() -> None:
     metrics = Metrics()
     for i in range(MAX_MODEL_LABELS + 10):
         metrics.observe_chat("default", f"model-{i}", 0.01)
-    models = {s.labels["model"] for f in metrics.registry.collect() if f.name == "memproxy_chat_seconds"
-              for s in f.samples}
+    models = {
+        s.labels["model"] for f in metrics.registry.collect() if f.name == "memproxy_chat_seconds" for s in f.samples
+    }
     assert len(models) == MAX_MODEL_LABELS + 1
     assert "other" in models

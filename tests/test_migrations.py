@@ -94,14 +94,16 @@ def test_migrate_command_and_serve_refusal(tmp_path: Path) -> None:
     database, _ = asyncio.run(_queue_with_a_job(data / "jobs.sqlite3"))
     _set_user_version(database, 0)
     env = child_env(MEMPROXY_STORAGE__PATH=str(data))
-    migrated = subprocess.run([str(MEMPROXY), "migrate"], capture_output=True, text=True, env=env, timeout=120,
-                              check=False)
+    migrated = subprocess.run(
+        [str(MEMPROXY), "migrate"], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
     assert migrated.returncode == 0, migrated.stderr
     assert f"job database: version 0 -> {JOBS_SCHEMA_VERSION}" in migrated.stdout
     assert "records table: none yet" in migrated.stdout
     _set_user_version(database, 99)
-    served = subprocess.run([str(MEMPROXY), "serve", "--port", "0"], capture_output=True, text=True, env=env,
-                            timeout=180, check=False)
+    served = subprocess.run(
+        [str(MEMPROXY), "serve", "--port", "0"], capture_output=True, text=True, env=env, timeout=180, check=False
+    )
     assert served.returncode == 1
     assert "memproxy: the job database schema is version 99" in served.stderr
     assert "Traceback" not in served.stderr

@@ -10,8 +10,13 @@ from proxy.memory.store.objectstore import StorageLocation, is_remote
 
 def test_storage_uri_from_config_and_aws_variables() -> None:
     """storage.uri takes s3://bucket/prefix with the AWS variables; secrets never show; bad schemes are named."""
-    env = {"MEMPROXY_STORAGE__URI": "s3://bucket/pre", "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
-           "AWS_SECRET_ACCESS_KEY": "very-secret", "AWS_ACCESS_KEY_ID": "AKIA1", "AWS_REGION": "eu-west-1"}
+    env = {
+        "MEMPROXY_STORAGE__URI": "s3://bucket/pre",
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_SECRET_ACCESS_KEY": "very-secret",
+        "AWS_ACCESS_KEY_ID": "AKIA1",
+        "AWS_REGION": "eu-west-1",
+    }
     settings = load_settings(None, environ=env)
     cluster = settings.storage.cluster(env)
     assert cluster is not None

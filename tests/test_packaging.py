@@ -13,8 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_dockerfile_lints_clean() -> None:
     """hadolint finds nothing in the Dockerfile."""
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
-    result = subprocess.run([hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True,
-                            timeout=60, check=False)
+    result = subprocess.run(
+        [hadolint, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60, check=False
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -24,8 +25,12 @@ def test_dockerfile_installs_like_the_makefile() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert "-m pip install --quiet -c constraints.txt -e ." in dockerfile
     assert "$(PIP) install --quiet -c $(CONSTRAINTS) -e ." in makefile
-    for needed in ("COPY --chown=memproxy:memproxy models ./models", "HEALTHCHECK", "VOLUME [\"/data\"]",
-                   "USER 10001:10001"):
+    for needed in (
+        "COPY --chown=memproxy:memproxy models ./models",
+        "HEALTHCHECK",
+        'VOLUME ["/data"]',
+        "USER 10001:10001",
+    ):
         assert needed in dockerfile
 
 

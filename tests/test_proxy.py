@@ -28,9 +28,17 @@ def _body(**extra: Any) -> dict[str, Any]:
 async def test_non_stream_forwards_every_field_unchanged(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """Unknown and advanced fields reach the upstream exactly as the client sent them."""
     proxy = await make_proxy()
-    body = _body(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
-                 tool_choice="auto", response_format={"type": "text"}, n=1, logprobs=False, seed=7,
-                 stream_options=None, x_vendor_field={"a": [1, 2.5, None]}, temperature=0.25)
+    body = _body(
+        tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+        tool_choice="auto",
+        response_format={"type": "text"},
+        n=1,
+        logprobs=False,
+        seed=7,
+        stream_options=None,
+        x_vendor_field={"a": [1, 2.5, None]},
+        temperature=0.25,
+    )
     raw = orjson.dumps(body)
     response = await proxy.post(CHAT, data=raw, headers={"Content-Type": "application/json"})
     assert response.status == 200
@@ -100,8 +108,9 @@ async def test_upstream_timeout_is_504(make_proxy: ProxyFactory, fake: FakeUpstr
         (orjson.dumps({"model": "m", "messages": [{"content": "x"}]}), "messages[0]"),
     ],
 )
-async def test_malformed_requests_are_400(make_proxy: ProxyFactory, fake: FakeUpstream,
-                                          payload: bytes, param: str | None) -> None:
+async def test_malformed_requests_are_400(
+    make_proxy: ProxyFactory, fake: FakeUpstream, payload: bytes, param: str | None
+) -> None:
     """Malformed bodies get a 400 naming the field, and never reach the upstream."""
     proxy = await make_proxy()
     response = await proxy.post(CHAT, data=payload, headers={"Content-Type": "application/json"})
@@ -123,8 +132,10 @@ async def test_oversized_body_is_413(make_proxy: ProxyFactory) -> None:
 async def test_midstream_failure_ends_with_error_event(make_proxy: ProxyFactory) -> None:
     """When the upstream dies mid-stream the client gets the chunks so far, then an error event."""
     proxy = await make_proxy()
-    response = await proxy.post(CHAT, json=_body(model="fake-midstream-fail", stream=True,
-                                                 messages=[{"role": "user", "content": "one two three"}]))
+    response = await proxy.post(
+        CHAT,
+        json=_body(model="fake-midstream-fail", stream=True, messages=[{"role": "user", "content": "one two three"}]),
+    )
     assert response.status == 200
     events = [e for e in (await response.read()).decode().split("\n\n") if e]
     last = orjson.loads(events[-1][6:])
@@ -151,12 +162,10 @@ async def test_configured_key_replaces_client_key(make_proxy: ProxyFactory, fake
     assert fake.requests[-1]["headers"]["Authorization"] == "Bearer sk-configured-0000"
 
 
-async def test_client_key_passes_through_without_configured_key(make_proxy: ProxyFactory,
-                                                                fake: FakeUpstream) -> None:
+async def test_client_key_passes_through_without_configured_key(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """With no configured key, the client's Authorization header is forwarded."""
     proxy = await make_proxy()
-    await proxy.post(CHAT, json=_body(), headers={"Authorization": "Bearer sk-client-1111",
-                                                  "X-Memory-User": "alice"})
+    await proxy.post(CHAT, json=_body(), headers={"Authorization": "Bearer sk-client-1111", "X-Memory-User": "alice"})
     headers = fake.requests[-1]["headers"]
     assert headers["Authorization"] == "Bearer sk-client-1111"
     assert not any(name.lower().startswith("x-memory") for name in headers)
@@ -303,8 +312,9 @@ class SlowMemory(RecordingMemory):
 
 async def test_reads_beyond_capacity_go_on_at_once_without_memory(make_proxy: ProxyFactory) -> None:
     """With every read slot busy, a request waits at most read_queue_ms, then is served without memory."""
-    proxy = await make_proxy(memory_factory=_factory(SlowMemory()),
-                             memory={"max_concurrent_reads": 1, "read_queue_ms": 50})
+    proxy = await make_proxy(
+        memory_factory=_factory(SlowMemory()), memory={"max_concurrent_reads": 1, "read_queue_ms": 50}
+    )
 
     async def ask() -> tuple[float, str]:
         started = time.perf_counter()

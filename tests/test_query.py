@@ -78,7 +78,6 @@ def test_no_user_text_gives_no_query() -> None:
     assert build_query([{"role": "tool", "content": "42"}]) is None
 
 
-
 _messages = st.lists(
     st.fixed_dictionaries(
         {

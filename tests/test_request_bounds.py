@@ -41,18 +41,22 @@ def _nested_json(depth: int) -> str:
 
 
 @pytest.mark.parametrize("where", ["content", "tools"])
-async def test_depth_1000_json_is_400_before_the_upstream(make_proxy: ProxyFactory, fake: FakeUpstream,
-                                                        where: str) -> None:
+async def test_depth_1000_json_is_400_before_the_upstream(
+    make_proxy: ProxyFactory, fake: FakeUpstream, where: str
+) -> None:
     """JSON nested 1000 deep in a message or in tools is a 400 naming the limit; the upstream never sees it."""
     proxy = await make_proxy()
     deep = _nested_json(1000)
     if where == "content":
         raw = '{"model":"fake-echo","messages":[{"role":"user","content":[{"type":"text","text":"hi","x":%s}]}]}'
     else:
-        raw = ('{"model":"fake-echo","messages":[{"role":"user","content":"hi"}],'
-               '"tools":[{"type":"function","function":{"name":"f","parameters":%s}}]}')
-    response = await proxy.post(CHAT, data=(raw % deep).encode(), headers={"Content-Type": "application/json",
-                                                                           "X-Memory-User": "alice"})
+        raw = (
+            '{"model":"fake-echo","messages":[{"role":"user","content":"hi"}],'
+            '"tools":[{"type":"function","function":{"name":"f","parameters":%s}}]}'
+        )
+    response = await proxy.post(
+        CHAT, data=(raw % deep).encode(), headers={"Content-Type": "application/json", "X-Memory-User": "alice"}
+    )
     assert response.status == 400
     error = (await response.json())["error"]
     assert error["code"] == "json_too_deep"
@@ -63,16 +67,20 @@ async def test_depth_1000_json_is_400_before_the_upstream(make_proxy: ProxyFacto
 async def test_ordinary_nesting_passes(make_proxy: ProxyFactory) -> None:
     """A tool schema nested a dozen levels deep, with brackets inside strings, is served normally."""
     proxy = await make_proxy()
-    body = {"model": "fake-echo", "messages": [{"role": "user", "content": "[[[{{{ not json \" ]]]"}],
-            "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(12)}}]}
+    body = {
+        "model": "fake-echo",
+        "messages": [{"role": "user", "content": '[[[{{{ not json " ]]]'}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(12)}}],
+    }
     response = await proxy.post(CHAT, json=body)
     assert response.status == 200
 
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-1000, 1000) | st.text(alphabet='[]{}"\\ab', max_size=6),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(alphabet='[]{}"\\', max_size=3),
-                                                                      children, max_size=3),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(alphabet='[]{}"\\', max_size=3), children, max_size=3)
+    ),
     max_leaves=30,
 )
 
@@ -92,16 +100,22 @@ def test_json_depth_matches_the_parsed_structure(value: Any) -> None:
 
 
 @pytest.mark.parametrize("header", ["X-Memory-User", "X-Memory-Conversation", "X-Memory-Mode"])
-async def test_duplicate_identity_headers_are_400(make_proxy: ProxyFactory, fake: FakeUpstream,
-                                                  header: str) -> None:
+async def test_duplicate_identity_headers_are_400(make_proxy: ProxyFactory, fake: FakeUpstream, header: str) -> None:
     """Two copies of an identity header are a 400 (not "the first one wins"), and nothing is forwarded."""
     proxy = await make_proxy()
-    values = {"X-Memory-User": ("alice", "bob"), "X-Memory-Conversation": ("c1", "c2"),
-              "X-Memory-Mode": ("full", "off")}[header]
-    headers = CIMultiDict([("X-Memory-User", "alice"), (header, values[0]), (header, values[1])]
-                          if header != "X-Memory-User" else [(header, values[0]), (header, values[1])])
-    response = await proxy.post(CHAT, json={"model": "fake-echo", "messages": [{"role": "user", "content": "hi"}]},
-                                headers=headers)
+    values = {
+        "X-Memory-User": ("alice", "bob"),
+        "X-Memory-Conversation": ("c1", "c2"),
+        "X-Memory-Mode": ("full", "off"),
+    }[header]
+    headers = CIMultiDict(
+        [("X-Memory-User", "alice"), (header, values[0]), (header, values[1])]
+        if header != "X-Memory-User"
+        else [(header, values[0]), (header, values[1])]
+    )
+    response = await proxy.post(
+        CHAT, json={"model": "fake-echo", "messages": [{"role": "user", "content": "hi"}]}, headers=headers
+    )
     assert response.status == 400
     error = (await response.json())["error"]
     assert (error["code"], error["param"]) == ("duplicate_header", header)
@@ -112,8 +126,10 @@ async def test_one_byte_per_second_body_is_cut_off(make_proxy: ProxyFactory, fak
     """A body trickling in at 1 byte/s gets a 408 once server.body_timeout_s is over, and the connection closes."""
     proxy = await make_proxy(server={"body_timeout_s": 1.5})
     reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 b"Content-Length: 500\r\n\r\n")
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 500\r\n\r\n"
+    )
     started = time.monotonic()
 
     async def trickle() -> None:
@@ -141,8 +157,11 @@ async def test_long_turn_is_stored_truncated_with_a_marker(make_proxy: ProxyFact
     memory = RecordingMemory()
     proxy = await make_proxy(memory_factory=_factory(memory), memory={"max_turn_chars": 2000})
     text = "START " + "filler words " * 16_000 + " what is the capital of Peru?"
-    response = await proxy.post(CHAT, json={"model": "fake-echo", "messages": [{"role": "user", "content": text}]},
-                                headers={"X-Memory-User": "alice"})
+    response = await proxy.post(
+        CHAT,
+        json={"model": "fake-echo", "messages": [{"role": "user", "content": text}]},
+        headers={"X-Memory-User": "alice"},
+    )
     assert response.status == 200
     assert len((await response.json())["choices"][0]["message"]["content"]) > len(text)
     stored = memory.exchanges[-1].user_messages[0]
@@ -166,15 +185,20 @@ def test_malformed_request_is_a_json_400_that_echoes_and_logs_no_secret(tmp_path
     """Requests aiohttp rejects before the app (malformed header lines, a request line over 8 KiB) get an
     OpenAI-style JSON 400 that does not echo the bytes; the key in them is in neither the answer nor the log."""
     canary = "sk-canary-9f8e7d6c5b4a"
-    env = {"MEMPROXY_MEMORY__ENABLED": "false", "MEMPROXY_STORAGE__PATH": str(tmp_path),
-           "MEMPROXY_UPSTREAM__BASE_URL": "http://127.0.0.1:9/v1"}
+    env = {
+        "MEMPROXY_MEMORY__ENABLED": "false",
+        "MEMPROXY_STORAGE__PATH": str(tmp_path),
+        "MEMPROXY_UPSTREAM__BASE_URL": "http://127.0.0.1:9/v1",
+    }
     with memproxy_process(env) as (proc, url):
         port = int(url.rsplit(":", 1)[1].split("/")[0])
-        for raw in (f"GET /healthz HTTP/1.1\r\nAuthorization: Bearer {canary}\x01\r\n\r\n",
-                    f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {canary}\rX: y\r\n\r\n",
-                    f"GET /healthz HTTP/1.1\r\nAuthorization : Basic {canary}\r\n\r\n",
-                    f"GET /healthz HTTP/1.1\r\nX: a\r\n  Authorization: Bearer {canary}\r\n\r\n",
-                    f"GET /v1/memory/users/u/insights?k={canary}{'x' * 9000} HTTP/1.1\r\nHost: a\r\n\r\n"):
+        for raw in (
+            f"GET /healthz HTTP/1.1\r\nAuthorization: Bearer {canary}\x01\r\n\r\n",
+            f"POST /v1/chat/completions HTTP/1.1\r\nAuthorization: Bearer {canary}\rX: y\r\n\r\n",
+            f"GET /healthz HTTP/1.1\r\nAuthorization : Basic {canary}\r\n\r\n",
+            f"GET /healthz HTTP/1.1\r\nX: a\r\n  Authorization: Bearer {canary}\r\n\r\n",
+            f"GET /v1/memory/users/u/insights?k={canary}{'x' * 9000} HTTP/1.1\r\nHost: a\r\n\r\n",
+        ):
             with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
                 sock.sendall(raw.encode("latin-1"))
                 answer = b""
@@ -202,8 +226,10 @@ def _rss_mb(pid: int) -> int:
 async def _post_big(url: str, text: str) -> int:
     body = {"model": "fake-echo", "messages": [{"role": "user", "content": text}]}
     headers = {"X-Memory-User": "big", "Content-Type": "application/json"}
-    async with ClientSession() as session, session.post(f"{url}/chat/completions", data=io.BytesIO(orjson.dumps(body)),
-                                                        headers=headers) as response:
+    async with (
+        ClientSession() as session,
+        session.post(f"{url}/chat/completions", data=io.BytesIO(orjson.dumps(body)), headers=headers) as response,
+    ):
         await response.read()
         return response.status
 
@@ -224,8 +250,11 @@ async def test_two_8mb_messages_keep_rss_bounded(tmp_path: Path) -> None:
     """Two concurrent 7.9 MB messages (with the real model and store) raise memproxy's RSS by under 300 MB."""
     big = ("lorem ipsum dolor sit amet " * 400_000)[: int(7.9 * 2**20)]
     with fake_upstream_process() as (_, upstream):
-        env = {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(tmp_path),
-               "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000"}
+        env = {
+            "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+            "MEMPROXY_STORAGE__PATH": str(tmp_path),
+            "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000",
+        }
         with memproxy_process(env) as (proc, url):
             pid = proc.popen.pid
             for i in range(3):  # warm up: model, tables and caches loaded

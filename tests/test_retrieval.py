@@ -462,8 +462,13 @@ async def test_gated_rerank_orders_the_head_when_the_arms_disagree(
         settings = RerankSettings(enabled=True, api_base=fake.api_base, api_key="k")
         async with Reranker(settings) as reranker:
             reranked = await retrieve(store, embedder, question, "maya", _settings(), NOW, reranker=reranker)
-    wanted = [t for t, _ in sorted(((c.record.text, relevance("what is the name of the dog", c.record.text))
-                                    for c in fused.candidates), key=lambda p: -p[1])]
+    wanted = [
+        t
+        for t, _ in sorted(
+            ((c.record.text, relevance("what is the name of the dog", c.record.text)) for c in fused.candidates),
+            key=lambda p: -p[1],
+        )
+    ]
     assert len(fake.calls) == 1
     assert [c.record.text for c in reranked.candidates] == wanted
     assert "rerank" in reranked.arms

@@ -22,8 +22,10 @@ def test_longest_prefix_wins_whatever_the_order() -> None:
         assert route_index(prefixes, "gpt-4o") is None
 
 
-@given(st.lists(st.sampled_from(["a", "ab", "abc", "b", "ba"]), min_size=1, max_size=5),
-       st.sampled_from(["a", "abc", "abcd", "bar", "c"]))
+@given(
+    st.lists(st.sampled_from(["a", "ab", "abc", "b", "ba"]), min_size=1, max_size=5),
+    st.sampled_from(["a", "abc", "abcd", "bar", "c"]),
+)
 def test_the_chosen_prefix_is_a_longest_match(prefixes: list[str], model: str) -> None:
     """Any list of prefixes: the chosen one matches, and no matching prefix is longer."""
     index = route_index(prefixes, model)
@@ -48,12 +50,15 @@ async def test_chat_and_its_extraction_go_to_the_same_provider(
 ) -> None:
     """With overlapping prefixes listed short first, the chat and the facts call about it reach one server."""
     short, long = two_routes
-    routes = [{"prefix": "team/", "provider": "openai", "base_url": short.base_url},
-              {"prefix": "team/special-", "provider": "openai", "base_url": long.base_url}]
+    routes = [
+        {"prefix": "team/", "provider": "openai", "base_url": short.base_url},
+        {"prefix": "team/special-", "provider": "openai", "base_url": long.base_url},
+    ]
     proxy = await make_proxy(routes=routes)
     body = {"model": "team/special-echo", "messages": [{"role": "user", "content": "I live in Lyon."}]}
-    response = await proxy.post("/v1/chat/completions", json=body,
-                                headers={"X-Memory-User": "ann", "Authorization": "Bearer sk-ann"})
+    response = await proxy.post(
+        "/v1/chat/completions", json=body, headers={"X-Memory-User": "ann", "Authorization": "Bearer sk-ann"}
+    )
     assert response.status == 200
 
     async def extraction_sent() -> bool:

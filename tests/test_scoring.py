@@ -162,6 +162,7 @@ def test_bounded_scores_lie_in_zero_one_and_the_best_possible_scores_one() -> No
 
 def test_recency_lifts_facts_not_turns() -> None:
     """A turn said yesterday gets no recency bonus over an equally relevant turn of last year; a fact does."""
+
     def turn(age: timedelta) -> Candidate:
         record = MemoryRecord(user_id="u", kind=Kind.TURN, text=f"turn {age.days}", created_at=NOW - age)
         return Candidate(record=record, arm_scores={"bm25": 1.0}, fused=0.5)

@@ -19,14 +19,30 @@ from proxy.shadow import agreement
 from tests.fake_upstream import FakeUpstream
 
 KEY = "adm-shadow-3e1f"
-FACTS = ["Sam keeps two rabbits called Pip and Moss", "Sam works night shifts at a bakery",
-         "Sam is training for the Berlin marathon", "Sam is allergic to peanuts", "Sam's sister lives in Lima",
-         "Sam plays bass in a jazz trio", "Sam drives an old blue Volvo", "Sam is learning Portuguese",
-         "Sam prefers green tea to coffee", "Sam grew up near the sea in Cornwall",
-         "Sam's favourite film is Spirited Away", "Sam volunteers at the animal shelter on Sundays"]
-QUESTIONS = ["What pets do I have?", "Where does my sister live?", "What should I eat before the race?",
-             "Recommend a film for tonight", "What instrument do I play?", "Which language am I learning?",
-             "What car do I drive?", "Where did I grow up?"]
+FACTS = [
+    "Sam keeps two rabbits called Pip and Moss",
+    "Sam works night shifts at a bakery",
+    "Sam is training for the Berlin marathon",
+    "Sam is allergic to peanuts",
+    "Sam's sister lives in Lima",
+    "Sam plays bass in a jazz trio",
+    "Sam drives an old blue Volvo",
+    "Sam is learning Portuguese",
+    "Sam prefers green tea to coffee",
+    "Sam grew up near the sea in Cornwall",
+    "Sam's favourite film is Spirited Away",
+    "Sam volunteers at the animal shelter on Sundays",
+]
+QUESTIONS = [
+    "What pets do I have?",
+    "Where does my sister live?",
+    "What should I eat before the race?",
+    "Recommend a film for tonight",
+    "What instrument do I play?",
+    "Which language am I learning?",
+    "What car do I drive?",
+    "Where did I grow up?",
+]
 ids = st.lists(st.sampled_from([f"m{i}" for i in range(30)]), max_size=20, unique=True)
 
 
@@ -62,11 +78,19 @@ def test_unknown_alternative_key_is_named() -> None:
 
 
 def _settings(upstream: str, path: Path, **shadow: Any) -> Any:
-    return load_settings(None, environ={}, overrides={
-        "upstream": {"base_url": upstream}, "storage": {"path": str(path)}, "admin": {"api_key": KEY},
-        "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000, "max_concurrent_reads": 16},
-        # recency off: access times move with every read, and two proxies must rank alike to be compared
-        "retrieval": {"arm_timeout_ms": 20_000, "recency_weight": 0.0}, "shadow": shadow})
+    return load_settings(
+        None,
+        environ={},
+        overrides={
+            "upstream": {"base_url": upstream},
+            "storage": {"path": str(path)},
+            "admin": {"api_key": KEY},
+            "memory": {"retrieval_timeout_ms": 20_000, "read_queue_ms": 20_000, "max_concurrent_reads": 16},
+            # recency off: access times move with every read, and two proxies must rank alike to be compared
+            "retrieval": {"arm_timeout_ms": 20_000, "recency_weight": 0.0},
+            "shadow": shadow,
+        },
+    )
 
 
 async def _proxy(settings: Any) -> TestClient[Any, Any]:
@@ -76,9 +100,11 @@ async def _proxy(settings: Any) -> TestClient[Any, Any]:
 
 
 async def _ask(proxy: TestClient[Any, Any], question: str) -> str:
-    response = await proxy.post("/v1/chat/completions", json={
-        "model": "fake-echo", "messages": [{"role": "user", "content": question}]},
-        headers={"X-Memory-User": "sam", "X-Memory-Mode": "read"})
+    response = await proxy.post(
+        "/v1/chat/completions",
+        json={"model": "fake-echo", "messages": [{"role": "user", "content": question}]},
+        headers={"X-Memory-User": "sam", "X-Memory-Mode": "read"},
+    )
     assert response.status == 200
     return response.headers["X-Memory-Ids"]
 
@@ -89,14 +115,23 @@ async def test_shadow_under_load_reports_agreement_and_injects_the_same(tmp_path
     async with FakeUpstream() as fake:
         seed = await _proxy(_settings(fake.base_url, tmp_path / "live"))
         batch = {"memories": [{"text": text} for text in FACTS]}
-        added = await seed.post("/v1/memory/users/sam/memories:batch", json=batch,
-                                headers={"Authorization": f"Bearer {KEY}"})
+        added = await seed.post(
+            "/v1/memory/users/sam/memories:batch", json=batch, headers={"Authorization": f"Bearer {KEY}"}
+        )
         assert (await added.json())["added"] == len(FACTS)
         await seed.close()
         shutil.copytree(tmp_path / "live", tmp_path / "shadowed")
         plain = await _proxy(_settings(fake.base_url, tmp_path / "live"))
-        shadowed = await _proxy(_settings(fake.base_url, tmp_path / "shadowed", enabled=True, sample_rate=1.0,
-                                          settle_s=0.05, retrieval={"dense_weight": 0.9, "bm25_weight": 0.1}))
+        shadowed = await _proxy(
+            _settings(
+                fake.base_url,
+                tmp_path / "shadowed",
+                enabled=True,
+                sample_rate=1.0,
+                settle_s=0.05,
+                retrieval={"dense_weight": 0.9, "bm25_weight": 0.1},
+            )
+        )
         try:
             expected = [await _ask(plain, q) for q in QUESTIONS]
             assert any(expected)

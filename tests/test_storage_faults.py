@@ -27,8 +27,14 @@ from tests.support.readonly import read_only
 
 def settings(path: Path, **changes: Any) -> JobQueueSettings:
     """Fast queue settings for tests."""
-    values: dict[str, Any] = {"path": path, "backoff_base_s": 0.02, "backoff_max_s": 0.1, "poll_interval_s": 0.02,
-                              "drain_timeout_s": 0.5, "max_attempts": 2}
+    values: dict[str, Any] = {
+        "path": path,
+        "backoff_base_s": 0.02,
+        "backoff_max_s": 0.1,
+        "poll_interval_s": 0.02,
+        "drain_timeout_s": 0.5,
+        "max_attempts": 2,
+    }
     return JobQueueSettings.model_validate({**values, **changes})
 
 
@@ -37,30 +43,41 @@ def _chained(outer: Exception, inner: BaseException) -> Exception:
     return outer
 
 
-@pytest.mark.parametrize(("error", "reason"), [
-    (PermissionError(errno.EACCES, "Permission denied"), "EACCES"),
-    (OSError(errno.EROFS, "Read-only file system"), "EROFS"),
-    (OSError(errno.ENOSPC, "No space left on device"), "ENOSPC"),
-    (sqlite3.OperationalError("attempt to write a readonly database"), "readonly_database"),
-    (sqlite3.OperationalError("database or disk is full"), "database_or_disk_is_full"),
-    (RuntimeError("lance error: LanceError(IO): Operation not permitted (os error 1), at path x"), "EPERM"),
-    (ValueError("Failed to open file for write: 'IoError { io_error: Os { code: 28, kind: StorageFull, "
-                "message: \"No space left on device\" } }'"), "no_space_left"),
-    (_chained(StoreError("write failed"), OSError(errno.EIO, "Input/output error")), "EIO"),
-])
+@pytest.mark.parametrize(
+    ("error", "reason"),
+    [
+        (PermissionError(errno.EACCES, "Permission denied"), "EACCES"),
+        (OSError(errno.EROFS, "Read-only file system"), "EROFS"),
+        (OSError(errno.ENOSPC, "No space left on device"), "ENOSPC"),
+        (sqlite3.OperationalError("attempt to write a readonly database"), "readonly_database"),
+        (sqlite3.OperationalError("database or disk is full"), "database_or_disk_is_full"),
+        (RuntimeError("lance error: LanceError(IO): Operation not permitted (os error 1), at path x"), "EPERM"),
+        (
+            ValueError(
+                "Failed to open file for write: 'IoError { io_error: Os { code: 28, kind: StorageFull, "
+                'message: "No space left on device" } }\''
+            ),
+            "no_space_left",
+        ),
+        (_chained(StoreError("write failed"), OSError(errno.EIO, "Input/output error")), "EIO"),
+    ],
+)
 def test_disk_faults_are_recognised(error: Exception, reason: str) -> None:
     """Read-only, full and failing disks are storage faults, whichever library reports them, with a short reason."""
     assert is_storage_fault(error)
     assert fault_reason(error) == reason
 
 
-@pytest.mark.parametrize("error", [
-    ValueError("temperature must be a number"),
-    RuntimeError("lance error: LanceError(IO): Not found (os error 2)"),
-    FileNotFoundError(errno.ENOENT, "No such file"),
-    LLMUnavailable("upstream said: permission denied"),
-    KeyError("text"),
-])
+@pytest.mark.parametrize(
+    "error",
+    [
+        ValueError("temperature must be a number"),
+        RuntimeError("lance error: LanceError(IO): Not found (os error 2)"),
+        FileNotFoundError(errno.ENOENT, "No such file"),
+        LLMUnavailable("upstream said: permission denied"),
+        KeyError("text"),
+    ],
+)
 def test_other_errors_are_not_disk_faults(error: Exception) -> None:
     """Bugs, bad input and a down dependency are not mistaken for a disk fault (they keep their own handling)."""
     assert not is_storage_fault(error)
@@ -72,8 +89,7 @@ async def test_debounced_job_left_running_beside_its_pending_twin_does_not_stop_
         first = await queue.enqueue("summary", "u1", {"n": 1}, dedupe_key="summary:c1", run_after=time.time())
         [job], _ = await queue.claim({"summary": 1})
         assert job.id == first
-        second = await queue.enqueue("summary", "u1", {"n": 2}, dedupe_key="summary:c1",
-                                     run_after=time.time() + 3600)
+        second = await queue.enqueue("summary", "u1", {"n": 2}, dedupe_key="summary:c1", run_after=time.time() + 3600)
         assert second != first
     async with JobQueue(settings(tmp_path)) as queue:  # the process died: the first job is an orphan
         assert (await queue.get(second) or {})["state"] == "done"  # the twin is folded into the orphan
@@ -118,8 +134,10 @@ async def test_jobs_wait_out_a_read_only_store_and_are_never_dead_lettered(tmp_p
     """
     store_dir, queue_dir = tmp_path / "store", tmp_path / "queue"
     embedder = HashingEmbedder()
-    async with MemoryStore(StoreSettings(path=store_dir, flush_interval_ms=1), embedder) as store, \
-            JobQueue(settings(queue_dir)) as queue:
+    async with (
+        MemoryStore(StoreSettings(path=store_dir, flush_interval_ms=1), embedder) as store,
+        JobQueue(settings(queue_dir)) as queue,
+    ):
 
         async def store_turn(job: Job) -> None:
             record = MemoryRecord(user_id=job.user_id, kind=Kind.TURN, text=job.payload["text"], id=job.id)

@@ -20,8 +20,11 @@ from tests.test_answered_stored import stored_turn_tokens, wait_for_drain
 
 async def _chat(session: aiohttp.ClientSession, url: str, token: str, *, stream: bool) -> dict[str, str]:
     """One exchange carrying ``token``; returns the response headers once the answer is complete."""
-    body = {"model": "fake-echo", "stream": stream,
-            "messages": [{"role": "user", "content": f"please note item <{token}> now"}]}
+    body = {
+        "model": "fake-echo",
+        "stream": stream,
+        "messages": [{"role": "user", "content": f"please note item <{token}> now"}],
+    }
     headers = {"X-Memory-User": "crash-ann", "X-Memory-Conversation": "conv-ro"}
     async with session.post(f"{url}/chat/completions", json=body, headers=headers) as response:
         assert response.status == 200
@@ -50,9 +53,14 @@ async def _spool_empty(session: aiohttp.ClientSession, base: str, within_s: floa
 
 
 def _env(upstream: str, data: Path) -> dict[str, str]:
-    return {"MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_STORAGE__PATH": str(data),
-            "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1", "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
-            "MEMPROXY_JOBS__BACKOFF_MAX_S": "1", "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "5000"}
+    return {
+        "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_STORAGE__PATH": str(data),
+        "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1",
+        "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",
+        "MEMPROXY_JOBS__BACKOFF_MAX_S": "1",
+        "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "5000",
+    }
 
 
 @pytest.mark.e2e
@@ -106,8 +114,11 @@ async def test_data_dir_read_only_at_start_serves_chat_without_memory(tmp_path: 
     """Started on a read-only data directory, memproxy serves chat without memory and says why everywhere."""
     data = tmp_path / "data"
     data.mkdir()
-    with fake_upstream_process() as (_, upstream), read_only(data), \
-            memproxy_process(_env(upstream, data)) as (proc, url):
+    with (
+        fake_upstream_process() as (_, upstream),
+        read_only(data),
+        memproxy_process(_env(upstream, data)) as (proc, url),
+    ):
         base = url.removesuffix("/v1")
         async with aiohttp.ClientSession() as session:
             headers = await _chat(session, url, "k9x0", stream=False)

@@ -406,8 +406,14 @@ async def test_deferred_purge_hides_at_once_and_clears_files_at_the_next_round(t
 async def test_user_turns_reads_one_users_valid_turns_of_a_window_newest_first(store: MemoryStore) -> None:
     """The insight read: this user's valid turns in the window, newest first, each with its stored vector."""
     inside = [fact("alice", f"turn {h}", h, Kind.TURN, role="user", conversation_id="c") for h in (2, 3, 4)]
-    await store.add([*inside, fact("alice", "too old", 0, Kind.TURN, role="user", conversation_id="c"),
-                     fact("alice", "a fact", 3), fact("bob", "bob's turn", 3, Kind.TURN, role="user")])
+    await store.add(
+        [
+            *inside,
+            fact("alice", "too old", 0, Kind.TURN, role="user", conversation_id="c"),
+            fact("alice", "a fact", 3),
+            fact("bob", "bob's turn", 3, Kind.TURN, role="user"),
+        ]
+    )
     await store.update("alice", inside[1].id, valid=False)
     turns = await store.user_turns("alice", T0 + timedelta(hours=1), T0 + timedelta(hours=5))
     assert [t.text for t in turns] == ["turn 4", "turn 2"]

@@ -38,7 +38,7 @@ async def _subjects(store: MemoryStore, user: str) -> dict[str, MemoryRecord]:
 
 
 def test_names_worth_a_subject_skip_pronouns_and_single_letters() -> None:
-    """"Sam Okafor" and "Lisbon" become subjects; "I", "user" and "x" do not; spacing is tidied."""
+    """ "Sam Okafor" and "Lisbon" become subjects; "I", "user" and "x" do not; spacing is tidied."""
     fact = _fact("...", "Sam  Okafor", "Lisbon", "I", "user", "x", "sam okafor")
     assert subject_names(fact) == {"sam okafor": "Sam Okafor", "lisbon": "Lisbon"}
 

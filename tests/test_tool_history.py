@@ -55,21 +55,27 @@ async def fake() -> AsyncIterator[FakeUpstream]:
 async def _exchange(proxy: TestClient[Any, Any], user: str, *, stream: bool) -> None:
     headers = {"X-Memory-User": user, "X-Memory-Conversation": "trip"}
     asked = [{"role": "user", "content": QUESTION}]
-    response = await proxy.post(CHAT, json={"model": "fake-tools", "messages": asked, "tools": TOOLS,
-                                            "stream": stream}, headers=headers)
+    response = await proxy.post(
+        CHAT, json={"model": "fake-tools", "messages": asked, "tools": TOOLS, "stream": stream}, headers=headers
+    )
     assert response.status == 200
     await response.read()
     call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
-    answered = [*asked, {"role": "assistant", "content": None, "tool_calls": [call]},
-                {"role": "tool", "tool_call_id": "call_1", "content": RESULT}]
-    response = await proxy.post(CHAT, json={"model": "fake-echo", "messages": answered, "tools": TOOLS},
-                                headers=headers)
+    answered = [
+        *asked,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": RESULT},
+    ]
+    response = await proxy.post(
+        CHAT, json={"model": "fake-echo", "messages": answered, "tools": TOOLS}, headers=headers
+    )
     assert response.status == 200
 
 
 async def _turns(proxy: TestClient[Any, Any], user: str) -> list[tuple[str, str]]:
-    response = await proxy.get(f"/v1/memory/users/{user}/memories?kind=turn&limit=50",
-                               headers={"Authorization": f"Bearer {ADMIN}"})
+    response = await proxy.get(
+        f"/v1/memory/users/{user}/memories?kind=turn&limit=50", headers={"Authorization": f"Bearer {ADMIN}"}
+    )
     return [(item["role"], item["text"]) for item in (await response.json())["data"]]
 
 
@@ -90,14 +96,20 @@ async def test_tool_call_and_result_are_stored_and_searchable(
 
     await eventually(stored, within_s=60)
     assert ("user", QUESTION) in await _turns(proxy, "ann")
-    found = await proxy.post("/v1/memory/users/ann/search", json={"query": "was it sunny in Paris?"},
-                             headers={"Authorization": f"Bearer {ADMIN}"})
+    found = await proxy.post(
+        "/v1/memory/users/ann/search",
+        json={"query": "was it sunny in Paris?"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
+    )
     texts = [row["text"] for row in (await found.json())["results"]]
     assert result_turn[1] in texts
 
     def facts_calls() -> list[Any]:
-        return [json.loads(b["messages"][-1]["content"]) for b in fake.structured_calls
-                if b["response_format"]["json_schema"]["name"] == "memory_facts"]
+        return [
+            json.loads(b["messages"][-1]["content"])
+            for b in fake.structured_calls
+            if b["response_format"]["json_schema"]["name"] == "memory_facts"
+        ]
 
     async def extracted() -> bool:
         return bool(facts_calls())
@@ -110,9 +122,11 @@ async def test_tool_call_and_result_are_stored_and_searchable(
 def test_tool_texts_are_bounded() -> None:
     """A huge tool result or argument list is clipped; calls and results keep their names."""
     huge = "x" * 50_000
-    messages = [{"role": "user", "content": "go"},
-                {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "fetch", "arguments": "{}"}}]},
-                {"role": "tool", "tool_call_id": "a", "content": huge}]
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "tool_calls": [{"id": "a", "function": {"name": "fetch", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "a", "content": huge},
+    ]
     [result] = new_tool_results(messages)
     assert result.startswith("tool result fetch: xxx")
     assert len(result) == MAX_TOOL_CHARS
@@ -132,8 +146,12 @@ async def test_a_client_that_hangs_up_after_the_body_loses_nothing(make_proxy: P
     for n in range(5):
         body = json.dumps({"model": "fake-echo", "messages": [{"role": "user", "content": f"note number {n}"}]})
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write((f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Memory-User: hal\r\n"
-                      f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode())
+        writer.write(
+            (
+                f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Memory-User: hal\r\n"
+                f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
         await writer.drain()
         head = await reader.readuntil(b"\r\n\r\n")
         lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]

@@ -31,27 +31,62 @@ in_module_loop = pytest.mark.asyncio(loop_scope="module")  # the shipped model l
 
 T0 = datetime(2025, 3, 1, 9, 30, tzinfo=UTC)
 
-MEM0_EXPORT = {"results": [
-    {"id": "0b8a3f52-4c1e-4f3a-9d0e-6a2f1c9b7e11", "memory": "Is vegetarian", "hash": "8f14e45f",
-     "metadata": None, "categories": ["food"], "created_at": "2024-07-20T01:30:00.123456-07:00",
-     "updated_at": None, "user_id": "alice"},
-    {"id": "7c2d9e10-1f6b-4a8e-b3c4-2e5d8f9a0b12", "memory": "Works as a nurse in Porto",
-     "hash": "c9f0f895", "metadata": {"source": "chat"}, "created_at": "2024-07-21T10:00:00Z", "user_id": "alice"},
-]}
+MEM0_EXPORT = {
+    "results": [
+        {
+            "id": "0b8a3f52-4c1e-4f3a-9d0e-6a2f1c9b7e11",
+            "memory": "Is vegetarian",
+            "hash": "8f14e45f",
+            "metadata": None,
+            "categories": ["food"],
+            "created_at": "2024-07-20T01:30:00.123456-07:00",
+            "updated_at": None,
+            "user_id": "alice",
+        },
+        {
+            "id": "7c2d9e10-1f6b-4a8e-b3c4-2e5d8f9a0b12",
+            "memory": "Works as a nurse in Porto",
+            "hash": "c9f0f895",
+            "metadata": {"source": "chat"},
+            "created_at": "2024-07-21T10:00:00Z",
+            "user_id": "alice",
+        },
+    ]
+}
 
 
 @pytest_asyncio.fixture(loop_scope="module")
 async def store_a(tmp_path: Path, local: LocalEmbedder) -> AsyncIterator[MemoryStore]:
     """A store with facts, a turn and a superseded fact of two users, on the shipped model."""
     async with MemoryStore(StoreSettings(path=tmp_path / "a"), local) as store:
-        new = MemoryRecord(user_id="ann", kind=Kind.FACT, text="Ann lives in Lisbon now", created_at=T0,
-                           entities=("Lisbon",), importance=8, category="home")
-        old = MemoryRecord(user_id="ann", kind=Kind.FACT, text="Ann lives in Porto", valid=False,
-                           superseded_by=new.id, created_at=T0 - timedelta(days=30))
-        turn = MemoryRecord(user_id="ann", kind=Kind.TURN, text="I moved last week", role="user",
-                            conversation_id="c1", created_at=T0 + timedelta(minutes=1))
-        other = MemoryRecord(user_id="bob", kind=Kind.FACT, text="Bob plays the cello", created_at=T0,
-                             meta='{"source": "manual"}')
+        new = MemoryRecord(
+            user_id="ann",
+            kind=Kind.FACT,
+            text="Ann lives in Lisbon now",
+            created_at=T0,
+            entities=("Lisbon",),
+            importance=8,
+            category="home",
+        )
+        old = MemoryRecord(
+            user_id="ann",
+            kind=Kind.FACT,
+            text="Ann lives in Porto",
+            valid=False,
+            superseded_by=new.id,
+            created_at=T0 - timedelta(days=30),
+        )
+        turn = MemoryRecord(
+            user_id="ann",
+            kind=Kind.TURN,
+            text="I moved last week",
+            role="user",
+            conversation_id="c1",
+            created_at=T0 + timedelta(minutes=1),
+        )
+        other = MemoryRecord(
+            user_id="bob", kind=Kind.FACT, text="Bob plays the cello", created_at=T0, meta='{"source": "manual"}'
+        )
         await store.add([new, old, turn, other])
         yield store
 
@@ -88,8 +123,17 @@ async def test_one_user_exports_alone(store_a: MemoryStore) -> None:
 @in_module_loop
 async def test_vectors_of_another_model_are_embedded_again(tmp_path: Path, local: LocalEmbedder) -> None:
     """A record embedded by another model gets this model's vector for its text on import."""
-    line = orjson.dumps({"user_id": "cy", "kind": "fact", "text": "Cy collects stamps", "id": "r1",
-                         "created_at": T0.isoformat(), "model_id": "other/model", "embedding": [0.5] * 8})
+    line = orjson.dumps(
+        {
+            "user_id": "cy",
+            "kind": "fact",
+            "text": "Cy collects stamps",
+            "id": "r1",
+            "created_at": T0.isoformat(),
+            "model_id": "other/model",
+            "embedding": [0.5] * 8,
+        }
+    )
     async with MemoryStore(StoreSettings(path=tmp_path / "c"), local) as store:
         counts = await import_records(store, parse_memproxy([line]), local.model_id, local.dim)
         assert counts.reembedded == 1
@@ -125,13 +169,16 @@ async def test_chatgpt_memories_import_as_facts_once(tmp_path: Path, local: Loca
         assert texts == ["Has a daughter named Ines", "Is learning Japanese", "Prefers metric units"]
 
 
-@pytest.mark.parametrize(("line", "problem"), [
-    (b"{not json", "not JSON"),
-    (b'{"user_id": "u", "kind": "fact"}', "text"),
-    (b'{"user_id": "u", "kind": "rumour", "text": "x"}', "kind"),
-    (b'{"user_id": "u", "kind": "fact", "text": "x", "colour": 1}', "unknown field 'colour'"),
-    (b'{"user_id": "", "kind": "fact", "text": "x"}', "user_id"),
-])
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        (b"{not json", "not JSON"),
+        (b'{"user_id": "u", "kind": "fact"}', "text"),
+        (b'{"user_id": "u", "kind": "rumour", "text": "x"}', "kind"),
+        (b'{"user_id": "u", "kind": "fact", "text": "x", "colour": 1}', "unknown field 'colour'"),
+        (b'{"user_id": "", "kind": "fact", "text": "x"}', "user_id"),
+    ],
+)
 def test_bad_line_is_named(line: bytes, problem: str) -> None:
     """A bad line is reported with its number and what is wrong with it."""
     good = b'{"user_id": "u", "kind": "fact", "text": "fine"}'
@@ -146,8 +193,14 @@ def test_mem0_item_without_user_needs_one() -> None:
 
 
 def _memproxy(*args: str, data: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(MEMPROXY), *args], capture_output=True, text=True, timeout=300, check=False,
-                          env=child_env(MEMPROXY_STORAGE__PATH=str(data)))
+    return subprocess.run(
+        [str(MEMPROXY), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env=child_env(MEMPROXY_STORAGE__PATH=str(data)),
+    )
 
 
 def test_cli_refuses_a_bad_file_whole_then_imports_and_exports(tmp_path: Path) -> None:
@@ -179,8 +232,16 @@ async def test_cli_import_refuses_a_store_in_use(tmp_path: Path, local: LocalEmb
     source.write_text("- Finn rows on Sundays\n")
     async with MemoryStore(StoreSettings(path=tmp_path / "busy"), local) as store:
         proc = await asyncio.create_subprocess_exec(
-            str(MEMPROXY), "import", str(source), "--format", "chatgpt", "--user", "finn",
-            env=child_env(MEMPROXY_STORAGE__PATH=str(tmp_path / "busy")), stderr=asyncio.subprocess.PIPE)
+            str(MEMPROXY),
+            "import",
+            str(source),
+            "--format",
+            "chatgpt",
+            "--user",
+            "finn",
+            env=child_env(MEMPROXY_STORAGE__PATH=str(tmp_path / "busy")),
+            stderr=asyncio.subprocess.PIPE,
+        )
         _, err = await proc.communicate()
         assert proc.returncode == 1
         assert "in use" in err.decode()

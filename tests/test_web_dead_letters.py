@@ -30,14 +30,18 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The app with memory on and, in its queue, an exchange of "vic" whose payload is corrupt (as after a bad
     manual edit of the job database), so the writer gives up on it at once."""
     data = tmp_path_factory.mktemp("ui-dead")
-    settings = admin_settings(admin={"api_key": KEY}, upstream={"base_url": "http://127.0.0.1:9/v1"},
-                              storage={"path": str(data)})
+    settings = admin_settings(
+        admin={"api_key": KEY}, upstream={"base_url": "http://127.0.0.1:9/v1"}, storage={"path": str(data)}
+    )
     with live_app(settings) as url:
         with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3", timeout=30)) as db, db:
             now = time.time()
-            db.execute("INSERT INTO jobs (id, kind, user_id, payload, state, run_after, first_trigger, created_at,"
-                       " updated_at) VALUES ('corrupt-1', 'exchange', 'vic', '{\"corrupt\": true}', 'pending',"
-                       " ?, ?, ?, ?)", (now, now, now, now))
+            db.execute(
+                "INSERT INTO jobs (id, kind, user_id, payload, state, run_after, first_trigger, created_at,"
+                " updated_at) VALUES ('corrupt-1', 'exchange', 'vic', '{\"corrupt\": true}', 'pending',"
+                " ?, ?, ?, ?)",
+                (now, now, now, now),
+            )
         deadline = time.monotonic() + 30
         while not _dead(url):
             assert time.monotonic() < deadline, "the corrupt job did not give up"

@@ -34,9 +34,17 @@ KEY = "ui-admin-key-2468"
 USER = "uma"
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOTS = ROOT / "tests" / "e2e" / "screenshots"
-CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-quic",
-                  "--window-size=1280,900")
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--no-first-run",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-quic",
+    "--window-size=1280,900",
+)
 
 
 def call(base: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -58,14 +66,24 @@ def call(base: str, method: str, path: str, body: Any = None) -> tuple[int, Any]
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The app with memory on, seeded with three facts about one user."""
-    settings = admin_settings(admin={"api_key": KEY}, upstream={"base_url": "http://127.0.0.1:9/v1"},
-                              storage={"path": str(tmp_path_factory.mktemp("ui-data"))},
-                              retrieval={"arm_timeout_ms": 10_000})  # a loaded CI box must not degrade the arms
+    settings = admin_settings(
+        admin={"api_key": KEY},
+        upstream={"base_url": "http://127.0.0.1:9/v1"},
+        storage={"path": str(tmp_path_factory.mktemp("ui-data"))},
+        retrieval={"arm_timeout_ms": 10_000},
+    )  # a loaded CI box must not degrade the arms
     with live_app(settings) as url:
-        for text, importance in (("Uma is a vegetarian", 8), ("Uma owns a red bicycle", 4),
-                                 ("Uma works as a nurse in Leeds", 7)):
-            status, _ = call(url, "POST", f"/v1/memory/users/{USER}/memories",
-                             {"text": text, "importance": importance, "category": "other"})
+        for text, importance in (
+            ("Uma is a vegetarian", 8),
+            ("Uma owns a red bicycle", 4),
+            ("Uma works as a nurse in Leeds", 7),
+        ):
+            status, _ = call(
+                url,
+                "POST",
+                f"/v1/memory/users/{USER}/memories",
+                {"text": text, "importance": importance, "category": "other"},
+            )
             assert status == 201
         yield url
 
@@ -74,8 +92,9 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
     """Headless Chromium with a fresh profile."""
     if not (Path(CHROMIUM).exists() and shutil.which(CHROMEDRIVER)):
-        pytest.fail("chromium and chromium-driver are installed by `make test` (apt-get install chromium "
-                    "chromium-driver)")
+        pytest.fail(
+            "chromium and chromium-driver are installed by `make test` (apt-get install chromium chromium-driver)"
+        )
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in CHROMIUM_FLAGS:
@@ -95,8 +114,10 @@ def wait(driver: WebDriver, timeout: float = 15.0) -> WebDriverWait[WebDriver]:
 
 def facts(driver: WebDriver) -> dict[str, str]:
     """The facts table as shown: fact text -> record id (read in one script, so never half-rendered)."""
-    script = ("return [...document.querySelectorAll('#tab-body tbody tr[data-id]:not(.editing)')]"
-              ".map(r => [r.querySelector('td.text').firstChild.textContent, r.dataset.id]);")
+    script = (
+        "return [...document.querySelectorAll('#tab-body tbody tr[data-id]:not(.editing)')]"
+        ".map(r => [r.querySelector('td.text').firstChild.textContent, r.dataset.id]);"
+    )
     return dict(driver.execute_script(script))
 
 

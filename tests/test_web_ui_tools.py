@@ -57,9 +57,12 @@ def turns(url: str) -> set[tuple[str, str]]:
 def base(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The app with memory on, after one tool-using exchange of ``USER``."""
     with hosted_upstream() as fake:
-        settings = admin_settings(admin={"api_key": KEY}, upstream={"base_url": fake.base_url},
-                                  storage={"path": str(tmp_path_factory.mktemp("ui-tools"))},
-                                  retrieval={"arm_timeout_ms": 10_000})
+        settings = admin_settings(
+            admin={"api_key": KEY},
+            upstream={"base_url": fake.base_url},
+            storage={"path": str(tmp_path_factory.mktemp("ui-tools"))},
+            retrieval={"arm_timeout_ms": 10_000},
+        )
         with live_app(settings) as url:
             _tool_exchange(url, fake)
             eventually(lambda: {("assistant", CALL_TEXT), ("tool", RESULT_TEXT)} <= turns(url))
@@ -72,8 +75,11 @@ def _tool_exchange(url: str, fake: HostedUpstream) -> None:
     first = post(url, "/v1/chat/completions", {"model": "fake-tools", "messages": asked, "tools": tools}, "sk-t")
     assert isinstance(first, dict)
     message = first["choices"][0]["message"]
-    answered = [*asked, message, {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"],
-                                  "content": '{"sky": "sunny", "temp_c": 18}'}]
+    answered = [
+        *asked,
+        message,
+        {"role": "tool", "tool_call_id": message["tool_calls"][0]["id"], "content": '{"sky": "sunny", "temp_c": 18}'},
+    ]
     post(url, "/v1/chat/completions", {"model": "gpt-4o-mini", "messages": answered, "tools": tools}, "sk-t")
 
 
@@ -84,8 +90,10 @@ def test_turns_tab_lists_the_tool_call_and_its_result(browser: WebDriver, base: 
     browser.find_element(By.ID, "unlock").click()
     wait(browser).until(ec.element_to_be_clickable((By.CSS_SELECTOR, f'#user-list [data-user="{USER}"]'))).click()
     wait(browser).until(ec.element_to_be_clickable((By.CSS_SELECTOR, 'button[data-tab="turn"]'))).click()
-    script = ("return [...document.querySelectorAll('#tab-body tbody tr[data-id]')]"
-              ".map(r => [r.querySelector('td.text').firstChild.textContent, r.children[1].textContent]);")
+    script = (
+        "return [...document.querySelectorAll('#tab-body tbody tr[data-id]')]"
+        ".map(r => [r.querySelector('td.text').firstChild.textContent, r.children[1].textContent]);"
+    )
     wait(browser).until(lambda d: len(d.execute_script(script)) >= 4)
     shown = {text: role for text, role in browser.execute_script(script)}
     assert shown[CALL_TEXT] == "assistant"

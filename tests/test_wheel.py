@@ -33,8 +33,12 @@ SITE = Path(sysconfig.get_paths()["purelib"])
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The project's wheel, built from the working tree."""
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
-                   check=True, capture_output=True, timeout=600)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--quiet", "-w", str(out), str(ROOT)],
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
     [built] = out.glob("memproxy-*.whl")
     return built
 
@@ -56,12 +60,22 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("venv")
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    site = Path(subprocess.run([str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()"
-                                "['purelib'])"], check=True, capture_output=True, text=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    )
     (site / "shared-deps.pth").write_text(str(_dependencies_without_memproxy(root / "deps")) + "\n")
     env = {k: v for k, v in child_env().items() if k != "PYTHONPATH"}
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index",
-                    str(wheel)], check=True, env=env, timeout=600)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        env=env,
+        timeout=600,
+    )
     return venv / "bin"
 
 
@@ -85,8 +99,11 @@ def test_wheel_holds_the_model_and_every_package(wheel: Path) -> None:
     assert "proxy/models/all-MiniLM-L6-v2/tokenizer.json" in names
     assert "proxy/models/all-MiniLM-L6-v2-int8/model.onnx" in names
     assert "proxy/web/index.html" in names
-    packages = {p.parent.relative_to(ROOT).as_posix() for top in ("proxy", "insights")
-                for p in (ROOT / top).rglob("__init__.py")}
+    packages = {
+        p.parent.relative_to(ROOT).as_posix()
+        for top in ("proxy", "insights")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
     assert packages
     assert all(f"{package}/__init__.py" in names for package in packages), packages
 
@@ -95,26 +112,42 @@ def test_installed_wheel_serves_with_memory_from_a_temporary_directory(
     installed: Path, upstream: str, tmp_path: Path
 ) -> None:
     """`memproxy --version` answers, and `memproxy serve` from an empty directory remembers and injects a fact."""
-    version = subprocess.run([str(installed / "memproxy"), "--version"], capture_output=True, text=True,
-                             env=_env(), cwd=tmp_path, check=True, timeout=60)
+    version = subprocess.run(
+        [str(installed / "memproxy"), "--version"],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=tmp_path,
+        check=True,
+        timeout=60,
+    )
     assert version.stdout.startswith("memproxy ")
     workdir = tmp_path / "anywhere"
     workdir.mkdir()
-    env = _env(MEMPROXY_UPSTREAM__BASE_URL=upstream, MEMPROXY_STORAGE__PATH=str(tmp_path / "data"),
-               MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS="20000", MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS="20000",
-               MEMPROXY_MEMORY__READ_QUEUE_MS="20000")
+    env = _env(
+        MEMPROXY_UPSTREAM__BASE_URL=upstream,
+        MEMPROXY_STORAGE__PATH=str(tmp_path / "data"),
+        MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS="20000",
+        MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS="20000",
+        MEMPROXY_MEMORY__READ_QUEUE_MS="20000",
+    )
     proc = Process([str(installed / "memproxy"), "serve", "--port", "0"], env, cwd=workdir)
     try:
         port = json.loads(proc.wait_for(r'"event":\s*"server.started"', timeout=180).string)["port"]
         assert "memory.ready" in proc.output
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="sk-client", max_retries=0)
         headers = {"X-Memory-User": "wheel-user"}
-        client.chat.completions.create(model="fake-echo", extra_headers={**headers, "X-Memory-Conversation": "a"},
-                                       messages=[{"role": "user", "content": "My cat is called Miso."}])
+        client.chat.completions.create(
+            model="fake-echo",
+            extra_headers={**headers, "X-Memory-Conversation": "a"},
+            messages=[{"role": "user", "content": "My cat is called Miso."}],
+        )
         time.sleep(1.5)  # the write path runs after the reply
         raw = client.chat.completions.with_raw_response.create(
-            model="fake-echo", extra_headers={**headers, "X-Memory-Conversation": "b"},
-            messages=[{"role": "user", "content": "What is my cat called?"}])
+            model="fake-echo",
+            extra_headers={**headers, "X-Memory-Conversation": "b"},
+            messages=[{"role": "user", "content": "What is my cat called?"}],
+        )
         assert int(raw.headers["X-Memory-Injected"]) >= 1
         assert str(installed.parent) in proc.popen.args[0]
     finally:

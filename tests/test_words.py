@@ -47,7 +47,6 @@ def test_words_are_the_keyword_index_words() -> None:
         assert words(text) == word_analyzer().analyze(text)
 
 
-
 @given(st.text(max_size=200))
 def test_terms_are_lowercase_distinct_and_never_stop_words(text: str) -> None:
     """Terms are what BM25 gating and excerpts compare: distinct, lowercase, no stop words."""

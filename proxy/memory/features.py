@@ -29,11 +29,17 @@ log = structlog.get_logger("memproxy.memory")
 
 FEATURES = ("retrieval", "turns", "facts", "summaries", "insights")
 KIND_FEATURE = {"exchange": "turns", "facts": "facts", "summary": "summaries", "insights": "insights"}
-SCHEMA_FEATURE = {"memory_facts": "facts", "memory_reconcile": "facts", "memory_summary": "summaries",
-                  "memory_insight": "insights"}
-_WHY = {"no_key": "no key for memory-side calls (the upstream wants one)",
-        "key_rejected": "the upstream rejects the key of the memory-side calls (401/403)",
-        "no_model": "no model known for memory-side calls yet"}
+SCHEMA_FEATURE = {
+    "memory_facts": "facts",
+    "memory_reconcile": "facts",
+    "memory_summary": "summaries",
+    "memory_insight": "insights",
+}
+_WHY = {
+    "no_key": "no key for memory-side calls (the upstream wants one)",
+    "key_rejected": "the upstream rejects the key of the memory-side calls (401/403)",
+    "no_model": "no model known for memory-side calls yet",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -61,8 +67,9 @@ class FeatureBoard:
         """One log line per feature (at start-up)."""
         for name in FEATURES:
             state = self._states[name]
-            (log.info if state.live else log.warning)("memory.feature", feature=name, live=state.live,
-                                                      reason=state.reason)
+            (log.info if state.live else log.warning)(
+                "memory.feature", feature=name, live=state.live, reason=state.reason
+            )
 
     def succeeded(self, feature: str) -> None:
         """A memory-side call of ``feature`` worked: live (with its configured reason, if that was live)."""
@@ -76,8 +83,9 @@ class FeatureBoard:
     def _set(self, feature: str, state: FeatureState) -> None:
         if self._states.get(feature) != state:
             self._states[feature] = state
-            (log.info if state.live else log.warning)("memory.feature", feature=feature, live=state.live,
-                                                      reason=state.reason)
+            (log.info if state.live else log.warning)(
+                "memory.feature", feature=feature, live=state.live, reason=state.reason
+            )
 
     def report(self) -> dict[str, dict[str, Any]]:
         """``{feature: {"live": bool, "reason": str}}`` in the fixed order."""

@@ -107,8 +107,15 @@ class MemoryAdmin(Protocol):
         """One record of the user (history included), or None."""
         ...
 
-    async def list_memories(self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50,
-                            cursor: str | None = None, include_invalid: bool = False) -> RecordPage:
+    async def list_memories(
+        self,
+        user_id: str,
+        kinds: Sequence[Kind] | None = None,
+        *,
+        limit: int = 50,
+        cursor: str | None = None,
+        include_invalid: bool = False,
+    ) -> RecordPage:
         """The user's records, newest first, ``limit`` at a time (``ValueError`` for a bad cursor)."""
         ...
 
@@ -120,8 +127,9 @@ class MemoryAdmin(Protocol):
         """What would be injected for a conversation whose last user message is ``query``."""
         ...
 
-    async def add_fact(self, user_id: str, text: str, importance: int | None = None,
-                       category: str | None = None) -> MemoryRecord:
+    async def add_fact(
+        self, user_id: str, text: str, importance: int | None = None, category: str | None = None
+    ) -> MemoryRecord:
         """A fact stated directly, searchable when this returns."""
         ...
 
@@ -129,8 +137,9 @@ class MemoryAdmin(Protocol):
         """Bulk add, idempotent by id; the ids that were new."""
         ...
 
-    async def edit(self, user_id: str, id: str, text: str | None = None,
-                   importance: int | None = None) -> MemoryRecord | None:
+    async def edit(
+        self, user_id: str, id: str, text: str | None = None, importance: int | None = None
+    ) -> MemoryRecord | None:
         """The edited record (a new one when the text changed), or None when there is no such valid record."""
         ...
 

@@ -38,16 +38,22 @@ def memory_answer(schema: str, body: dict[str, Any], insights: InsightWriter) ->
     data = json.loads(body["messages"][-1]["content"])
     if schema == "memory_facts" and "exchanges" in data:  # a window of exchanges: each fact names its exchange
         said = [(item["n"], text) for item in data["exchanges"] for text in item["user"] if _ABOUT_USER.search(text)]
-        return {"facts": [fact(text.removeprefix("Remember that ").rstrip(".!"), importance=6, exchange=n)
-                          for n, text in said]}
+        return {
+            "facts": [
+                fact(text.removeprefix("Remember that ").rstrip(".!"), importance=6, exchange=n) for n, text in said
+            ]
+        }
     if schema == "memory_facts":
         said = [text for text in data.get("user_messages", []) if _ABOUT_USER.search(text)]
         return {"facts": [fact(text.removeprefix("Remember that ").rstrip(".!"), importance=6) for text in said]}
     if schema == "memory_reconcile":
         return {"decision": "ADD", "target": 0, "text": ""}
     if schema == "memory_reconcile_many":
-        return {"decisions": [{"fact": item["fact"], "decision": "ADD", "target": 0, "text": ""}
-                              for item in data.get("new_facts", [])]}
+        return {
+            "decisions": [
+                {"fact": item["fact"], "decision": "ADD", "target": 0, "text": ""} for item in data.get("new_facts", [])
+            ]
+        }
     if schema == "memory_summary":
         turns = [t.split(": ", 1) for t in data.get("turns", [])]  # "role: text" lines
         first = next((t[1] for t in turns if len(t) == 2 and t[0] == "user"), "")
@@ -60,8 +66,9 @@ def memory_answer(schema: str, body: dict[str, Any], insights: InsightWriter) ->
 class HostedUpstream(FakeUpstream):
     """The fake with a hosted API's key check and sensible memory-side answers."""
 
-    def __init__(self, *, keys: Collection[str] | None = None, memory_keys: Collection[str] | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *, keys: Collection[str] | None = None, memory_keys: Collection[str] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.keys = keys
         self.memory_keys_accepted = memory_keys  # None: as ``keys``; else memory-side calls need one of these
@@ -75,8 +82,9 @@ class HostedUpstream(FakeUpstream):
         return app
 
     @web.middleware
-    async def _check_key(self, request: web.Request,
-                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def _check_key(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         given = key.strip() if scheme.lower() == "bearer" and key.strip() else None
         schema = schema_of(await request.json()) if request.method == "POST" else ""
@@ -84,8 +92,9 @@ class HostedUpstream(FakeUpstream):
         accepted = self.memory_keys_accepted if schema and self.memory_keys_accepted is not None else self.keys
         if given is None or (accepted is not None and given not in accepted):
             message = "You didn't provide an API key." if given is None else "Incorrect API key provided."
-            error = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                               "code": "invalid_api_key"}}
+            error = {
+                "error": {"message": message, "type": "invalid_request_error", "param": None, "code": "invalid_api_key"}
+            }
             return web.json_response(error, status=401)
         if schema:
             return self._memory(schema, await request.json())

@@ -82,8 +82,9 @@ def child_env(**extra: str) -> dict[str, str]:
 @contextmanager
 def fake_upstream_process(latency_ms: float = 0.0) -> Iterator[tuple[Process, str]]:
     """The fake upstream in its own process; yields it and its base URL."""
-    proc = Process([sys.executable, "-m", "tests.fake_upstream", "--port", "0",
-                    "--latency-ms", str(latency_ms)], child_env())
+    proc = Process(
+        [sys.executable, "-m", "tests.fake_upstream", "--port", "0", "--latency-ms", str(latency_ms)], child_env()
+    )
     try:
         url = proc.wait_for(r"fake upstream on (\S+)").group(1)
         yield proc, url
@@ -93,8 +94,9 @@ def fake_upstream_process(latency_ms: float = 0.0) -> Iterator[tuple[Process, st
 
 
 @contextmanager
-def memproxy_process(env: Mapping[str, str], args: list[str] | None = None,
-                     timeout: float = 120.0, cwd: Path = ROOT) -> Iterator[tuple[Process, str]]:
+def memproxy_process(
+    env: Mapping[str, str], args: list[str] | None = None, timeout: float = 120.0, cwd: Path = ROOT
+) -> Iterator[tuple[Process, str]]:
     """``memproxy serve --port 0`` with ``env`` in ``cwd``; yields it and its base URL (ending in /v1)."""
     proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env), cwd)
     try:

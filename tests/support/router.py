@@ -36,8 +36,9 @@ def render(workdir: Path, listen: int, replicas: Sequence[str]) -> Path:
     servers = "".join(f"{indent}server {address}{options};\n" for address in replicas)
     conf = re.sub(r"(^ *server memproxy-\d+:8080[^;\n]*;\n)+", lambda _: servers, conf, count=1, flags=re.MULTILINE)
     (workdir / "memproxy.conf").write_text(conf)
-    temp = "\n".join(f"    {kind}_temp_path {workdir}/{kind};" for kind in ("client_body", "proxy", "fastcgi",
-                                                                              "uwsgi", "scgi"))
+    temp = "\n".join(
+        f"    {kind}_temp_path {workdir}/{kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+    )
     user = "user root;" if os.geteuid() == 0 else ""
     main = workdir / "nginx.conf"
     main.write_text(
@@ -51,8 +52,13 @@ def render(workdir: Path, listen: int, replicas: Sequence[str]) -> Path:
 def check(main: Path) -> subprocess.CompletedProcess[str]:
     """``nginx -t`` on a rendered config."""
     assert NGINX is not None, "nginx is not installed (make test-cluster installs it)"
-    return subprocess.run([NGINX, "-t", "-p", str(main.parent), "-c", str(main), "-e", str(main.parent / "error.log")],
-                          capture_output=True, text=True, timeout=30, check=False)
+    return subprocess.run(
+        [NGINX, "-t", "-p", str(main.parent), "-c", str(main), "-e", str(main.parent / "error.log")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+    )
 
 
 @contextmanager

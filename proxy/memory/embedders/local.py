@@ -117,8 +117,9 @@ class LocalEmbedder(BaseEmbedder):
         await self._in_worker(self._load_sync)
         probe = await self._embed_batch(["warm-up"])  # the first run allocates: not on a user's request
         if probe.shape != (1, self.dim):
-            raise EmbedderError(f"{self.model_dir} makes vectors of shape {probe.shape[1:]}, its manifest "
-                                f"says ({self.dim},)")
+            raise EmbedderError(
+                f"{self.model_dir} makes vectors of shape {probe.shape[1:]}, its manifest says ({self.dim},)"
+            )
 
     def _load_sync(self) -> None:
         self._model = self._onnx(self.model_dir)

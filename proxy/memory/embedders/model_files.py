@@ -46,8 +46,7 @@ def resolve_model_dir(model_path: Path | None) -> Path:
             return candidate
     tried = ", ".join(str(c) for c in candidates)
     raise EmbedderError(
-        f"no embedding model found (tried {tried}); a model directory needs {', '.join(MODEL_FILES)}: "
-        f"{EXPORT_HINT}"
+        f"no embedding model found (tried {tried}); a model directory needs {', '.join(MODEL_FILES)}: {EXPORT_HINT}"
     )
 
 

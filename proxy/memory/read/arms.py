@@ -230,9 +230,7 @@ async def run_arms(
     found = await asyncio.gather(
         step(
             DENSE,
-            lambda: _dense_arm(
-                store, embedder, user_id, query, settings, since, report, _has_subjects(user_id, names)
-            ),
+            lambda: _dense_arm(store, embedder, user_id, query, settings, since, report, _has_subjects(user_id, names)),
             True,
             2 * timeout_s,
             report,

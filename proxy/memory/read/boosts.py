@@ -39,9 +39,7 @@ def subject_lifts(candidates: Sequence[Fused], subject_hits: Sequence[ScoredReco
     return {c.id: weight * best[c.id] for c in candidates if c.id in best}
 
 
-def neighbour_lifts(
-    candidates: Sequence[Fused], fused: Mapping[str, float], weight: float, window_s: float
-) -> Lifts:
+def neighbour_lifts(candidates: Sequence[Fused], fused: Mapping[str, float], weight: float, window_s: float) -> Lifts:
     """``weight`` x the best ``fused`` score of each candidate turn's adjacent turns (same conversation)."""
     by_conversation: dict[str, list[Fused]] = {}
     for c in candidates:

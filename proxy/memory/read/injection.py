@@ -103,8 +103,7 @@ class Injection:
 _CJK_CLASS = "\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\uac00-\ud7af\uf900-\ufaff"
 _EUROPEAN = "\u00c0-\u024f\u0370-\u052f"  # accented Latin, Greek, Cyrillic
 _MARKS = (  # combining marks (not word characters to ``re``) and the Indic and Thai blocks, counted as letters
-    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed"
-    "\u0900-\u0dff\u0e31-\u0e4e"
+    "\u0300-\u036f\u0483-\u0489\u0591-\u05c7\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed\u0900-\u0dff\u0e31-\u0e4e"
 )
 _WORD_LETTER = r"(?=[^\W\d_])"  # the next character is a letter (a word character, not a digit or "_")
 _LATIN = re.compile(r"[A-Za-z]+")

@@ -134,7 +134,10 @@ class ReadCache:
     async def newest_turns(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
         """The user's newest turns."""
         return await self._cached(
-            user_id, ("turns", limit), self._recent_ttl_s, lambda: load_newest_turns(store, user_id, limit),
+            user_id,
+            ("turns", limit),
+            self._recent_ttl_s,
+            lambda: load_newest_turns(store, user_id, limit),
             stale_ok=False,  # recent activity must show a message from another chat soon
         )
 

@@ -55,9 +55,7 @@ class RetrievalResult:
         return (*self.arms_ran, *((GATED,) if self.gated else ()))
 
 
-def _arm_hits(
-    found: Found, query: Query, settings: RetrievalSettings
-) -> tuple[dict[str, list[ScoredRecord]], bool]:
+def _arm_hits(found: Found, query: Query, settings: RetrievalSettings) -> tuple[dict[str, list[ScoredRecord]], bool]:
     """The hits of the arms that ran, by arm name, and whether BM25 is gated out."""
     dense = found.dense.hits if found.dense else None
     gated = is_gated(dense or [], found.bm25 or [], query, settings)

@@ -87,9 +87,7 @@ def bounded_scores(
     if current is not None:
         recency_part = recency_part * np.asarray(current, dtype=np.float64)
     multiplier = (
-        1.0
-        + settings.recency_bonus * recency_part
-        + settings.importance_bonus * importance_weights(importance)
+        1.0 + settings.recency_bonus * recency_part + settings.importance_bonus * importance_weights(importance)
     )
     return (rel / top) * multiplier / max_multiplier(settings)
 

@@ -129,8 +129,9 @@ class BatchWriter(Generic[_T]):
 class Ticker:
     """Calls ``fn`` every ``interval_s`` seconds until closed; errors are logged, not fatal."""
 
-    def __init__(self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]],
-                 health: StorageHealth | None = None) -> None:
+    def __init__(
+        self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]], health: StorageHealth | None = None
+    ) -> None:
         self._name = name
         self._interval = interval_s
         self._fn = fn

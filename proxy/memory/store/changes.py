@@ -113,4 +113,3 @@ def _parse_change_key(key: str) -> tuple[int, str, str, tuple[str, ...] | None]:
     if named:
         users = tuple(base64.urlsafe_b64decode(named + "=" * (-len(named) % 4)).decode().split("\n"))
     return int(stamp), replica, op, users
-

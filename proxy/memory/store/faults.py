@@ -24,8 +24,7 @@ import structlog
 
 log = structlog.get_logger("memproxy.storage")
 
-FAULT_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO,
-                          errno.EFBIG})
+FAULT_ERRNOS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EIO, errno.EFBIG})
 _OS_ERROR = re.compile(r"os error (\d+)")
 _PHRASES = re.compile(
     r"read-only file system|readonly database|no space left|database or disk is full|disk quota"
@@ -106,5 +105,6 @@ class StorageHealth:
         """``component`` wrote successfully (logs the recovery if it was failing)."""
         entry = self._faults.pop(component, None)
         if entry is not None:
-            log.warning("storage.recovered", component=component, reason=entry[0],
-                        after_s=round(time.monotonic() - entry[1], 1))
+            log.warning(
+                "storage.recovered", component=component, reason=entry[0], after_s=round(time.monotonic() - entry[1], 1)
+            )

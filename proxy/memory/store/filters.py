@@ -52,4 +52,3 @@ def _micros(at: datetime) -> int:
     if at.tzinfo is None:
         raise ValueError("time filters must be timezone-aware")
     return int(at.timestamp() * 1_000_000)
-

@@ -31,9 +31,7 @@ REPLICAS = "replicas/"
 class LocalJobQueue(Protocol):
     """What the journal needs of the local job queue (``proxy.memory.write``'s queue is one)."""
 
-    async def enqueue(
-        self, kind: str, user_id: str, payload: Mapping[str, Any], *, job_id: str | None = None
-    ) -> str:
+    async def enqueue(self, kind: str, user_id: str, payload: Mapping[str, Any], *, job_id: str | None = None) -> str:
         """Add a job and return its id once the commit is durable."""
         ...
 

@@ -88,8 +88,14 @@ class StoreSettings(BaseModel):
 class MemoryStore(StoreReader):
     """Every memory of every user; open with ``async with`` (starts the writer and maintenance tasks)."""
 
-    def __init__(self, settings: StoreSettings, embedder: DocumentEmbedder, *, allow_mismatch: bool = False,
-                 health: StorageHealth | None = None) -> None:
+    def __init__(
+        self,
+        settings: StoreSettings,
+        embedder: DocumentEmbedder,
+        *,
+        allow_mismatch: bool = False,
+        health: StorageHealth | None = None,
+    ) -> None:
         super().__init__(
             MemoryTable(settings.path / "lance", embedder.model_id, embedder.dim, allow_mismatch=allow_mismatch),
             KeywordIndex(settings.path / "tantivy"),
@@ -425,4 +431,3 @@ def _foreign_ids(submission: Submission[MemoryRecord], owners: dict[str, str]) -
         if owner is not None and owner != record.user_id:
             return StoreError(f"record id {record.id} is already used by another user")
     return None
-

@@ -70,17 +70,21 @@ def plan(store: str, found: int, current: int, steps: Mapping[int, Step], *, off
     """The steps from ``found`` to ``current``; ``SchemaError`` if the store is newer, a step is missing, or a
     step needs ``memproxy migrate`` and this is not it (``offline`` False)."""
     if found > current:
-        raise SchemaError(f"the {store} schema is version {found}, newer than this memproxy's {current}: "
-                          "upgrade memproxy (downgrades are not supported; restore the backup taken before "
-                          "the upgrade to go back)")
+        raise SchemaError(
+            f"the {store} schema is version {found}, newer than this memproxy's {current}: "
+            "upgrade memproxy (downgrades are not supported; restore the backup taken before "
+            "the upgrade to go back)"
+        )
     out = []
     for version in range(found, current):
         step = steps.get(version)
         if step is None:
             raise SchemaError(f"no migration of the {store} schema from version {version} to {version + 1}")
         if not step.online and not offline:
-            raise SchemaError(f"the {store} schema is version {found}, this memproxy needs {current}: stop the "
-                              f"server and run `{MIGRATE_COMMAND}` ({step.describe})")
+            raise SchemaError(
+                f"the {store} schema is version {found}, this memproxy needs {current}: stop the "
+                f"server and run `{MIGRATE_COMMAND}` ({step.describe})"
+            )
         out.append(step)
     return out
 

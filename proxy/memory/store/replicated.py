@@ -182,4 +182,3 @@ class ReplicatedStore(MemoryStore):
         for key in pending:
             await self.objects.delete(key)
         await self.feed.cleanup(self.cluster.changes_keep_s)
-

@@ -107,8 +107,7 @@ class MemoryTable:
         manifest = found = await self.manifests.read()
         if manifest is None:
             manifest = Manifest("memories_1", self.model_id, self.dim)
-        manifest = replace(
-            manifest, schema_version=check_records_schema(manifest.schema_version, self.path))
+        manifest = replace(manifest, schema_version=check_records_schema(manifest.schema_version, self.path))
         self._check_model(manifest)
         names = await self._table_names()
         if manifest.table in names:

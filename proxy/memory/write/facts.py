@@ -94,8 +94,9 @@ class FactJobs:
         first_at = min(float(item.get("added_at", 0.0)) for item in waiting)
         run_after = time.time() if full else first_at + self.settings.facts_window_wait_s
         payload = {"model": model, "request_id": request_id}
-        await self._queue.enqueue(FACTS_JOB, user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after,
-                                  durable=False)
+        await self._queue.enqueue(
+            FACTS_JOB, user_id, payload, dedupe_key=WINDOW_KEY, run_after=run_after, durable=False
+        )
 
     async def handle(self, job: Job) -> None:
         """Extract, screen and reconcile the facts of the user's window of exchanges; then trigger insights."""

@@ -50,8 +50,15 @@ def fingerprint(key: str) -> str:
 class LatestChats:
     """The latest chat of each user and, for routes that pass the client's key on, that key."""
 
-    def __init__(self, keyed_routes: Collection[str], *, key_ttl_s: float = 7200.0, max_users: int = 100_000,
-                 hold_keys: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        keyed_routes: Collection[str],
+        *,
+        key_ttl_s: float = 7200.0,
+        max_users: int = 100_000,
+        hold_keys: bool = True,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._keyed_routes = frozenset(keyed_routes) if hold_keys else frozenset()
         self._ttl_s = key_ttl_s
         self._max_users = max_users

@@ -161,8 +161,14 @@ class OpenAICompatibleSettings(BaseModel):
 class OpenAICompatibleLLM:
     """``LLMClient`` over a raw aiohttp POST to ``/chat/completions``; owns one pooled session."""
 
-    def __init__(self, settings: OpenAICompatibleSettings, *, route: str = "default",
-                 keys: KeySource | None = None, on_usage: UsageObserver | None = None) -> None:
+    def __init__(
+        self,
+        settings: OpenAICompatibleSettings,
+        *,
+        route: str = "default",
+        keys: KeySource | None = None,
+        on_usage: UsageObserver | None = None,
+    ) -> None:
         self._settings = settings
         self._on_usage = on_usage
         self._url = settings.base_url.rstrip("/") + "/chat/completions"

@@ -81,8 +81,9 @@ def database_error(error: sqlite3.Error) -> QueueDatabaseError:
 class JobQueue:
     """The durable queue: enqueue, claim, finish, metrics and per-user state, all off the event loop."""
 
-    def __init__(self, settings: JobQueueSettings, *, rng: random.Random | None = None,
-                 health: StorageHealth | None = None) -> None:
+    def __init__(
+        self, settings: JobQueueSettings, *, rng: random.Random | None = None, health: StorageHealth | None = None
+    ) -> None:
         self.settings = settings
         self.owner = uuid.uuid4().hex
         self.health = health or StorageHealth()
@@ -262,8 +263,14 @@ class JobQueue:
     async def wait_for_config(self, job: Job, reason: str, detail: str) -> None:
         """Park a job that only a key or configuration change can help: no attempt spent, never dead."""
         now = time.time()
-        changes = {"state": "pending", "attempts": job.attempt - 1, "run_after": now + self.settings.waiting_recheck_s,
-                   "updated_at": now, "last_error": f"waiting ({reason}): {detail}"[:1000], "waiting": reason}
+        changes = {
+            "state": "pending",
+            "attempts": job.attempt - 1,
+            "run_after": now + self.settings.waiting_recheck_s,
+            "updated_at": now,
+            "last_error": f"waiting ({reason}): {detail}"[:1000],
+            "waiting": reason,
+        }
         await self._finish(job, changes)
         self._waits[reason] += 1
 

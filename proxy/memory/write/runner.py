@@ -172,8 +172,12 @@ class JobRunner:
             log.error("job.dead", attempt=job.attempt, error=str(error))
         except WaitForConfig as error:
             await self._queue.wait_for_config(job, error.reason, str(error))
-            log.warning("job.waiting", reason=error.reason, detail=str(error)[:300],
-                        recheck_in_s=self._settings.waiting_recheck_s)
+            log.warning(
+                "job.waiting",
+                reason=error.reason,
+                detail=str(error)[:300],
+                recheck_in_s=self._settings.waiting_recheck_s,
+            )
         except Exception as error:  # the worker's boundary: no handler error may stop it
             if is_storage_fault(error):
                 await self._wait_out_fault(job, error)

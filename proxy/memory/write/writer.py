@@ -81,9 +81,7 @@ class Writer:
     def _worth_extracting(self, p: ExchangePayload) -> bool:
         return not self.settings.prefilter or any_worth_extracting(p.user_messages, self.settings.prefilter_min_words)
 
-    async def _with_context(
-        self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]
-    ) -> list[MemoryRecord]:
+    async def _with_context(self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]) -> list[MemoryRecord]:
         """The turns with context vectors: one embedding of each turn, and of the turn before the exchange."""
         weight = self.settings.context_weight
         if weight <= 0 or not turns:
