@@ -26,6 +26,7 @@ from proxy.memory.write.job_types import (
     backoff_delay,
 )
 from proxy.memory.write.queue import Job, JobQueue
+from proxy.memory.write.queue_db import _CANDIDATES
 from proxy.memory.write.runner import JobRunner
 
 
@@ -445,3 +446,14 @@ async def test_database_errors_reach_callers_as_the_queue_error(tmp_path: Path) 
             await queue.get_state("u1", "insights")
         with pytest.raises(QueueDatabaseError):
             await queue.claim({"exchange": 1})
+
+
+async def test_claiming_one_kind_never_walks_the_other_kinds_backlog(tmp_path: Path) -> None:
+    """A claim looks up each kind's due jobs in an index by kind, so a backlog of exchange jobs does not make every
+    claim of facts or summary jobs walk it (the write side stalled under load when it did)."""
+    async with JobQueue(settings(tmp_path)) as queue:
+        await queue.enqueue("exchange", "u1", {"text": "hello"})
+    with contextlib.closing(sqlite3.connect(tmp_path / "jobs.sqlite3")) as conn:
+        plan = conn.execute("EXPLAIN QUERY PLAN " + _CANDIDATES, {"now": time.time(), "kind": "facts", "limit": 8})
+        steps = [str(row[3]) for row in plan.fetchall()]
+    assert any("USING INDEX jobs_due_kind (state=? AND kind=? AND run_after<?)" in step for step in steps), steps
