@@ -30,10 +30,10 @@ from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.read.rerank import RerankSettings
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.cluster import ClusterSettings
-from proxy.memory.store.memory_store import StoreSettings
+from proxy.memory.store.memory_store import StoreSettings, StoreTuning
 from proxy.memory.store.objectstore import StorageLocation
 from proxy.memory.write.extraction import ExtractionSettings
-from proxy.memory.write.job_types import JobQueueSettings
+from proxy.memory.write.job_types import JobQueueSettings, JobQueueTuning
 from proxy.memory.write.settings import WriterSettings
 from proxy.shadow import ShadowSettings
 
@@ -213,37 +213,6 @@ class MemoryLLMSettings(_Frozen):
     client_key_ttl_s: float = Field(default=7200.0, gt=0)
     timeout_s: float = Field(default=60.0, gt=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-
-
-class StoreTuning(_Frozen):
-    """``[store]``: how the store batches, compacts and caches (its data directory is ``storage.path``)."""
-
-    # StoreSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
-
-    flush_max_rows: int = Field(256, ge=1)
-    flush_interval_ms: int = Field(20, ge=0)
-    optimize_interval_s: float = Field(300.0, gt=0)
-    ann_index_min_rows: int = Field(50_000, ge=1)
-    vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
-
-
-class JobQueueTuning(_Frozen):
-    """``[jobs]``: how the job queue retries, leases and runs jobs (its database is ``jobs.sqlite3`` in the data
-    directory)."""
-
-    # JobQueueSettings without ``path``: same fields, defaults and bounds (tests/test_config.py holds them equal).
-
-    max_attempts: int = Field(default=5, ge=1)
-    backoff_base_s: float = Field(default=1.0, gt=0)
-    backoff_max_s: float = Field(default=300.0, gt=0)
-    lease_s: float = Field(default=60.0, gt=0)
-    concurrency: int = Field(default=16, ge=1)  # jobs in flight per kind
-    poll_interval_s: float = Field(default=1.0, gt=0)
-    job_timeout_s: float = Field(default=300.0, gt=0)
-    drain_timeout_s: float = Field(default=10.0, ge=0)
-    debounce_max_delay_s: float = Field(default=3600.0, gt=0)
-    done_retention_s: float = Field(default=86400.0, ge=0)
-    waiting_recheck_s: float = Field(default=900.0, gt=0)  # a job waiting for a key/configuration looks again
 
 
 class Settings(_Frozen):

@@ -72,17 +72,22 @@ class DocumentEmbedder(Protocol):
         ...
 
 
-class StoreSettings(BaseModel):
-    """Where the store keeps its data and how it batches, compacts and caches."""
+class StoreTuning(BaseModel):
+    """``[store]``: how the store batches, compacts and caches (its data directory is ``storage.path``)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    path: Path
     flush_max_rows: int = Field(256, ge=1)
     flush_interval_ms: int = Field(20, ge=0)
     optimize_interval_s: float = Field(300.0, gt=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
     vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
+
+
+class StoreSettings(StoreTuning):
+    """Where the store keeps its data, and how it batches, compacts and caches."""
+
+    path: Path
 
 
 class MemoryStore(StoreReader):

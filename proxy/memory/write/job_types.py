@@ -45,12 +45,12 @@ from proxy.memory.errors import MemoryLayerError
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
-class JobQueueSettings(BaseModel):
-    """Where the queue lives and how it retries, leases and runs jobs."""
+class JobQueueTuning(BaseModel):
+    """``[jobs]``: how the job queue retries, leases and runs jobs (its database is ``jobs.sqlite3`` in the data
+    directory)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    path: Path
     max_attempts: int = Field(default=5, ge=1)
     backoff_base_s: float = Field(default=1.0, gt=0)
     backoff_max_s: float = Field(default=300.0, gt=0)
@@ -62,6 +62,12 @@ class JobQueueSettings(BaseModel):
     debounce_max_delay_s: float = Field(default=3600.0, gt=0)
     done_retention_s: float = Field(default=86400.0, ge=0)
     waiting_recheck_s: float = Field(default=900.0, gt=0)  # a job waiting for a key/configuration looks again
+
+
+class JobQueueSettings(JobQueueTuning):
+    """Where the queue lives, and how it retries, leases and runs jobs."""
+
+    path: Path
 
 
 class JobError(MemoryLayerError):
