@@ -70,6 +70,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from proxy.evaluation import dia_ids, question_metrics, session_date
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.protocol import Embedder, Vectors
 from proxy.memory.embedders.settings import EmbedderSettings
@@ -153,20 +154,6 @@ class Conversation:
 
 
 _SESSION = re.compile(r"^session_(\d+)$")
-_DIA = re.compile(r"D:?(\d+):(\d+)")
-
-
-def session_date(text: str) -> datetime:
-    """A session's ``"1:56 pm on 8 May, 2023"`` as a UTC datetime."""
-    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC)
-
-
-def dia_ids(raw: object, existing: Iterable[str]) -> tuple[str, ...]:
-    """Turn ids named in an evidence value (a string or list), normalised, existing ones only, de-duplicated."""
-    known = set(existing)
-    values = raw if isinstance(raw, list) else [raw]
-    found = (f"D{int(s)}:{int(t)}" for value in values for s, t in _DIA.findall(str(value)))
-    return tuple(dict.fromkeys(d for d in found if d in known))
 
 
 def _sessions(conversation: Mapping[str, Any]) -> list[int]:
@@ -232,26 +219,6 @@ def ranked_turns(ids: Sequence[str], turns_of: Mapping[str, Sequence[str]]) -> l
     for rid in ids:
         ranked.update(dict.fromkeys(d for d in turns_of.get(rid, ()) if d not in ranked))
     return list(ranked)
-
-
-def question_metrics(ranked: Sequence[str], gold: Sequence[str]) -> dict[str, float]:
-    """Evidence recall@5/@10, hit@1/5/10, all@10 and reciprocal rank of the first gold turn (0 if none)."""
-    wanted = set(gold)
-    position = {d: i for i, d in enumerate(ranked)}
-    first = min((position[d] for d in wanted if d in position), default=None)
-
-    def found(k: int) -> int:
-        return len(wanted & set(ranked[:k]))
-
-    return {
-        "evidence_recall@5": found(5) / len(wanted),
-        "evidence_recall@10": found(10) / len(wanted),
-        "hit@1": float(found(1) > 0),
-        "hit@5": float(found(5) > 0),
-        "hit@10": float(found(10) > 0),
-        "all@10": float(found(10) == len(wanted)),
-        "mrr": 0.0 if first is None else 1.0 / (first + 1),
-    }
 
 
 @dataclass(frozen=True, slots=True)

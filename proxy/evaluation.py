@@ -21,7 +21,7 @@ import json
 import re
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -60,12 +60,25 @@ class Conversation:
     questions: tuple[tuple[str, int, tuple[str, ...]], ...]
 
 
+def session_date(text: str) -> datetime:
+    """A session's ``"1:56 pm on 8 May, 2023"`` as a UTC datetime."""
+    return datetime.strptime(text.strip(), "%I:%M %p on %d %B, %Y").replace(tzinfo=UTC)
+
+
+def dia_ids(raw: object, existing: Iterable[str]) -> tuple[str, ...]:
+    """Turn ids named in an evidence value (a string or list), normalised, existing ones only, de-duplicated."""
+    known = set(existing)
+    values = raw if isinstance(raw, list) else [raw]
+    found = (f"D{int(s)}:{int(t)}" for value in values for s, t in _DIA.findall(str(value)))
+    return tuple(dict.fromkeys(d for d in found if d in known))
+
+
 def _turns(user_id: str, conversation: Mapping[str, Any]) -> list[tuple[str, MemoryRecord]]:
     out = []
     first = conversation.get("speaker_a")
     sessions = sorted(int(m.group(1)) for key in conversation if (m := _SESSION.match(key)))
     for n in sessions:
-        start = datetime.strptime(conversation[f"session_{n}_date_time"].strip(), "%I:%M %p on %d %B, %Y")
+        start = session_date(conversation[f"session_{n}_date_time"])
         for i, raw in enumerate(conversation[f"session_{n}"]):
             caption = f" [shared an image: {raw['blip_caption']}]" if raw.get("blip_caption") else ""
             text = f"{raw['speaker']}: {raw['text']}{caption}"
@@ -77,16 +90,10 @@ def _turns(user_id: str, conversation: Mapping[str, Any]) -> list[tuple[str, Mem
                 role=role,
                 id=content_id(user_id, "turn", raw["dia_id"]),
                 conversation_id=f"session_{n}",
-                created_at=start.replace(tzinfo=UTC) + i * TURN_SPACING,
+                created_at=start + i * TURN_SPACING,
             )
             out.append((raw["dia_id"], record))
     return out
-
-
-def _evidence(raw: object, known: set[str]) -> tuple[str, ...]:
-    values = raw if isinstance(raw, list) else [raw]
-    found = (f"D{int(s)}:{int(t)}" for value in values for s, t in _DIA.findall(str(value)))
-    return tuple(dict.fromkeys(d for d in found if d in known))
 
 
 def load_locomo(path: Path) -> list[Conversation]:
@@ -103,7 +110,7 @@ def load_locomo(path: Path) -> list[Conversation]:
             turns = _turns(f"eval-{index}", sample["conversation"])
             known = {dia for dia, _ in turns}
             questions = tuple(
-                (qa["question"], int(qa["category"]), _evidence(qa.get("evidence", []), known))
+                (qa["question"], int(qa["category"]), dia_ids(qa.get("evidence", []), known))
                 for qa in sample["qa"]
                 if qa.get("category") in CATEGORIES
             )
