@@ -23,7 +23,6 @@ from proxy.memory.embedders.model_files import default_model_dirs
 from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.embedders.remote import LiteLLMEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.embedders.turns import Turns
 from proxy.memory.errors import EmbedderError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -112,39 +111,20 @@ class CountingLocal(LocalEmbedder):
         return super()._embed_sync(texts)
 
 
-async def test_concurrent_queries_share_model_calls_and_go_before_documents() -> None:
-    """Queries that arrive while the model is busy go together in one call, ahead of a queued document batch."""
-    async with CountingLocal(EmbedderSettings(batch_size=16, threads=1, query_model=None)) as embedder:
-        embedder.calls.clear()
-        first = asyncio.create_task(embedder.embed_documents(["a long document " * 40]))
-        await asyncio.sleep(0)  # the document batch holds the model
-        documents = asyncio.create_task(embedder.embed_documents(["another document"]))
-        await asyncio.sleep(0)
-        questions = [f"question number {i}" for i in range(6)]
-        vectors = await asyncio.gather(*(embedder.embed_query(q) for q in questions))
-        await asyncio.gather(first, documents)
-        expected = await embedder.embed_documents(questions)
-    assert embedder.calls[1:3] == [questions, ["another document"]]
-    np.testing.assert_allclose(np.stack(vectors), expected, atol=1e-5)
-
-
-async def test_a_stream_of_queries_does_not_starve_document_batches() -> None:
-    """With queries always waiting, a waiting document batch still gets the model after four query turns."""
-    turns = Turns(urgent_run=4)
-    order: list[str] = []
-
-    async def use(label: str, *, urgent: bool) -> None:
-        async with turns.turn(urgent=urgent):
-            order.append(label)
-            await asyncio.sleep(0)
-
-    async with turns.turn(urgent=False):  # the model is busy; everyone queues
-        waiters = [asyncio.create_task(use("document", urgent=False))]
-        await asyncio.sleep(0)
-        waiters += [asyncio.create_task(use(f"query{i}", urgent=True)) for i in range(6)]
-        await asyncio.sleep(0)
-    await asyncio.gather(*waiters)
-    assert order == ["query0", "query1", "query2", "query3", "document", "query4", "query5"]
+async def test_a_text_asked_as_a_query_is_not_embedded_again_as_a_document(local: LocalEmbedder) -> None:
+    """The writer's user turn is the read path's query: its vector comes from the cache, identical; a document
+    embedded once is not embedded again either (the turn before the next exchange)."""
+    query = await local.embed_query("I moved to Lisbon for the new job in March")
+    before = local.texts_embedded
+    vectors = await local.embed_documents(["I moved to Lisbon for the new job in March", "Congratulations!"])
+    assert local.texts_embedded == before + 1
+    np.testing.assert_array_equal(vectors[0], query)
+    again = await local.embed_documents(["Congratulations!", "And how is the flat?"])
+    assert local.texts_embedded == before + 2
+    np.testing.assert_array_equal(again[0], vectors[1])
+    fresh = LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_cache_size=0))
+    async with fresh:
+        np.testing.assert_allclose(await fresh.embed_documents(["Congratulations!"]), vectors[1:], atol=1e-6)
 
 
 async def test_a_cancelled_query_does_not_stall_the_others(local: LocalEmbedder) -> None:

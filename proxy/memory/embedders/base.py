@@ -1,4 +1,4 @@
-"""What every embedder shares: batching, the query cache, gathering concurrent queries, and the lifecycle.
+"""What every embedder shares: batching, the vector cache, gathering concurrent queries, and the lifecycle.
 
 ``BaseEmbedder`` implements the ``Embedder`` protocol over one abstract call (``_embed_batch``: at most
 ``batch_size`` texts); implementations are the local ONNX model (``local``) and remote models (``remote``).
@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -20,22 +21,29 @@ from proxy.memory.errors import EmbedderError
 
 
 class QueryCache:
-    """LRU of query text to its (read-only) vector; size 0 disables it."""
+    """LRU of a text (by its digest: a 16,000-character turn costs 16 bytes of key) to its read-only vector;
+    size 0 disables it.
+
+    Queries fill it, and so do documents when queries and documents are embedded by the same model: the
+    writer's user turn is then usually the text the read path just embedded as the query, and the turn before
+    an exchange the reply embedded with the previous one.
+    """
 
     def __init__(self, size: int) -> None:
         self._size = size
-        self._items: OrderedDict[str, Vectors] = OrderedDict()
+        self._items: OrderedDict[bytes, Vectors] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
     def get(self, text: str) -> Vectors | None:
         """The cached vector, refreshed as most recently used, or None."""
-        vector = self._items.get(text)
+        key = _key(text)
+        vector = self._items.get(key)
         if vector is None:
             self.misses += 1
             return None
         self.hits += 1
-        self._items.move_to_end(text)
+        self._items.move_to_end(key)
         return vector
 
     def put(self, text: str, vector: Vectors) -> Vectors:
@@ -44,14 +52,19 @@ class QueryCache:
         frozen.setflags(write=False)
         if self._size == 0:
             return frozen
-        self._items[text] = frozen
-        self._items.move_to_end(text)
+        key = _key(text)
+        self._items[key] = frozen
+        self._items.move_to_end(key)
         while len(self._items) > self._size:
             self._items.popitem(last=False)
         return frozen
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _key(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 def batches(texts: Sequence[str], size: int) -> list[list[str]]:
@@ -115,16 +128,29 @@ class BaseEmbedder(ABC):
     async def embed_documents(self, texts: Sequence[str]) -> Vectors:
         """One unit row per text, shape ``(len(texts), dim)``, embedded ``batch_size`` at a time.
 
-        Texts are batched in order of length, so that a batch pads little, and returned in input order.
+        Texts are batched in order of length, so that a batch pads little, and returned in input order. When
+        queries and documents share the model, texts in the vector cache are not embedded again, and the new
+        ones are cached.
         """
         await self.start()
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
+        vectors = np.empty((len(texts), self.dim), dtype=np.float32)
+        shared = self.query_model_id is None
+        todo = []
+        for i, text in enumerate(texts):
+            cached = self.query_cache.get(text) if shared else None
+            if cached is None:
+                todo.append(i)
+            else:
+                vectors[i] = cached
+        if not todo:
+            return vectors
+        order = sorted(todo, key=lambda i: len(texts[i]))
         by_length = [texts[i] for i in order]
         parts = [await self._embed_counted(b) for b in batches(by_length, self._settings.batch_size)]
-        vectors = np.empty((len(texts), self.dim), dtype=np.float32)
         vectors[order] = np.concatenate(parts, axis=0)
+        if shared:
+            for i in order:
+                self.query_cache.put(texts[i], vectors[i])
         return vectors
 
     async def embed_query(self, text: str) -> Vectors:

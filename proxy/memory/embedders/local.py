@@ -7,7 +7,8 @@ queries against 0.727 with fp32 documents; ~2x less CPU per text). ``weights_id`
 A dynamically quantised model scales its activations per call, so it embeds each text alone (``per_text``): a
 text's vector never depends on the texts it was batched with.
 
-The model runs off the event loop in one worker thread; queries may go to a lighter query side of the same
+The model runs off the event loop in one thread of its own (``worker``: queries first, documents their share);
+queries may go to a lighter query side of the same
 vector space: a static model (``kind = "static"``, ~0.1 ms on the caller's thread) or another ONNX copy
 (``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
 """
@@ -16,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -33,10 +32,8 @@ from proxy.memory.embedders.model_files import (
 from proxy.memory.embedders.protocol import Vectors, l2_normalise
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.embedders.static import StaticQueryModel
-from proxy.memory.embedders.turns import Turns
+from proxy.memory.embedders.worker import ModelWorker
 from proxy.memory.errors import EmbedderError
-
-T = TypeVar("T")
 
 
 def _import_fastembed() -> Any:
@@ -54,8 +51,7 @@ def _import_fastembed() -> Any:
 class LocalEmbedder(BaseEmbedder):
     """all-MiniLM-L6-v2 (or another fastembed model) as ONNX from a local directory, run off the loop.
 
-    One worker thread owns onnxruntime, and a lock lets one batch at a time reach it, so concurrent
-    callers queue in asyncio (cancellable) instead of piling work onto the thread.
+    One thread owns onnxruntime (``ModelWorker``): callers queue there (cancellable), queries first.
     """
 
     def __init__(self, settings: EmbedderSettings) -> None:
@@ -81,8 +77,7 @@ class LocalEmbedder(BaseEmbedder):
         self._model: Any = None
         self._query_onnx: Any = None  # an ONNX query side (kind "onnx"), run in the worker like the model
         self._static: StaticQueryModel | None = None  # a static query side, run on the caller's thread
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="embedder")
-        self._turns = Turns()
+        self._worker: ModelWorker | None = None  # started by ``_load``
         self._closed = False
 
     @property
@@ -104,17 +99,25 @@ class LocalEmbedder(BaseEmbedder):
         return self._query_manifest.model_id if self._query_manifest else None
 
     async def embed_query(self, text: str) -> Vectors:
-        """As ``BaseEmbedder.embed_query``; a static query side answers at once, on this thread."""
-        if self._static is None:
+        """As ``BaseEmbedder.embed_query``; a static query side answers at once, on this thread, and a model
+        that embeds each text alone takes each query as it comes (gathering would only make it wait)."""
+        if self._static is None and not self._per_text(urgent=True):
             return await super().embed_query(text)
         cached = self.query_cache.get(text)
         if cached is not None:
             return cached
-        self.texts_embedded += 1
-        return self.query_cache.put(text, self._static.embed([text])[0])
+        await self.start()
+        vector = (await self._embed_counted([text], urgent=True))[0]
+        return self.query_cache.put(text, vector)
+
+    def _per_text(self, *, urgent: bool) -> bool:
+        return bool(urgent and self._query_dir is not None) or self._manifest.per_text
 
     async def _load(self) -> None:
-        await self._in_worker(self._load_sync)
+        if self._closed:
+            raise EmbedderError("the embedder is closed")
+        self._worker = ModelWorker()
+        await asyncio.to_thread(self._load_sync)
         probe = await self._embed_batch(["warm-up"])  # the first run allocates: not on a user's request
         if probe.shape != (1, self.dim):
             raise EmbedderError(
@@ -144,39 +147,34 @@ class LocalEmbedder(BaseEmbedder):
             raise EmbedderError(f"cannot load the embedding model from {model_dir}: {exc}") from exc
 
     async def _embed_batch(self, texts: list[str], *, urgent: bool = False) -> Vectors:
+        """At the model's thread; a dynamically quantised model scales activations per call, so it takes each
+        text alone (``per_text``): a query's vector never depends on the queries it happened to share a call with."""
         if urgent and self._static is not None:  # queries, on the static query side
             return self._static.embed(texts)
-        if urgent and self._query_onnx is not None:  # queries, on the ONNX query side, one at a time
-            return await self._in_worker(self._run_each, self._query_onnx, texts, urgent=True)
-        return await self._in_worker(self._embed_sync, texts, urgent=urgent)
+        if self._worker is None:
+            raise EmbedderError("the embedder is closed")
+        run = self._run_query if urgent and self._query_onnx is not None else self._embed_sync
+        return await self._worker.submit(run, texts, urgent=urgent, per_text=self._per_text(urgent=urgent))
 
     def _embed_sync(self, texts: list[str]) -> Vectors:
-        if self._manifest.per_text:
-            return self._run_each(self._model, texts)
         return self._run_model(self._model, texts)
 
-    def _run_each(self, model: Any, texts: list[str]) -> Vectors:
-        """Each text alone: a dynamically quantised model scales activations per batch, so a query's vector
-        would depend on the queries it happened to share a call with."""
-        return np.concatenate([self._run_model(model, [text]) for text in texts])
+    def _run_query(self, texts: list[str]) -> Vectors:
+        return self._run_model(self._query_onnx, texts)
 
     def _run_model(self, model: Any, texts: list[str]) -> Vectors:
+        if model is None:
+            raise EmbedderError("the embedder is closed")
         try:
             rows = list(model.embed(texts, batch_size=len(texts)))
         except Exception as exc:  # onnxruntime's errors derive from Exception only
             raise EmbedderError(f"{self.model_id} failed to embed {len(texts)} texts: {exc}") from exc
         return l2_normalise(np.stack(rows))
 
-    async def _in_worker(self, func: Callable[..., T], *args: Any, urgent: bool = False) -> T:
-        async with self._turns.turn(urgent=urgent):
-            if self._closed:
-                raise EmbedderError("the embedder is closed")
-            loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, func, *args)
-
     async def aclose(self) -> None:
-        """Wait for the batch in flight, then stop the worker thread."""
-        async with self._turns.turn(urgent=True):
-            self._closed = True
-            self._model = self._query_onnx = self._static = None
-        self._executor.shutdown(wait=False)
+        """Finish the piece in flight, fail what waits, then stop the model's thread."""
+        self._closed = True
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            await asyncio.to_thread(worker.close)
+        self._model = self._query_onnx = self._static = None

@@ -28,7 +28,7 @@ class EmbedderSettings(BaseModel):
     model_path: Path | None = None  # local only; None = the shipped models/all-MiniLM-L6-v2-int8
     batch_size: int = Field(default=64, ge=1)
     threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 measured 2x faster on 2 busy cores
-    query_cache_size: int = Field(default=2048, ge=0)
+    query_cache_size: int = Field(default=4096, ge=0)  # texts; ~1.6 kB each (vector + key)
     # local only: a query-side model under models/ (or a path) for the documents' space; None = the model itself
     query_model: str | None = DEFAULT_QUERY_MODEL
     api_base: str | None = None
