@@ -78,6 +78,21 @@ async def test_concurrent_adds_coalesce_into_few_lance_writes(store: MemoryStore
     assert await store._lance.version() - before <= 3
 
 
+async def test_busy_writes_compact_before_the_interval(tmp_path: Path) -> None:
+    """After ``optimize_after_commits`` appends the store compacts without waiting for ``optimize_interval_s``:
+    fragments do not pile up between two rounds (each one slows every write's id check)."""
+    settings = settings_for(tmp_path / "data", optimize_after_commits=5, optimize_interval_s=3600)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        for i in range(5):
+            await store.add([fact("alice", f"note number {i}")])
+        for _ in range(100):
+            if (await store._lance.table.stats())["fragment_stats"]["num_fragments"] == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert (await store._lance.table.stats())["fragment_stats"]["num_fragments"] == 1
+        assert await store.count("alice") == 5
+
+
 async def test_get_and_get_many_are_scoped_to_the_user(store: MemoryStore) -> None:
     """A record is returned to its owner only, and get_many keeps the order asked."""
     a1, a2 = await store.add([fact("alice", "one"), fact("alice", "two")])

@@ -127,7 +127,8 @@ class BatchWriter(Generic[_T]):
 
 
 class Ticker:
-    """Calls ``fn`` every ``interval_s`` seconds until closed; errors are logged, not fatal."""
+    """Calls ``fn`` every ``interval_s`` seconds, or sooner when ``wake()``-d, until closed; errors are logged,
+    not fatal."""
 
     def __init__(
         self, name: str, interval_s: float, fn: Callable[[], Awaitable[None]], health: StorageHealth | None = None
@@ -137,6 +138,11 @@ class Ticker:
         self._fn = fn
         self._health = health or StorageHealth()
         self._task: asyncio.Task[None] | None = None
+        self._woken = asyncio.Event()
+
+    def wake(self) -> None:
+        """Run ``fn`` now rather than at the end of the interval (once, however often woken meanwhile)."""
+        self._woken.set()
 
     async def __aenter__(self) -> Ticker:
         self._task = asyncio.create_task(self._run(), name=self._name)
@@ -151,7 +157,10 @@ class Ticker:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self._interval)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self._interval):
+                    await self._woken.wait()
+            self._woken.clear()
             try:
                 await self._fn()
             except Exception as exc:  # a failed maintenance round is retried at the next tick
