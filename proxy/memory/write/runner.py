@@ -67,7 +67,7 @@ class JobRunner:
     async def _fill(self, group: asyncio.TaskGroup) -> float:
         self._queue.wakeup.clear()  # before claiming: a wake-up during the claim is kept for the next wait
         busy = Counter(job.kind for job, _ in self._inflight.values())
-        free = {kind: self._settings.concurrency - busy[kind] for kind in self._handlers}
+        free = {kind: self._settings.concurrency_of(kind) - busy[kind] for kind in self._handlers}
         if not any(n > 0 for n in free.values()):
             return float("inf")
         try:

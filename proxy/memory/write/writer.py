@@ -68,8 +68,11 @@ class Writer:
         p = parse_payload(ExchangePayload, job.payload)
         turns = turn_records(job.id, job.user_id, p, self._extractor.settings)
         if "turns" not in job.progress:
-            async with job.timed("turns"):
-                await self._store.add(await self._with_context(turns, p.context))
+            async with job.timed("turns"):  # split in two: the wait for the model, then the store's commit
+                async with job.timed("turn_vectors"):
+                    turns = await self._with_context(turns, p.context)
+                async with job.timed("turn_commit"):
+                    await self._store.add(turns)
             job.queue.observe_step("reply_to_searchable", max(0.0, time.time() - p.finished_at))
             await job.checkpoint("turns")
         if turns:
