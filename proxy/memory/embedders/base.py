@@ -156,13 +156,16 @@ class BaseEmbedder(ABC):
     async def embed_query(self, text: str) -> Vectors:
         """One unit vector, shape ``(dim,)``, from the cache when the same text was asked before.
 
-        Concurrent queries share model calls: while one batch of queries runs, the next ones gather and go
-        together (a batch of 8 short queries costs about twice one), and queries go before document batches.
+        Concurrent queries share model calls (where ``_gathers_queries``): while one batch of queries runs, the
+        next ones gather and go together (a batch of 8 short queries costs about twice one), and queries go
+        before document batches.
         """
         cached = self.query_cache.get(text)
         if cached is not None:
             return cached
         await self.start()
+        if not self._gathers_queries:
+            return self.query_cache.put(text, (await self._embed_counted([text], urgent=True))[0])
         future: asyncio.Future[Vectors] = asyncio.get_running_loop().create_future()
         self._queries.append((text, future))
         if self._query_batches is None or self._query_batches.done():
@@ -176,6 +179,11 @@ class BaseEmbedder(ABC):
             return np.zeros((0, self.dim), dtype=np.float32)
         parts = [await self._embed_counted(b, urgent=True) for b in batches(texts, self._settings.batch_size)]
         return np.concatenate(parts, axis=0)
+
+    @property
+    def _gathers_queries(self) -> bool:
+        """Whether concurrent queries wait to share one model call (else each goes as it comes)."""
+        return True
 
     @property
     def query_model_id(self) -> str | None:

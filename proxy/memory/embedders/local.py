@@ -8,9 +8,8 @@ A dynamically quantised model scales its activations per call, so it embeds each
 text's vector never depends on the texts it was batched with.
 
 The model runs off the event loop in one thread of its own (``worker``: queries first, documents their share);
-queries may go to a lighter query side of the same
-vector space: a static model (``kind = "static"``, ~0.1 ms on the caller's thread) or another ONNX copy
-(``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
+queries may go to a lighter query side of the same vector space: a static model (``kind = "static"``, ~0.1 ms
+on the caller's thread) or another ONNX copy (``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
 """
 
 from __future__ import annotations
@@ -98,17 +97,11 @@ class LocalEmbedder(BaseEmbedder):
     def query_model_id(self) -> str | None:
         return self._query_manifest.model_id if self._query_manifest else None
 
-    async def embed_query(self, text: str) -> Vectors:
-        """As ``BaseEmbedder.embed_query``; a static query side answers at once, on this thread, and a model
-        that embeds each text alone takes each query as it comes (gathering would only make it wait)."""
-        if self._static is None and not self._per_text(urgent=True):
-            return await super().embed_query(text)
-        cached = self.query_cache.get(text)
-        if cached is not None:
-            return cached
-        await self.start()
-        vector = (await self._embed_counted([text], urgent=True))[0]
-        return self.query_cache.put(text, vector)
+    @property
+    def _gathers_queries(self) -> bool:
+        """A static query side answers at once on the caller's thread, and a model that embeds each text alone
+        takes each query as it comes: gathering would only make it wait."""
+        return self._static is None and not self._per_text(urgent=True)
 
     def _per_text(self, *, urgent: bool) -> bool:
         return bool(urgent and self._query_dir is not None) or self._manifest.per_text
