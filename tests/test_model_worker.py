@@ -86,7 +86,10 @@ async def test_close_fails_waiting_callers_and_refuses_new_work() -> None:
     model, worker = Model(), ModelWorker()
     tasks = await _queued(worker, model, (["waiting"], False))
     closing = asyncio.create_task(asyncio.to_thread(worker.close))
-    await asyncio.sleep(0.05)
+    for _ in range(1000):  # close has begun (not a fixed sleep: a busy machine may start the thread late)
+        if worker._closing:
+            break
+        await asyncio.sleep(0.01)
     model.release.set()
     await closing
     assert (await tasks[0]).tolist() == [[5.0]]
