@@ -32,7 +32,15 @@ MAX_TEXT_CHARS = 4000
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _M = TypeVar("_M", bound=BaseModel)
-Text = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_TEXT_CHARS)]
+# Whitespace as the OpenAPI document's pattern spells it (JSON Schema patterns are ECMA-262 regexes, whose \s
+# leaves out U+0085 and takes U+FEFF; pydantic strips Unicode White_Space, U+0085 included): one explicit class
+# for both, so that a string of only these characters ("\x85", "\ufeff") is refused by the server exactly when
+# the document calls it invalid.
+NOT_WHITESPACE = r"[^\t\n\v\f\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff]"
+Text = Annotated[
+    str,
+    StringConstraints(strip_whitespace=True, min_length=1, max_length=MAX_TEXT_CHARS, pattern=NOT_WHITESPACE),
+]
 
 
 # --- request bodies and query strings -----------------------------------------------------------------

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import hypothesis
+import pydantic
 import pytest
 import schemathesis
 from aiohttp import web
@@ -15,6 +16,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from proxy.app import build_app
 from proxy.management import OPENAPI_PATH
+from proxy.management_http import MAX_TEXT_CHARS, NOT_WHITESPACE, Text
 from tests.support.live_app import admin_settings, live_app
 
 DOCUMENT = json.loads(OPENAPI_PATH.read_text())
@@ -58,6 +60,35 @@ def test_path_parameters_are_declared() -> None:
     for path, item in DOCUMENT["paths"].items():
         declared = {components[p["$ref"].rsplit("/", 1)[1]]["name"] for p in item.get("parameters", [])}
         assert set(re.findall(r"{(\w+)}", path)) <= declared, path
+
+
+def _text_schemas(node: Any) -> Iterator[dict[str, Any]]:
+    """Every string schema in the document whose maxLength is the management API's text limit."""
+    if isinstance(node, dict):
+        if node.get("type") == "string" and node.get("maxLength") == MAX_TEXT_CHARS:
+            yield node
+        for value in node.values():
+            yield from _text_schemas(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _text_schemas(value)
+
+
+def test_text_fields_refuse_exactly_what_the_document_calls_blank() -> None:
+    """A text the document's pattern calls whitespace only (ECMA-262 semantics: U+0085 and U+FEFF among them) is
+    refused by the server, and one it accepts is accepted (a fuzzer found "\\x85" refused as schema-valid)."""
+    schemas = list(_text_schemas(DOCUMENT))
+    assert len(schemas) == 4
+    assert {schema["pattern"] for schema in schemas} == {NOT_WHITESPACE}
+    text = pydantic.TypeAdapter(Text)
+    for value in ["a", " a ", "\x1c", "x\x85", "\x85", "\ufeff", " \ufeff\u3000 ", "\u2028", " ", ""]:
+        valid_in_document = re.search(NOT_WHITESPACE, value) is not None
+        try:
+            text.validate_python(value)
+            accepted = True
+        except pydantic.ValidationError:
+            accepted = False
+        assert accepted == valid_in_document, repr(value)
 
 
 # --- fuzzing ------------------------------------------------------------------------------------------
