@@ -326,6 +326,29 @@ async def test_forget_user_drops_queued_and_stops_running_jobs(tmp_path: Path) -
     assert metrics.depth == 0
 
 
+async def test_no_job_of_a_user_is_claimed_while_they_are_being_forgotten(tmp_path: Path) -> None:
+    """A claim waits for a forget in progress: a job enqueued while the forget stops the user's running jobs
+    (a stopped job's follow-up, say) is deleted by it, never claimed and started behind its back."""
+    claimed: list[Job] = []
+    async with JobQueue(settings(tmp_path)) as queue:
+
+        async def stop_running(user_id: str) -> None:  # what the runner does, plus a late enqueue and a claim
+            await queue.enqueue("exchange", user_id, {})
+            claim = asyncio.create_task(queue.claim({"exchange": 5}, start=claimed.append))
+            await asyncio.sleep(0.2)  # time enough for a claim that does not wait
+            assert not claim.done()
+            claiming.append(claim)
+
+        claiming: list[asyncio.Task[tuple[list[Job], float]]] = []
+        queue.on_forget(stop_running)
+        await queue.enqueue("exchange", "gone", {})
+        await queue.forget_user("gone")
+        jobs, _ = await claiming[0]
+        metrics = await queue.metrics()
+    assert jobs == claimed == []
+    assert metrics.depth == 0
+
+
 async def test_shutdown_hands_unfinished_job_back(tmp_path: Path) -> None:
     """A job still running when the runner stops is returned to the queue and runs after restart."""
     runs: list[int] = []

@@ -316,6 +316,20 @@ async def test_forget_user_erases_everything_including_files(tmp_path: Path) -> 
         assert await store.forget_user(user) == {"turn": 0, "fact": 0, "summary": 0, "insight": 0, "subject": 0}
 
 
+async def test_forget_user_also_erases_writes_submitted_before_it(tmp_path: Path) -> None:
+    """A write handed to the batch writer before the forget (its caller since cancelled: a job the forget
+    stopped) is flushed and then erased, never written after the forget."""
+    user = "zq-late-writer-1193"
+    async with MemoryStore(settings_for(tmp_path / "data", flush_interval_ms=300), HashingEmbedder()) as store:
+        writing = asyncio.create_task(store.add([fact(user, f"late memory {i}") for i in range(3)]))
+        await asyncio.sleep(0.05)  # embedded and waiting in the writer's batch
+        writing.cancel()
+        await store.forget_user(user)
+        await asyncio.sleep(0.5)  # past the batch's interval
+        assert await store.count(user) == 0
+        assert await keyword_ids(store, user, "late memory") == []
+
+
 async def test_opening_with_another_model_is_refused(tmp_path: Path) -> None:
     """A store built with one embedding model will not start with another, and says what to do."""
     async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:

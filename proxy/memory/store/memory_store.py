@@ -384,6 +384,7 @@ class MemoryStore(StoreReader):
         table) or at the next maintenance round (``purge=False``; a restart finishes it too).
         """
         check_user_id(user_id)
+        await self._drain_writes()
         async with self._lock:
             counts = await self._lance.kind_counts(user_id)
             if not counts:
@@ -399,6 +400,15 @@ class MemoryStore(StoreReader):
                 await self._index(lambda: self._keyword.remove_user(user_id))
         log.info("memory.user_forgotten", records=sum(counts.values()), purged=purge)
         return {str(kind): counts.get(str(kind), 0) for kind in Kind}
+
+    async def _drain_writes(self) -> None:
+        """Wait until every write submitted so far is flushed.
+
+        A job stopped by a forget may have handed records to the batch writer already; they are written even
+        though the job was cancelled, so the forget deletes after them, not before.
+        """
+        if self._writer is not None:
+            await self._writer.submit([])
 
     async def _purge(self, fragments: Sequence[int] | None) -> None:
         """Remove deleted rows' bytes: rebuild Tantivy from LanceDB while LanceDB rewrites its fragments.

@@ -105,7 +105,6 @@ class ReplicatedStore(MemoryStore):
         also removes old versions; until then the deleted rows are unreachable by any read.
         """
         await self.feed.publish([user_id], op="forget")
-        await self._drain_writes()
         counts = await super().forget_user(user_id, purge=False)
         if any(counts.values()):  # the purge is the lease holder's, noted on object storage
             self._dir.purge_done()
@@ -141,15 +140,6 @@ class ReplicatedStore(MemoryStore):
     def _user_keyword_docs(self, user_id: str) -> AsyncIterator[list[KeywordDoc]]:
         return table_keyword_docs(self._lance, record_filter(user_id))
 
-    async def _drain_writes(self) -> None:
-        """Wait until every write submitted so far is flushed.
-
-        A job stopped by a forget may have handed records to the batch writer already; they are written even
-        though the job was cancelled, so the forget deletes after them, not before.
-        """
-        if self._writer is not None:
-            await self._writer.submit([])
-
     async def apply_forget(self, user_id: str) -> None:
         """Another replica forgot the user: drop their queued jobs here, then any row a job wrote meanwhile."""
         for listener in self._forget_listeners:
@@ -157,12 +147,15 @@ class ReplicatedStore(MemoryStore):
         await self._drain_writes()
         async with self._lock:
             await self._lance.table.checkout_latest()
-            if await self._lance.count(user_id):
+            late = await self._lance.count(user_id)
+            if late:
                 await self._lance.delete(user_id)
             self._cache.drop(user_id)
             self._touches.drop_user(user_id)
             await self._keyword.remove_user(user_id)
             await self._keyword.commit()
+        if late:  # rows written after the forget (here or elsewhere): every replica re-reads the user, or one
+            await self.feed.publish([user_id])  # that cached them would go on serving them
         await self._notify(user_id)
 
     # background work: only the lease holder ----------------------------------------------------------

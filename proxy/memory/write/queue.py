@@ -93,6 +93,9 @@ class JobQueue:
         self._rng = rng or random.Random()
         self._wake: asyncio.Event | None = None
         self._forget_hooks: list[Callable[[str], Awaitable[None]]] = []
+        # A forget and a claim never interleave: a job claimed (marked running in the database) is started by
+        # the runner before a forget looks for running jobs, or the forget has deleted it before the claim.
+        self._claiming = asyncio.Lock()
         self._steps: dict[str, StepLatency] = {}
         self._totals = {"completed": 0, "failed": 0, "deferred": 0, "dead": 0}
         self._waits: Counter[str] = Counter()
@@ -196,10 +199,21 @@ class JobQueue:
             self.wakeup.set()
         return count
 
-    async def claim(self, limits: Mapping[str, int]) -> tuple[list[Job], float]:
-        """Claim due jobs, up to ``limits[kind]`` of each kind (one per lane); also when the next one is due."""
-        rows, next_due = await self._call(self._db.claim, dict(limits), self.owner, time.time())
-        return [self._job(row) for row in rows], next_due
+    async def claim(
+        self, limits: Mapping[str, int], start: Callable[[Job], object] | None = None
+    ) -> tuple[list[Job], float]:
+        """Claim due jobs, up to ``limits[kind]`` of each kind (one per lane); also when the next one is due.
+
+        ``start(job)`` is called for each claimed job before any ``forget_user`` can look for running jobs
+        (the runner starts them there), so a forget stops every job it did not delete.
+        """
+        async with self._claiming:
+            rows, next_due = await self._call(self._db.claim, dict(limits), self.owner, time.time())
+            jobs = [self._job(row) for row in rows]
+            if start is not None:
+                for job in jobs:
+                    start(job)
+        return jobs, next_due
 
     def _job(self, row: sqlite3.Row) -> Job:
         return Job(
@@ -328,10 +342,11 @@ class JobQueue:
 
         Call it before the store's ``forget_user``, so that no job of the user writes after the store forgot.
         """
-        count = await self._call(self._db.forget_user, user_id, False)
-        for hook in self._forget_hooks:
-            await hook(user_id)
-        return count + await self._call(self._db.forget_user, user_id, True)
+        async with self._claiming:
+            count = await self._call(self._db.forget_user, user_id, False)
+            for hook in self._forget_hooks:
+                await hook(user_id)
+            return count + await self._call(self._db.forget_user, user_id, True)
 
     def observe_step(self, step: str, seconds: float) -> None:
         """Count one step latency observation."""

@@ -72,16 +72,17 @@ class JobRunner:
             return float("inf")
         try:
             await self._settle()
-            jobs, next_due = await self._queue.claim(free)
+            jobs, next_due = await self._queue.claim(free, start=lambda job: self._start(group, job))
             await self._purge_now_and_then()
         except (OSError, JobError) as error:
             self._queue_failed("jobs.claim_failed", error)
             return time.time() + self._settings.poll_interval_s
         if jobs:  # a claim that found nothing may have written nothing: no proof that the disk works again
             self._health.ok("queue")
-        for job in jobs:
-            self._inflight[job.id] = (job, group.create_task(self._run_one(job), name=f"job-{job.id}"))
         return next_due
+
+    def _start(self, group: asyncio.TaskGroup, job: Job) -> None:
+        self._inflight[job.id] = (job, group.create_task(self._run_one(job), name=f"job-{job.id}"))
 
     async def _sleep_until(self, next_due: float) -> None:
         """Wait for an enqueue or a finished job, or until the next scheduled job is due.
