@@ -23,8 +23,10 @@ from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
+from proxy.heap import TRIM_INTERVAL_S, trim_in_thread
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.store.background import Ticker
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError
 from proxy.state import STATE
@@ -88,19 +90,20 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
-        await site.start()
-        addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
-        log.info(
-            "server.started",
-            addresses=addresses,
-            port=runner.addresses[0][1],
-            upstream=settings.upstream.base_url,
-            memory=settings.memory.enabled,
-        )
-        await stop.wait()
-        log.info("server.stopping", grace_s=settings.server.shutdown_grace_s)
-        app[STATE].stopping = True
+        async with Ticker("heap-trim", TRIM_INTERVAL_S, trim_in_thread):  # proxy.heap
+            site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
+            await site.start()
+            addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
+            log.info(
+                "server.started",
+                addresses=addresses,
+                port=runner.addresses[0][1],
+                upstream=settings.upstream.base_url,
+                memory=settings.memory.enabled,
+            )
+            await stop.wait()
+            log.info("server.stopping", grace_s=settings.server.shutdown_grace_s)
+            app[STATE].stopping = True
     finally:
         await runner.cleanup()
         log.info("server.stopped")
