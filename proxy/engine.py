@@ -113,7 +113,10 @@ class MemoryEngine:
         self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
         self.jobs = JobQueue(settings.jobs, health=self.health)
         self.store = self._build_store(settings)
-        self.writer = Writer(settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm))
+        shared_vectors = self.embedder.query_cache if self.embedder.query_model_id is None else None
+        self.writer = Writer(
+            settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm), query_vectors=shared_vectors
+        )
         self.insight_jobs = InsightJobs(
             self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model
         )
@@ -250,6 +253,7 @@ class MemoryEngine:
         if self.latest.remember(exchange.user_id, exchange.model, exchange.route, exchange.client_key):
             await self.jobs.resume_waiting(exchange.user_id)
         if self.journal is not None:  # with replicas, the exchange is also on object storage when this returns
+            self.writer.pin_query_vectors(exchange.user_messages)
             await self.journal.record(
                 "exchange", exchange.user_id, exchange_payload(exchange, self.settings.extraction)
             )

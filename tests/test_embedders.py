@@ -211,6 +211,32 @@ async def test_query_cache_evicts_least_recently_used() -> None:
     assert len(cache) == 2
 
 
+async def test_pinned_vectors_outlive_the_lru_until_unpinned() -> None:
+    """A pinned text survives any number of newer ones, as often pinned as unpinned; then it is an LRU entry
+    again; pins beyond the cap drop the oldest; pinning what is not cached does nothing."""
+    cache = QueryCache(2, max_pinned=2)
+    vector = np.ones(3, dtype=np.float32)
+    cache.put("turn", vector)
+    cache.pin("turn")
+    cache.pin("turn")
+    cache.pin("never embedded")
+    for i in range(10):
+        cache.put(f"other {i}", vector)
+    cache.unpin("turn")
+    assert cache.get("turn") is not None
+    assert cache.get("never embedded") is None
+    cache.unpin("turn")  # the last: back in the LRU as most recently used, evicted like any entry after that
+    cache.put("newer", vector)
+    assert cache.get("turn") is not None
+    cache.put("newest", vector)
+    cache.put("latest", vector)
+    assert cache.get("turn") is None
+    for text in ("a", "b", "c"):
+        cache.put(text, vector)
+        cache.pin(text)
+    assert [cache.get(t) is not None for t in ("a", "b", "c")] == [False, True, True]
+
+
 # --- litellm against a fake OpenAI-compatible embeddings server -------------------------------------------
 
 

@@ -17,6 +17,9 @@ import numpy as np
 import pytest
 import structlog
 
+from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.model_files import default_model_dirs
+from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
@@ -149,6 +152,36 @@ async def test_turn_vectors_carry_the_turn_they_answer(harness: Harness) -> None
         assert not np.allclose(stored, own, atol=1e-3)
     hits = await harness.store.keyword_search("u1", "Fushimi", 5, kinds=[Kind.TURN])
     assert hits == []  # the context's words are in the vector only, never in the turn's text
+
+
+async def test_a_user_turn_reuses_its_query_vector_however_long_the_job_waited(tmp_path: Path, llm: FakeLLM) -> None:
+    """The read path embedded the user's message as its query; the exchange job, run after the vector cache
+    has turned over many times (a write backlog), embeds only the reply (the real model, a 2-text cache)."""
+    message = "Which climbing gym do I like best?"
+    embedder = LocalEmbedder(EmbedderSettings(model_path=default_model_dirs()[0], query_cache_size=2))
+    async with contextlib.AsyncExitStack() as stack:
+        await stack.enter_async_context(embedder)
+        store = await stack.enter_async_context(MemoryStore(StoreSettings(path=tmp_path / "store"), embedder))
+        queue = await stack.enter_async_context(JobQueue(queue_settings(tmp_path / "queue")))
+        client = await stack.enter_async_context(
+            OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm.base_url, timeout_s=5))
+        )
+        writer = Writer(
+            WriterSettings(), store, queue, Extractor(ExtractionSettings(), client), query_vectors=embedder.query_cache
+        )
+        query = np.asarray(await embedder.embed_query(message))  # the request's read path
+        harness = Harness(store, queue, writer, llm)
+        await harness.chat(message, reply="Boulderwelt, by far.")
+        for i in range(6):  # other requests' queries while the job waits
+            await embedder.embed_query(f"unrelated question number {i}")
+        before = embedder.texts_embedded
+        async with JobRunner(queue, writer.handlers()):
+            await harness.settle()
+        user_turn, _ = await harness.records(Kind.TURN)
+    assert embedder.texts_embedded - before == 1  # the reply; the user turn's vector was the query's
+    assert user_turn.text == message
+    assert user_turn.embedding is not None
+    assert float(np.dot(user_turn.embedding, query)) > 0.8  # its own vector, mixed with no turn before it
 
 
 async def test_context_weight_zero_embeds_each_turn_alone(tmp_path: Path, llm: FakeLLM) -> None:

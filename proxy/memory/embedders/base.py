@@ -29,15 +29,25 @@ class QueryCache:
     an exchange the reply embedded with the previous one.
     """
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, max_pinned: int = 16_384) -> None:
         self._size = size
         self._items: OrderedDict[bytes, Vectors] = OrderedDict()
+        # Vectors a queued job will ask for (a user turn's is its query's): out of the LRU until the job took
+        # them, so that a write backlog longer than the LRU's span does not embed them again. At most
+        # ``max_pinned`` (26 MB), the oldest pin dropped first: a pin whose job never comes (a forgotten user,
+        # a job run by another replica) costs only its place.
+        self._pinned: OrderedDict[bytes, tuple[Vectors, int]] = OrderedDict()
+        self._max_pinned = max_pinned if size else 0
         self.hits = 0
         self.misses = 0
 
     def get(self, text: str) -> Vectors | None:
         """The cached vector, refreshed as most recently used, or None."""
         key = _key(text)
+        pinned = self._pinned.get(key)
+        if pinned is not None:
+            self.hits += 1
+            return pinned[0]
         vector = self._items.get(key)
         if vector is None:
             self.misses += 1
@@ -46,6 +56,34 @@ class QueryCache:
         self._items.move_to_end(key)
         return vector
 
+    def pin(self, text: str) -> None:
+        """Keep the text's vector (if cached) until as many ``unpin`` calls as pins."""
+        key = _key(text)
+        if (pinned := self._pinned.get(key)) is not None:
+            self._pinned[key] = (pinned[0], pinned[1] + 1)
+            return
+        vector = self._items.pop(key, None)
+        if vector is None or self._max_pinned == 0:
+            if vector is not None:
+                self._items[key] = vector
+            return
+        self._pinned[key] = (vector, 1)
+        while len(self._pinned) > self._max_pinned:
+            self._pinned.popitem(last=False)
+
+    def unpin(self, text: str) -> None:
+        """Undo one ``pin``: the last one returns the vector to the LRU as most recently used."""
+        key = _key(text)
+        pinned = self._pinned.get(key)
+        if pinned is None:
+            return
+        vector, count = pinned
+        if count > 1:
+            self._pinned[key] = (vector, count - 1)
+            return
+        del self._pinned[key]
+        self._put_key(key, vector)
+
     def put(self, text: str, vector: Vectors) -> Vectors:
         """Store a read-only copy, evicting the least recently used beyond the size; returns it."""
         frozen = np.array(vector, dtype=np.float32)
@@ -53,14 +91,20 @@ class QueryCache:
         if self._size == 0:
             return frozen
         key = _key(text)
-        self._items[key] = frozen
+        if (pinned := self._pinned.get(key)) is not None:
+            self._pinned[key] = (frozen, pinned[1])
+        else:
+            self._put_key(key, frozen)
+        return frozen
+
+    def _put_key(self, key: bytes, vector: Vectors) -> None:
+        self._items[key] = vector
         self._items.move_to_end(key)
         while len(self._items) > self._size:
             self._items.popitem(last=False)
-        return frozen
 
     def __len__(self) -> int:
-        return len(self._items)
+        return len(self._items) + len(self._pinned)
 
 
 def _key(text: str) -> bytes:

@@ -49,6 +49,11 @@ def user_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
+def query_texts(user_messages: Sequence[str]) -> list[str]:
+    """The texts ``build_query`` may embed for a request with these user messages (one each, unexpanded)."""
+    return [cap_text(text, MAX_QUERY_CHARS).strip() for text in user_messages if text.strip()]
+
+
 def is_anaphoric(text: str, short_words: int) -> bool:
     """Whether a message is short or leans on an earlier turn ("and her?", "what about that one")."""
     tokens = words(text)
@@ -64,7 +69,7 @@ def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, 
     texts = user_texts(messages)
     if not texts:
         return None
-    latest = cap_text(texts[-1], MAX_QUERY_CHARS).strip()  # a huge message costs a bounded search
+    latest = query_texts(texts[-1:])[0]  # a huge message costs a bounded search
     expanded = expand and len(texts) > 1 and is_anaphoric(latest, short_words)
     text = f"{cap_text(texts[-2], MAX_QUERY_CHARS).strip()}\n{latest}" if expanded else latest
     return Query(text=text, latest=latest, terms=terms(text), expanded=expanded)

@@ -27,6 +27,8 @@ from collections.abc import Sequence
 
 import structlog
 
+from proxy.memory.embedders.base import QueryCache
+from proxy.memory.read.query import query_texts
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import MemoryRecord
@@ -46,9 +48,19 @@ log = structlog.get_logger("memproxy.writer")
 class Writer:
     """The handlers of the write path's jobs, over one store, one queue and one extractor."""
 
-    def __init__(self, settings: WriterSettings, store: MemoryStore, queue: JobQueue, extractor: Extractor) -> None:
+    def __init__(
+        self,
+        settings: WriterSettings,
+        store: MemoryStore,
+        queue: JobQueue,
+        extractor: Extractor,
+        query_vectors: QueryCache | None = None,
+    ) -> None:
         self.settings = settings
         self._store = store
+        # The embedder's vector cache when queries and documents share the model: a user turn's vector is then
+        # the one its request's read path embedded, pinned from the commit until the job embeds its turns.
+        self._query_vectors = query_vectors
         self._queue = queue
         self._extractor = extractor
         self._facts = FactJobs(settings, store, queue, extractor)
@@ -61,18 +73,33 @@ class Writer:
     async def record(self, exchange: Exchange) -> str:
         """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
         payload = exchange_payload(exchange, self._extractor.settings)
+        self.pin_query_vectors(exchange.user_messages)
         return await self._queue.enqueue(EXCHANGE_JOB, exchange.user_id, payload)
+
+    def pin_query_vectors(self, user_messages: Sequence[str]) -> None:
+        """Keep the read path's vectors of these messages for the exchange job (whichever path enqueues it)."""
+        if self._query_vectors is not None:
+            for text in query_texts(user_messages):
+                self._query_vectors.pin(text)
+
+    def _unpin_query_vectors(self, user_messages: Sequence[str]) -> None:
+        if self._query_vectors is not None:
+            for text in query_texts(user_messages):
+                self._query_vectors.unpin(text)
 
     async def handle_exchange(self, job: Job) -> None:
         """Store the turns, schedule the summary, and add the exchange to the user's facts window."""
         p = parse_payload(ExchangePayload, job.payload)
         turns = turn_records(job.id, job.user_id, p, self._extractor.settings)
         if "turns" not in job.progress:
-            async with job.timed("turns"):  # split in two: the wait for the model, then the store's commit
-                async with job.timed("turn_vectors"):
-                    turns = await self._with_context(turns, p.context)
-                async with job.timed("turn_commit"):
-                    await self._store.add(turns)
+            try:
+                async with job.timed("turns"):  # split in two: the wait for the model, then the store's commit
+                    async with job.timed("turn_vectors"):
+                        turns = await self._with_context(turns, p.context)
+                    async with job.timed("turn_commit"):
+                        await self._store.add(turns)
+            finally:
+                self._unpin_query_vectors(p.user_messages)
             job.queue.observe_step("reply_to_searchable", max(0.0, time.time() - p.finished_at))
             await job.checkpoint("turns")
         if turns:
