@@ -7,6 +7,8 @@ costs a bounded amount of memory and CPU however large the request body is. Trun
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 TAIL_SHARE = 0.25  # a long paste usually ends with the actual question: keep some of the end
 MAX_QUERY_CHARS = 4_000  # what the read path searches with (the embedding model reads ~256 tokens anyway)
 
@@ -23,3 +25,8 @@ def cap_text(text: str, max_chars: int, tail_share: float = TAIL_SHARE) -> str:
     tail = int(budget * tail_share)
     head = budget - tail
     return text[:head] + marker + (text[-tail:] if tail else "")
+
+
+def query_texts(user_messages: Sequence[str]) -> list[str]:
+    """The texts the read path may embed as queries for these user messages (one each, unexpanded)."""
+    return [cap_text(text, MAX_QUERY_CHARS).strip() for text in user_messages if text.strip()]

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from proxy.memory.text_cap import MAX_QUERY_CHARS, cap_text
+from proxy.memory.text_cap import query_texts
 from proxy.memory.words import STOPWORDS, terms, words
 
 # Words that make a message lean on the previous turn.
@@ -49,11 +49,6 @@ def user_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
     return [t for t in texts if t.strip()]
 
 
-def query_texts(user_messages: Sequence[str]) -> list[str]:
-    """The texts ``build_query`` may embed for a request with these user messages (one each, unexpanded)."""
-    return [cap_text(text, MAX_QUERY_CHARS).strip() for text in user_messages if text.strip()]
-
-
 def is_anaphoric(text: str, short_words: int) -> bool:
     """Whether a message is short or leans on an earlier turn ("and her?", "what about that one")."""
     tokens = words(text)
@@ -71,5 +66,5 @@ def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, 
         return None
     latest = query_texts(texts[-1:])[0]  # a huge message costs a bounded search
     expanded = expand and len(texts) > 1 and is_anaphoric(latest, short_words)
-    text = f"{cap_text(texts[-2], MAX_QUERY_CHARS).strip()}\n{latest}" if expanded else latest
+    text = f"{query_texts(texts[-2:-1])[0]}\n{latest}" if expanded else latest
     return Query(text=text, latest=latest, terms=terms(text), expanded=expanded)

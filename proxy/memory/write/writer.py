@@ -28,10 +28,10 @@ from collections.abc import Sequence
 import structlog
 
 from proxy.memory.embedders.base import QueryCache
-from proxy.memory.read.query import query_texts
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import MemoryRecord
+from proxy.memory.text_cap import query_texts
 from proxy.memory.write.extraction import Extractor
 from proxy.memory.write.facts import FactJobs
 from proxy.memory.write.job_kinds import EXCHANGE_JOB, FACTS_JOB, SUMMARY_JOB
