@@ -155,6 +155,7 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
         metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
         metrics.add_gauges("memproxy_jobs", engine.storage_gauges)
         metrics.add_gauges("memproxy_cluster", engine.cluster_gauges)
+        metrics.add_gauges("memproxy_embedder", engine.embedder_gauges)
         metrics.registry.register(FeatureCollector(board, engine.waiting))
         if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
             yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))

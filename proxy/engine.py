@@ -387,6 +387,16 @@ class MemoryEngine:
         """The queue's numbers as of the last ``refresh_metrics`` (None before the first)."""
         return self._queue_snapshot
 
+    def embedder_gauges(self) -> dict[str, float]:
+        """Texts through the model, and the vector cache's hits, misses and vectors held for queued jobs."""
+        cache = self.embedder.query_cache
+        return {
+            "texts_total": float(self.embedder.texts_embedded),
+            "cache_hits_total": float(cache.hits),
+            "cache_misses_total": float(cache.misses),
+            "cache_pinned": float(cache.pinned),
+        }
+
     def storage_gauges(self) -> dict[str, float]:
         """Whether the data directory is failing now, and how many storage faults began since start."""
         return {

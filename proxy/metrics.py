@@ -33,7 +33,8 @@ _JOB_COUNTERS = (
 
 
 class _GaugeCollector(Collector):
-    """Reads numbers from a component at scrape time (queue depth, oldest job age...)."""
+    """Reads numbers from a component at scrape time (queue depth, oldest job age...); a name ending in
+    ``_total`` is a counter."""
 
     def __init__(self, prefix: str, source: GaugeSource) -> None:
         self._prefix = prefix
@@ -41,9 +42,11 @@ class _GaugeCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         for name, value in self._source().items():
-            family = GaugeMetricFamily(f"{self._prefix}_{name}", f"{self._prefix} {name.replace('_', ' ')}")
-            family.add_metric([], float(value))
-            yield family
+            text = f"{self._prefix} {name.removesuffix('_total').replace('_', ' ')}"
+            if name.endswith("_total"):
+                yield CounterMetricFamily(f"{self._prefix}_{name.removesuffix('_total')}", text, value=float(value))
+            else:
+                yield GaugeMetricFamily(f"{self._prefix}_{name}", text, value=float(value))
 
 
 def _buckets(latency: StepLatency) -> list[tuple[str, float]]:

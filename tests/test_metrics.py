@@ -68,6 +68,10 @@ async def test_metrics_use_labels_histograms_and_counters(make_proxy: ProxyFacto
     assert families["memproxy_job_step_seconds"].type == "histogram"
     assert families["memproxy_job_seconds"].type == "histogram"
     assert families["memproxy_jobs_completed"].type == "counter"
+    assert families["memproxy_jobs_storage_faults"].type == "counter"
+    assert families["memproxy_embedder_texts"].type == "counter"
+    assert families["memproxy_embedder_cache_pinned"].type == "gauge"
+    assert re.search(r"^memproxy_embedder_texts_total [1-9]", text, re.M)  # the query, then the turns
     assert 'memproxy_job_step_seconds_bucket{le="+Inf",step="turns"}' in text
     assert re.search(r'memproxy_job_seconds_count\{kind="exchange"\} [1-9]', text)
     assert re.search(r'memproxy_chat_seconds_count\{model="fake-echo",route="default"\} 1\.0', text)

@@ -106,6 +106,11 @@ class QueryCache:
     def __len__(self) -> int:
         return len(self._items) + len(self._pinned)
 
+    @property
+    def pinned(self) -> int:
+        """Vectors held for queued jobs."""
+        return len(self._pinned)
+
 
 def _key(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
