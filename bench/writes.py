@@ -10,7 +10,9 @@ messages plus the response schema).
   second one probe exchange carries a unique word; the probe polls the management API until that turn is
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
-  p99, memproxy's RSS. After the load: wait until the queue is empty, RSS again.
+  p99, memproxy's RSS. After the load: wait until the queue is empty, RSS again (``rss_after_drain_mb``, the
+  bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its heap once a minute); and the
+  texts the embedding model took per exchange over the run (``texts_embedded_per_exchange``, from /metrics).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
   one exchange from its speaker (the other speaker's next turn is the assistant's reply, a session is a
   conversation). The fake memory-side model stands in for a perfect extractor: it answers an extraction call
@@ -57,6 +59,7 @@ from tests.support.processes import memproxy_process
 RESULTS = Path(__file__).resolve().parent / "results" / "writes.json"
 ADMIN_KEY = "bench-writes-admin-key"
 PROBE_INTERVAL_S = 1.0
+TRIM_WAIT_S = 65.0  # RSS is read again this long after the drain: one of memproxy's heap trims in between
 
 
 def _tokenizer() -> Any:
@@ -188,15 +191,15 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def gauges(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
-    """memproxy's ``memproxy_jobs_*`` gauges."""
+async def gauges(session: aiohttp.ClientSession, base: str, prefix: str = "memproxy_jobs_") -> dict[str, float]:
+    """memproxy's unlabelled ``<prefix>*`` numbers (``memproxy_jobs_*`` by default)."""
     async with session.get(base.removesuffix("/v1") + "/metrics") as response:
         text = await response.text()
     out = {}
     for line in text.splitlines():
-        if line.startswith("memproxy_jobs_"):
+        if line.startswith(prefix) and "{" not in line:
             name, value = line.rsplit(" ", 1)
-            out[name.removeprefix("memproxy_jobs_")] = float(value)
+            out[name.removeprefix(prefix)] = float(value)
     return out
 
 
@@ -317,6 +320,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
                 await chat(session, base, f"warm{i}", [{"role": "user", "content": "I like tea"}], "full")
             await wait_drained(session, base, 120)
             rss_before = rss_mb(pid)
+            texts_before = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0)
             minutes = [Minute() for _ in range(args.minutes)]
             before = await asyncio.to_thread(queue_counts, data)
             started = time.monotonic()
@@ -328,9 +332,15 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
                     group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
                 group.create_task(probe_loop(session, base, minutes, started, end))
             drain_s = await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
+            texts = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0) - texts_before
+            exchanges = (await asyncio.to_thread(queue_counts, data))["exchanges_done"] - before["exchanges_done"]
             await asyncio.sleep(5)
             rss_after = rss_mb(pid)
-    return sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
+            await asyncio.sleep(TRIM_WAIT_S)  # memproxy hands freed heap back once a minute (proxy.heap)
+            rss_settled = rss_mb(pid)
+    report = sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
+    return {**report, "rss_a_minute_later_mb": round(rss_settled, 1),
+            "texts_embedded_per_exchange": round(texts / exchanges, 3) if exchanges else None}  # fmt: skip
 
 
 def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, float]], rss_before: float,
@@ -480,7 +490,9 @@ def print_tables(result: Mapping[str, Any]) -> None:
                   f"{row['errors']}")  # fmt: skip
         s = result["sustained"]
         print(f"RSS before {s['rss_before_mb']} MB, after drain {s['rss_after_drain_mb']} MB "
-              f"(drained in {s['drain_after_load_s']} s after the load)")  # fmt: skip
+              f"(drained in {s['drain_after_load_s']} s after the load), a minute later "
+              f"{s.get('rss_a_minute_later_mb')} MB; texts embedded per exchange "
+              f"{s.get('texts_embedded_per_exchange')}")  # fmt: skip
     if "replay" in result:
         r = result["replay"]
         print(f"replay: {r['exchanges']} exchanges, {r['calls_per_exchange']} calls and "
