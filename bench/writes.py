@@ -6,7 +6,9 @@ reconciliation, summaries, insights), which it counts with their prompt tokens (
 messages plus the response schema).
 
 - **sustained** (``--minutes``, 10 for the bar): a closed loop of ``--concurrency`` clients in full mode, 200
-  users, one message each, no conversation header, so the proxy serves at the read path's capacity. Each
+  users, one message each, no conversation header, so the proxy serves at the read path's capacity; the
+  chat's answers are unique and ~400 characters long (``chat_reply``: a constant answer would be embedded
+  once and then served from memproxy's vector cache, leaving the write side nothing to embed). Each
   second one probe exchange carries a unique word; the probe polls the management API until that turn is
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
@@ -41,7 +43,7 @@ import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +95,7 @@ class Upstream:
     def __init__(self) -> None:
         self.ledger = Ledger()
         self.replies: dict[str, str] = {}
+        self.default_reply: Callable[[str], str] = lambda _: "OK."  # for a message ``replies`` does not know
         self.observations: dict[str, list[str]] = {}
         self._encoding = _tokenizer()
         self._runner: web.AppRunner | None = None
@@ -126,7 +129,7 @@ class Upstream:
             self.ledger.chat_calls += 1
             messages = body.get("messages", [])
             last = str(messages[-1].get("content", "")) if messages else ""
-            return _completion(self.replies.get(last, "OK."))
+            return _completion(self.replies[last] if last in self.replies else self.default_reply(last))
         self.ledger.calls[schema] += 1
         self.ledger.tokens[schema] += self.prompt_tokens(body)
         return _completion(json.dumps(self._memory_answer(schema, body)))
@@ -154,6 +157,17 @@ class Upstream:
                 self.ledger.shown.add(text)
                 out += [_fact(o, exchange.get("n", 0)) for o in self.observations.get(text, [])]
         return out
+
+
+def chat_reply(message: str) -> str:
+    """A chat model's answer to ``message`` as far as the write side can tell: unique (it quotes the message,
+    so its vector is never a cache hit) and of an ordinary length (~400 characters, ~90 tokens)."""
+    return (
+        f'You said: "{message}". That is a lot to keep in mind at once, and it is worth taking one piece at a '
+        "time. Start with what has a date attached, write down the two or three things that would make the "
+        "biggest difference this week, and leave the rest for later. Tell me how it goes and I will keep it "
+        "in mind."
+    )
 
 
 def _fact(text: str, exchange: int) -> dict[str, Any]:
@@ -314,6 +328,7 @@ async def minute_marks(data: Path, pid: int, count: int, started: float) -> list
 
 async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) -> dict[str, Any]:
     """The sustained mode (see the module doc)."""
+    upstream.default_reply = chat_reply
     with memproxy(upstream.base_url, data, {}) as (pid, base):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for i in range(20):  # warm-up: models loaded, caches and pools made
