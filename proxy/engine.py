@@ -113,9 +113,12 @@ class MemoryEngine:
         self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
         self.jobs = JobQueue(settings.jobs, health=self.health)
         self.store = self._build_store(settings)
-        shared_vectors = self.embedder.query_cache if self.embedder.query_model_id is None else None
         self.writer = Writer(
-            settings.writer, self.store, self.jobs, Extractor(settings.extraction, llm), query_vectors=shared_vectors
+            settings.writer,
+            self.store,
+            self.jobs,
+            Extractor(settings.extraction, llm),
+            query_vectors=self.embedder.document_cache,
         )
         self.insight_jobs = InsightJobs(
             self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model

@@ -62,10 +62,7 @@ class QueryCache:
         if (pinned := self._pinned.get(key)) is not None:
             self._pinned[key] = (pinned[0], pinned[1] + 1)
             return
-        vector = self._items.pop(key, None)
-        if vector is None or self._max_pinned == 0:
-            if vector is not None:
-                self._items[key] = vector
+        if self._max_pinned == 0 or (vector := self._items.pop(key, None)) is None:
             return
         self._pinned[key] = (vector, 1)
         while len(self._pinned) > self._max_pinned:
@@ -183,10 +180,10 @@ class BaseEmbedder(ABC):
         """
         await self.start()
         vectors = np.empty((len(texts), self.dim), dtype=np.float32)
-        shared = self.query_model_id is None
+        cache = self.document_cache
         todo = []
         for i, text in enumerate(texts):
-            cached = self.query_cache.get(text) if shared else None
+            cached = cache.get(text) if cache is not None else None
             if cached is None:
                 todo.append(i)
             else:
@@ -197,9 +194,9 @@ class BaseEmbedder(ABC):
         by_length = [texts[i] for i in order]
         parts = [await self._embed_counted(b) for b in batches(by_length, self._settings.batch_size)]
         vectors[order] = np.concatenate(parts, axis=0)
-        if shared:
+        if cache is not None:
             for i in order:
-                self.query_cache.put(texts[i], vectors[i])
+                cache.put(texts[i], vectors[i])
         return vectors
 
     async def embed_query(self, text: str) -> Vectors:
@@ -233,6 +230,12 @@ class BaseEmbedder(ABC):
     def _gathers_queries(self) -> bool:
         """Whether concurrent queries wait to share one model call (else each goes as it comes)."""
         return True
+
+    @property
+    def document_cache(self) -> QueryCache | None:
+        """The vector cache when documents and queries share the model (a text's vector is then the same on
+        both sides), else None."""
+        return self.query_cache if self.query_model_id is None else None
 
     @property
     def query_model_id(self) -> str | None:

@@ -381,10 +381,10 @@ class KeywordIndex:
 
     def holding(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` the index holds, any user's (term lookups: well under a millisecond, on the loop)."""
-        gen = self._g
-        searcher = gen.index.searcher()
         if not ids:
             return set()
+        gen = self._g
+        searcher = gen.index.searcher()
         result = searcher.search(Query.term_set_query(gen.schema, "id", list(ids)), len(ids), count=False)
         return {searcher.doc(address)["id"][0] for _, address in result.hits}
 
