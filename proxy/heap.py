@@ -2,9 +2,9 @@
 
 glibc keeps what the server's threads free (the event loop's, the model's, LanceDB's and Tantivy's pools, the
 job queue's; up to 8 arenas per core) resident until the top of each heap is free, which under steady writes
-it rarely is. A store grown to 20k rows under writes held 725 MB, 511 MB after one trim (3 ms; under 1 ms when
-there is little to give back). Capping the arenas (``MALLOC_ARENA_MAX=2``) saved more (479 MB before a trim)
-but slowed the write side under a chat load: left to operators. Elsewhere (musl, macOS) this is a no-op.
+it rarely is. ``bench/writes.py --mode sustained --minutes 3`` (one run each): RSS after the drain 1,744 MB
+without the trim, 1,138 MB with it. Capping the arenas (``MALLOC_ARENA_MAX``) kept RSS lower still but slowed
+the write side under a chat load: left to operators. Elsewhere (musl, macOS) this is a no-op.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def trim() -> None:
-    """Hand free heap pages back to the system (a few ms after a busy minute, well under one when idle)."""
+    """Hand free heap pages back to the system."""
     libc = _glibc()
     if libc is not None:
         libc.malloc_trim(0)
