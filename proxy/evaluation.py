@@ -170,7 +170,7 @@ async def evaluate(
                 if bar is not None:
                     bar.update(len(conv.questions))
     return {
-        "model": settings.embedder.model,
+        "model": settings.embedder.label,
         "fusion": settings.retrieval.fusion,
         "neutralised": NEUTRALISED,
         **summarise(rows),

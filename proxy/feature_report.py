@@ -54,7 +54,7 @@ def configured_features(settings: Settings, rejected: str | None = None) -> dict
         settings, settings.insights.model or settings.writer.model, "each user's latest chat model and route"
     )
     states = {
-        "retrieval": FeatureState(True, f"embedder {settings.embedder.model}; default mode {mode}"),
+        "retrieval": FeatureState(True, f"embedder {settings.embedder.label}; default mode {mode}"),
         "turns": FeatureState(True, f"stored after each reply; default mode {mode}"),
         "facts": FeatureState(True, f"{writes}; key: {key}"),
         "summaries": FeatureState(True, f"{writes}; key: {key}"),

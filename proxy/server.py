@@ -161,4 +161,4 @@ def run_command(args: argparse.Namespace) -> None:
         raise SystemExit(EXIT_CONFIG)
     configure_logging("warning")
     count = uvloop.run(reindex(settings))
-    print(f"re-embedded {count} memories with {settings.embedder.model}")
+    print(f"re-embedded {count} memories with {settings.embedder.label}")

@@ -15,8 +15,8 @@ os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 from proxy.app import MemoryFactory, build_app
 from proxy.config import load_settings
+from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.embedders.local import LocalEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from tests.fake_upstream import FakeUpstream
 
@@ -24,11 +24,9 @@ ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def local() -> AsyncIterator[LocalEmbedder]:
-    """The shipped all-MiniLM-L6-v2 model (queries embedded by the model itself), loaded once per test module."""
-    embedder = build_embedder(EmbedderSettings(query_model=None))
-    assert isinstance(embedder, LocalEmbedder)
-    async with embedder:
+async def local() -> AsyncIterator[BaseEmbedder]:
+    """The shipped default embedder (the static model distilled from all-MiniLM-L6-v2), loaded once per module."""
+    async with build_embedder(EmbedderSettings()) as embedder:
         yield embedder
 
 

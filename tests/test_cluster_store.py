@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.lease import Lease
@@ -41,7 +41,7 @@ def _cluster(endpoint: str, uri: str) -> ClusterSettings:
 
 @contextlib.asynccontextmanager
 async def replica(
-    cluster: ClusterSettings, local: LocalEmbedder, path: Path, name: str
+    cluster: ClusterSettings, local: BaseEmbedder, path: Path, name: str
 ) -> AsyncIterator[tuple[ReplicatedStore, ClusterRuntime]]:
     """One replica: its store on the shared bucket, its own local disk, queue and loops."""
     objects = ObjectStore(cluster.location)
@@ -55,7 +55,7 @@ async def replica(
 
 @contextlib.asynccontextmanager
 async def two_replicas(
-    endpoint: str, local: LocalEmbedder, tmp_path: Path
+    endpoint: str, local: BaseEmbedder, tmp_path: Path
 ) -> AsyncIterator[tuple[ReplicatedStore, ReplicatedStore]]:
     """Replicas A and B on a fresh bucket."""
     cluster = _cluster(endpoint, bucket_uri())
@@ -80,7 +80,7 @@ def fact(user: str, text: str) -> MemoryRecord:
     return MemoryRecord(user_id=user, kind=Kind.FACT, text=text)
 
 
-async def found(store: ReplicatedStore, local: LocalEmbedder, user: str, query: str) -> dict[str, Any]:
+async def found(store: ReplicatedStore, local: BaseEmbedder, user: str, query: str) -> dict[str, Any]:
     """What each arm of ``store`` returns for ``query`` (texts)."""
     vector = (await local.embed_query(query)).reshape(-1)
     dense = [hit.record.text for hit in await store.vector_search(user, vector, 5)]
@@ -106,9 +106,7 @@ async def test_lease_has_one_holder_and_passes_on(endpoint: str) -> None:
     objects.close()
 
 
-async def test_a_write_on_one_replica_is_found_on_the_other(
-    endpoint: str, local: LocalEmbedder, tmp_path: Path
-) -> None:
+async def test_a_write_on_one_replica_is_found_on_the_other(endpoint: str, local: BaseEmbedder, tmp_path: Path) -> None:
     """A fact stored through replica A is found by both arms of replica B (whose cache was warm) within seconds."""
     async with two_replicas(endpoint, local, tmp_path) as (a, b):
         await a.add([fact("alice", "Alice keeps bees on her roof")])
@@ -128,7 +126,7 @@ async def test_a_write_on_one_replica_is_found_on_the_other(
 
 
 async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
-    endpoint: str, local: LocalEmbedder, tmp_path: Path
+    endpoint: str, local: BaseEmbedder, tmp_path: Path
 ) -> None:
     """Two replicas writing 40 facts each for the same user at once: exactly 80 distinct records in the table."""
     async with two_replicas(endpoint, local, tmp_path) as (a, b):
@@ -141,7 +139,7 @@ async def test_concurrent_writes_for_one_user_neither_lose_nor_duplicate(
         assert len(set(ids)) == 80
 
 
-async def test_forget_user_reaches_the_other_replica(endpoint: str, local: LocalEmbedder, tmp_path: Path) -> None:
+async def test_forget_user_reaches_the_other_replica(endpoint: str, local: BaseEmbedder, tmp_path: Path) -> None:
     """Forgetting a user through replica A leaves nothing that replica B's arms (warm cache) can return."""
     async with two_replicas(endpoint, local, tmp_path) as (a, b):
         await a.add([fact("carol", "Carol's locker code is 4471"), fact("dave", "Dave likes jazz")])

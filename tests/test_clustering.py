@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from insights.clustering import Cluster, cluster_messages, robust_threshold
-from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.base import BaseEmbedder
 from tests.support.embedder import HashingEmbedder
 from tests.support.insight_scenario import (
     TOPICS,
@@ -133,7 +133,7 @@ def test_clusters_are_disjoint_and_bounded_for_any_input(n: int, dim: int, seed:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_real_model_finds_the_users_topics_and_leaves_out_the_one_offs(local: LocalEmbedder) -> None:
+async def test_real_model_finds_the_users_topics_and_leaves_out_the_one_offs(local: BaseEmbedder) -> None:
     """Realistic messages on four topics plus four one-off questions: four clusters, one per topic."""
     rows = user_messages()
     labels = [label for _, _, label in rows]

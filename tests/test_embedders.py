@@ -6,6 +6,7 @@ import asyncio
 import base64
 import hashlib
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -19,16 +20,25 @@ from aiohttp import web
 from proxy.memory.embedders.base import QueryCache
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.local import LocalEmbedder
-from proxy.memory.embedders.model_files import default_model_dirs
+from proxy.memory.embedders.model_files import ONNX_MODEL_DIR_NAME, default_model_dirs
 from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.embedders.remote import LiteLLMEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.embedders.static import StaticEmbedder
 from proxy.memory.errors import EmbedderError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-MODEL_DIR = default_model_dirs()[0]
+MODEL_DIR = default_model_dirs(ONNX_MODEL_DIR_NAME)[0]  # MiniLM int8: the ONNX model these tests exercise
+INT8 = EmbedderSettings(model_path=MODEL_DIR)
 FAKE_DIM = 8
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def local() -> AsyncIterator[LocalEmbedder]:
+    """MiniLM int8 through onnxruntime (queries embedded by the model itself), loaded once for the module."""
+    async with LocalEmbedder(INT8) as embedder:
+        yield embedder
 
 
 def _cos(a: np.ndarray, b: np.ndarray) -> float:
@@ -85,7 +95,7 @@ async def test_query_cache_hit_does_not_recompute(local: LocalEmbedder) -> None:
 async def test_batches_equal_one_by_one() -> None:
     """Embedding in batches gives the same vectors as embedding each text alone."""
     texts = [f"note number {i}: " + "word " * (i * 5 % 7) for i in range(7)]  # lengths out of order
-    async with LocalEmbedder(EmbedderSettings(batch_size=3, threads=1)) as embedder:
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, batch_size=3, threads=1)) as embedder:
         batched = await embedder.embed_documents(texts)
         alone = np.stack([(await embedder.embed_documents([t]))[0] for t in texts])
     np.testing.assert_allclose(batched, alone, atol=1e-5)
@@ -349,7 +359,7 @@ async def test_litellm_wrong_dimension_is_refused(fake_server: FakeEmbeddings) -
 
 # --- query sides: a static model distilled into MiniLM's space, an ONNX copy ----------------------------
 
-STATIC = "minilm-static-query"
+STATIC = "minilm-static"
 
 
 async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_alone() -> None:
@@ -360,7 +370,7 @@ async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_a
         "Caroline: I went to the LGBTQ support group yesterday and it was so powerful, honestly life-changing.",
     ]
     fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0])
-    async with LocalEmbedder(EmbedderSettings()) as int8, LocalEmbedder(fp32) as full:
+    async with LocalEmbedder(INT8) as int8, LocalEmbedder(fp32) as full:
         batched = await int8.embed_documents(texts)
         alone = [await int8.embed_documents([text]) for text in texts]
         queries = await int8.embed_queries(texts)
@@ -389,14 +399,14 @@ async def test_former_int8_query_side_name_still_serves_fp32_documents() -> None
 async def test_static_query_side_finds_documents_of_the_model() -> None:
     """Queries embedded by the shipped static model rank the matching MiniLM document first, as unit vectors."""
     documents = ["The user lives in Berlin.", "The user's cat likes tuna.", "My sister Anna plays the cello."]
-    async with LocalEmbedder(EmbedderSettings(query_model=STATIC)) as embedder:
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=STATIC)) as embedder:
         docs = await embedder.embed_documents(documents)
         queries = [
             await embedder.embed_query(q)
             for q in ("Where does the user live?", "what does my cat eat", "which instrument does my sister play?")
         ]
     assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"  # stored vectors: the document model's
-    assert embedder.query_model_id == "local/minilm-static-query-v1"
+    assert embedder.query_model_id == "local/minilm-static-v1"
     for i, query in enumerate(queries):
         assert query.shape == (384,)
         assert query.dtype == np.float32
@@ -406,7 +416,7 @@ async def test_static_query_side_finds_documents_of_the_model() -> None:
 
 async def test_static_query_side_makes_no_model_call() -> None:
     """A query on the static side costs no transformer pass: the model runs only for documents."""
-    async with CountingLocal(EmbedderSettings(query_model=STATIC)) as embedder:
+    async with CountingLocal(EmbedderSettings(model_path=MODEL_DIR, query_model=STATIC)) as embedder:
         embedder.calls.clear()
         await asyncio.gather(*(embedder.embed_query(f"question {i}") for i in range(5)))
         await embedder.embed_documents(["a document"])
@@ -423,7 +433,7 @@ async def test_onnx_query_side_is_used_for_queries(tmp_path: Path) -> None:
     (side / "manifest.json").write_text(
         '{"model_id": "local/copy-query", "kind": "onnx", "query_for": "local/all-MiniLM-L6-v2-onnx-fp32", "dim": 384}'
     )
-    async with LocalEmbedder(EmbedderSettings(query_model=str(side))) as embedder:
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=str(side))) as embedder:
         one = await embedder.embed_query("Where does the user live?")
         batch = await embedder.embed_queries(["Where does the user live?", "and the cat?"])
         document = await embedder.embed_documents(["Where does the user live?"])
@@ -438,16 +448,84 @@ async def test_query_model_of_another_space_is_refused(tmp_path: Path) -> None:
     shutil.copytree(default_model_dirs(STATIC)[0], side)
     (side / "manifest.json").write_text('{"model_id": "x", "kind": "static", "query_for": "local/other", "dim": 384}')
     with pytest.raises(EmbedderError, match="serves local/other"):
-        LocalEmbedder(EmbedderSettings(query_model=str(side)))
+        LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=str(side)))
 
 
 async def test_missing_query_model_fails_fast() -> None:
     """A query model name that is not under models/ fails at once, saying how to build one."""
     with pytest.raises(EmbedderError, match=r"distill_static\.py"):
-        LocalEmbedder(EmbedderSettings(query_model="no-such-model"))
+        LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model="no-such-model"))
 
 
 async def test_query_model_none_can_be_spelt_as_text() -> None:
     """``none`` or an empty value (as an environment variable says it) means queries use the model itself."""
     assert EmbedderSettings(query_model="none").query_model is None
     assert EmbedderSettings(query_model="").query_model is None
+
+
+# --- the default: a static model as the document model ---------------------------------------------------------
+
+
+async def test_default_embedder_is_the_static_model_and_loads_no_onnx_model() -> None:
+    """Out of the box the embedder is the static model: its own space, queries and documents alike, no thread."""
+    async with build_embedder(EmbedderSettings()) as embedder:
+        assert isinstance(embedder, StaticEmbedder)
+        assert embedder.model_id == embedder.weights_id == "local/minilm-static-v1"
+        assert embedder.dim == 384
+        assert embedder.query_model_id is None
+        query = await embedder.embed_query("I am allergic to peanuts.")
+        documents = await embedder.embed_documents(["I am allergic to peanuts.", "x " * 2000])
+    assert documents.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(documents, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(query, documents[0], atol=1e-6)  # one model on both sides
+
+
+async def test_static_model_finds_the_matching_memory_and_spreads_like_minilm(local: LocalEmbedder) -> None:
+    """Each question's memory ranks first, and unrelated texts sit far apart as under MiniLM (the thresholds of
+    insight clustering and of the writer's "a stored fact is near" were calibrated there)."""
+    memories = ["The user lives in Berlin.", "The user's cat likes tuna.", "My sister Anna plays the cello."]
+    questions = ["Where does the user live?", "what does my cat eat", "which instrument does my sister play?"]
+    unrelated = ["I planted tomatoes in my garden.", "Our CI pipeline keeps failing.", "I ran 10 km this morning."]
+    async with build_embedder(EmbedderSettings()) as static:
+        docs = await static.embed_documents(memories)
+        asked = np.stack([await static.embed_query(q) for q in questions])
+        far = await static.embed_documents(unrelated)
+    minilm_far = await local.embed_documents(unrelated)
+    assert [int(i) for i in np.argmax(asked @ docs.T, axis=1)] == [0, 1, 2]
+    off_diagonal = ~np.eye(3, dtype=bool)
+    assert float((far @ far.T)[off_diagonal].max()) < 0.3
+    assert (
+        abs(float((far @ far.T)[off_diagonal].mean()) - float((minilm_far @ minilm_far.T)[off_diagonal].mean())) < 0.15
+    )
+
+
+async def test_static_model_refuses_another_query_side_and_an_onnx_loader() -> None:
+    """A static model answers its own queries; the ONNX loader refuses its directory rather than failing later."""
+    with pytest.raises(EmbedderError, match="answers its own queries"):
+        build_embedder(EmbedderSettings(query_model="all-MiniLM-L6-v2-int8"))
+    with pytest.raises(EmbedderError, match="static model"):
+        LocalEmbedder(EmbedderSettings())
+    assert isinstance(build_embedder(EmbedderSettings(query_model="minilm-static")), StaticEmbedder)
+    assert EmbedderSettings().label == "models/minilm-static"
+
+
+async def test_a_large_batch_of_documents_is_embedded_off_the_loop() -> None:
+    """Big batches go to a worker thread (the loop keeps serving), small ones and queries stay inline."""
+    async with build_embedder(EmbedderSettings()) as embedder:
+        assert isinstance(embedder, StaticEmbedder)
+        threads: list[str] = []
+        model = embedder._model
+        assert model is not None
+        original = model.embed
+
+        def noting(texts: Any) -> Any:
+            threads.append(threading.current_thread().name)
+            return original(texts)
+
+        model.embed = noting  # type: ignore[method-assign]
+        await embedder.embed_documents([f"memory number {i}" for i in range(StaticEmbedder.INLINE_TEXTS + 1)])
+        await embedder.embed_documents(["one memory"])
+        await embedder.embed_query("a question")
+    main = threading.main_thread().name
+    assert threads[0] != main
+    assert threads[1:] == [main, main]

@@ -25,7 +25,7 @@ from structlog.testing import capture_logs
 from insights.generation import SCHEMA_NAME, confidence, date_range
 from insights.scheduler import STATE_KEY, InsightJobs, InsightScheduler, due, request_insights
 from insights.service import InsightSettings, current_insights, regenerate
-from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.read.injection import inject
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
@@ -63,14 +63,14 @@ def scenario_records() -> list[MemoryRecord]:
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def vectors(local: LocalEmbedder) -> Mapping[str, np.ndarray]:
+async def vectors(local: BaseEmbedder) -> Mapping[str, np.ndarray]:
     """Every scenario text's vector, embedded once."""
     texts = sorted({r.text for r in scenario_records()})
     return dict(zip(texts, await local.embed_documents(texts), strict=True))
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def store(tmp_path: Path, local: LocalEmbedder, vectors: Mapping[str, np.ndarray]) -> AsyncIterator[MemoryStore]:
+async def store(tmp_path: Path, local: BaseEmbedder, vectors: Mapping[str, np.ndarray]) -> AsyncIterator[MemoryStore]:
     """A real store in ``tmp_path`` holding the scenario."""
     async with MemoryStore(StoreSettings(path=tmp_path / "store"), local) as opened:
         await opened.add([r.replace(embedding=vectors[r.text].tolist()) for r in scenario_records()])
@@ -162,7 +162,9 @@ async def test_one_insight_per_topic_with_its_date_range(store: MemoryStore, mod
         insight = by_topic[topic.name]
         assert (insight.start_at, insight.end_at) == (topic.start, topic.end)
         assert json.loads(insight.meta or "{}")["date_range"] == date_range([topic.start, topic.end]).label
-        assert 14 <= (insight.cluster_size or 0) <= 15
+        assert (
+            13 <= (insight.cluster_size or 0) <= 15
+        )  # of 15; MiniLM leaves one out as an outlier, the static model two
         assert 0.5 < (insight.confidence or 0) <= 1.0
     assert '"Mar 2026"' in (by_topic["japanese"].meta or "")
     assert len({r.generation_id for r in made}) == 1
@@ -237,7 +239,7 @@ async def test_unreachable_model_keeps_the_current_set(store: MemoryStore, model
 
 
 @in_module_loop
-async def test_insight_reaches_the_system_prompt(store: MemoryStore, local: LocalEmbedder, model: Model) -> None:
+async def test_insight_reaches_the_system_prompt(store: MemoryStore, local: BaseEmbedder, model: Model) -> None:
     """After a run, the next chat's system prompt carries the insights with their month ranges."""
     await regenerate(store, model.client, USER, SETTINGS, NOW)
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "Any tips for today?"}]

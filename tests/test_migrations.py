@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.migrations import JOBS_SCHEMA_VERSION, SchemaError, Step, plan
 from proxy.memory.store.records import SCHEMA_VERSION
@@ -74,7 +74,7 @@ async def test_newer_job_database_is_refused_untouched(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio(loop_scope="module")
-async def test_newer_records_table_is_refused(tmp_path: Path, local: LocalEmbedder) -> None:
+async def test_newer_records_table_is_refused(tmp_path: Path, local: BaseEmbedder) -> None:
     """A records table whose manifest is from a newer schema is refused with the advice to upgrade."""
     async with MemoryStore(StoreSettings(path=tmp_path), local):
         pass

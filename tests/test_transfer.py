@@ -14,7 +14,7 @@ import orjson
 import pytest
 import pytest_asyncio
 
-from proxy.memory.embedders.local import LocalEmbedder
+from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.transfer import (
@@ -56,7 +56,7 @@ MEM0_EXPORT = {
 
 
 @pytest_asyncio.fixture(loop_scope="module")
-async def store_a(tmp_path: Path, local: LocalEmbedder) -> AsyncIterator[MemoryStore]:
+async def store_a(tmp_path: Path, local: BaseEmbedder) -> AsyncIterator[MemoryStore]:
     """A store with facts, a turn and a superseded fact of two users, on the shipped model."""
     async with MemoryStore(StoreSettings(path=tmp_path / "a"), local) as store:
         new = MemoryRecord(
@@ -97,7 +97,7 @@ async def _lines(store: MemoryStore, user: str | None = None) -> list[bytes]:
 
 @in_module_loop
 async def test_export_then_import_into_an_empty_store_gives_the_same_records(
-    store_a: MemoryStore, tmp_path: Path, local: LocalEmbedder
+    store_a: MemoryStore, tmp_path: Path, local: BaseEmbedder
 ) -> None:
     """Every field, ids, texts and float32 vectors included, comes back identical, and nothing is re-embedded."""
     exported = await _lines(store_a)
@@ -121,7 +121,7 @@ async def test_one_user_exports_alone(store_a: MemoryStore) -> None:
 
 
 @in_module_loop
-async def test_vectors_of_another_model_are_embedded_again(tmp_path: Path, local: LocalEmbedder) -> None:
+async def test_vectors_of_another_model_are_embedded_again(tmp_path: Path, local: BaseEmbedder) -> None:
     """A record embedded by another model gets this model's vector for its text on import."""
     line = orjson.dumps(
         {
@@ -144,7 +144,7 @@ async def test_vectors_of_another_model_are_embedded_again(tmp_path: Path, local
 
 
 @in_module_loop
-async def test_mem0_export_imports_with_its_ids(tmp_path: Path, local: LocalEmbedder) -> None:
+async def test_mem0_export_imports_with_its_ids(tmp_path: Path, local: BaseEmbedder) -> None:
     """mem0's get_all output becomes facts of its user, keeping mem0's ids, categories and dates."""
     records = parse_mem0(json.dumps(MEM0_EXPORT).encode())
     async with MemoryStore(StoreSettings(path=tmp_path / "m"), local) as store:
@@ -158,7 +158,7 @@ async def test_mem0_export_imports_with_its_ids(tmp_path: Path, local: LocalEmbe
 
 
 @in_module_loop
-async def test_chatgpt_memories_import_as_facts_once(tmp_path: Path, local: LocalEmbedder) -> None:
+async def test_chatgpt_memories_import_as_facts_once(tmp_path: Path, local: BaseEmbedder) -> None:
     """Saved ChatGPT memories (bullets and numbers dropped, blank lines skipped) import once, however often run."""
     lines = ["- Prefers metric units", "", "2. Has a daughter named Ines", "  * Is learning Japanese  "]
     async with MemoryStore(StoreSettings(path=tmp_path / "g"), local) as store:
@@ -226,7 +226,7 @@ def test_cli_refuses_a_bad_file_whole_then_imports_and_exports(tmp_path: Path) -
 
 
 @in_module_loop
-async def test_cli_import_refuses_a_store_in_use(tmp_path: Path, local: LocalEmbedder) -> None:
+async def test_cli_import_refuses_a_store_in_use(tmp_path: Path, local: BaseEmbedder) -> None:
     """While a server owns the data directory, import exits 1 saying to stop it, and writes nothing."""
     source = tmp_path / "in.txt"
     source.write_text("- Finn rows on Sundays\n")

@@ -93,11 +93,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def test_wheel_holds_the_model_and_every_package(wheel: Path) -> None:
-    """The wheel carries the ONNX model, the web page and every Python package of the source tree."""
+    """The wheel carries the models, the web page and every Python package of the source tree."""
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "proxy/models/all-MiniLM-L6-v2/model.onnx" in names
     assert "proxy/models/all-MiniLM-L6-v2/tokenizer.json" in names
     assert "proxy/models/all-MiniLM-L6-v2-int8/model.onnx" in names
+    assert "proxy/models/minilm-static/vectors.npy" in names  # the default embedder
     assert "proxy/web/index.html" in names
     packages = {
         p.parent.relative_to(ROOT).as_posix()

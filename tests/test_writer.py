@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 import structlog
 
-from proxy.memory.embedders.local import LocalEmbedder
-from proxy.memory.embedders.model_files import default_model_dirs
+from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
@@ -156,9 +155,9 @@ async def test_turn_vectors_carry_the_turn_they_answer(harness: Harness) -> None
 
 async def test_a_user_turn_reuses_its_query_vector_however_long_the_job_waited(tmp_path: Path, llm: FakeLLM) -> None:
     """The read path embedded the user's message as its query; the exchange job, run after the vector cache
-    has turned over many times (a write backlog), embeds only the reply (the real model, a 2-text cache)."""
+    has turned over many times (a write backlog), embeds only the reply (the shipped model, a 2-text cache)."""
     message = "Which climbing gym do I like best?"
-    embedder = LocalEmbedder(EmbedderSettings(model_path=default_model_dirs()[0], query_cache_size=2))
+    embedder = build_embedder(EmbedderSettings(query_cache_size=2))
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(embedder)
         store = await stack.enter_async_context(MemoryStore(StoreSettings(path=tmp_path / "store"), embedder))

@@ -1,11 +1,12 @@
-"""The embedded default: all-MiniLM-L6-v2 (or another fastembed model) as ONNX from a local directory.
+"""all-MiniLM-L6-v2 (or another fastembed model) as ONNX from a local directory (``model_path``).
 
-The default model is MiniLM quantised to int8 (``models/all-MiniLM-L6-v2-int8``). Its manifest says its vectors
-live in the fp32 model's *space* (``space``): ``model_id``, which stores record and check, names that space, so
-the int8 and fp32 models write into one store without a reindex (LoCoMo R@10 0.728 with int8 documents and
-queries against 0.727 with fp32 documents; ~2x less CPU per text). ``weights_id`` names the weights themselves.
-A dynamically quantised model scales its activations per call, so it embeds each text alone (``per_text``): a
-text's vector never depends on the texts it was batched with.
+The default embedder is a static model (``embedders.static``); this is the transformer it was distilled from,
+shipped as MiniLM quantised to int8 (``models/all-MiniLM-L6-v2-int8``) and fp32 (``models/all-MiniLM-L6-v2``).
+The int8 model's manifest says its vectors live in the fp32 model's *space* (``space``): ``model_id``, which
+stores record and check, names that space, so the int8 and fp32 models write into one store without a reindex
+(LoCoMo R@10 0.728 with int8 documents and queries against 0.727 with fp32 documents; ~2x less CPU per text).
+``weights_id`` names the weights themselves. A dynamically quantised model scales its activations per call, so
+it embeds each text alone (``per_text``): a text's vector never depends on the texts it was batched with.
 
 The model runs off the event loop in one thread of its own (``worker``: queries first, documents their share);
 queries may go to a lighter query side of the same vector space: a static model (``kind = "static"``, ~0.1 ms
@@ -23,6 +24,7 @@ import numpy as np
 
 from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.embedders.model_files import (
+    is_static_model,
     read_manifest,
     read_query_manifest,
     resolve_model_dir,
@@ -30,7 +32,7 @@ from proxy.memory.embedders.model_files import (
 )
 from proxy.memory.embedders.protocol import Vectors, l2_normalise
 from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.embedders.static import StaticQueryModel
+from proxy.memory.embedders.static import StaticModel
 from proxy.memory.embedders.worker import ModelWorker
 from proxy.memory.errors import EmbedderError
 
@@ -56,6 +58,8 @@ class LocalEmbedder(BaseEmbedder):
     def __init__(self, settings: EmbedderSettings) -> None:
         super().__init__(settings)
         self.model_dir = resolve_model_dir(settings.model_path)
+        if is_static_model(self.model_dir):
+            raise EmbedderError(f"{self.model_dir} holds a static model, not an ONNX export: build_embedder loads it")
         self._manifest = read_manifest(self.model_dir)
         if self._manifest.fastembed_model != settings.model:
             raise EmbedderError(
@@ -75,7 +79,7 @@ class LocalEmbedder(BaseEmbedder):
             )
         self._model: Any = None
         self._query_onnx: Any = None  # an ONNX query side (kind "onnx"), run in the worker like the model
-        self._static: StaticQueryModel | None = None  # a static query side, run on the caller's thread
+        self._static: StaticModel | None = None  # a static query side, run on the caller's thread
         self._worker: ModelWorker | None = None  # started by ``_load``
         self._closed = False
 
@@ -121,7 +125,7 @@ class LocalEmbedder(BaseEmbedder):
         self._model = self._onnx(self.model_dir)
         if self._query_manifest is not None and self._query_dir is not None:
             if self._query_manifest.kind == "static":
-                self._static = StaticQueryModel(self._query_dir, self.dim)
+                self._static = StaticModel(self._query_dir, self.dim)
             else:
                 self._query_onnx = self._onnx(self._query_dir)
 

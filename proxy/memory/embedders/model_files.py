@@ -19,11 +19,14 @@ from proxy.memory.errors import EmbedderError
 _Manifest = TypeVar("_Manifest", bound=BaseModel)
 _PACKAGE_DIR = Path(__file__).parents[2]  # the top-level package directory: <package>/memory/embedders/this file
 
-MODEL_DIR_NAME = "all-MiniLM-L6-v2-int8"
-# Query-side names that were renamed: the int8 copy was a query side before it became the default model.
-QUERY_MODEL_ALIASES = {"all-MiniLM-L6-v2-int8-query": "all-MiniLM-L6-v2-int8"}
+MODEL_DIR_NAME = "minilm-static"  # the default: a static model (scripts/distill_static.py)
+ONNX_MODEL_DIR_NAME = "all-MiniLM-L6-v2-int8"  # the shipped transformer: MiniLM quantised to int8
+# Query-side names that were renamed: the int8 copy was a query side before it became the default model, and
+# the static query side fitted to LoCoMo gave way to the static model distilled from generic English.
+QUERY_MODEL_ALIASES = {"all-MiniLM-L6-v2-int8-query": "all-MiniLM-L6-v2-int8", "minilm-static-query": "minilm-static"}
 MODEL_FILES = ("manifest.json", "model.onnx", "tokenizer.json", "tokenizer_config.json")
-EXPORT_HINT = "produce it with scripts/export_minilm.py or set embedder.model_path"
+STATIC_FILES = ("manifest.json", "vectors.npy", "tokenizer.json")
+EXPORT_HINT = "produce it with scripts/export_minilm.py or scripts/distill_static.py, or set embedder.model_path"
 
 
 def default_model_dirs(name: str = MODEL_DIR_NAME) -> list[Path]:
@@ -39,15 +42,22 @@ def default_model_dirs(name: str = MODEL_DIR_NAME) -> list[Path]:
 
 
 def resolve_model_dir(model_path: Path | None) -> Path:
-    """The model directory to load, checked to hold every file the local embedder needs."""
+    """The model directory to load, checked to hold every file the local embedder needs (an ONNX export's, or
+    a static model's)."""
     candidates = [model_path] if model_path is not None else default_model_dirs()
     for candidate in candidates:
-        if all((candidate / name).is_file() for name in MODEL_FILES):
+        if is_static_model(candidate) or all((candidate / name).is_file() for name in MODEL_FILES):
             return candidate
     tried = ", ".join(str(c) for c in candidates)
     raise EmbedderError(
-        f"no embedding model found (tried {tried}); a model directory needs {', '.join(MODEL_FILES)}: {EXPORT_HINT}"
+        f"no embedding model found (tried {tried}); a model directory needs {', '.join(MODEL_FILES)} "
+        f"(an ONNX export) or {', '.join(STATIC_FILES)} (a static model): {EXPORT_HINT}"
     )
+
+
+def is_static_model(model_dir: Path) -> bool:
+    """Whether ``model_dir`` holds a static model (a table of token vectors; ``scripts/distill_static.py``)."""
+    return all((model_dir / name).is_file() for name in STATIC_FILES)
 
 
 class ModelManifest(BaseModel):
