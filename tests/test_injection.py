@@ -152,6 +152,7 @@ def test_budget_always_holds_and_keeps_the_best(pairs: list[tuple[str, float]], 
     items = [_item(f"m{i} {text}", score, rid=str(i)) for i, (text, score) in enumerate(pairs)]
     result = inject([], items, (), InjectionSettings(budget_tokens=budget))
     assert estimate_tokens(result.block) <= budget
+    assert result.tokens == estimate_tokens(result.block)  # summed from the parts' cached costs
     kept = {i.id for i in result.items}
     dropped = [i.score for i in items if i.id not in kept]
     if kept and dropped:

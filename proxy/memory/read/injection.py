@@ -199,9 +199,25 @@ def render_item(item: MemoryItem) -> str:
 
 
 def line_cost(item: MemoryItem) -> int:
-    """``estimate_tokens(render_item(item))``, from the cached cost of the quoted text (the estimate adds up
-    over whitespace-separated parts)."""
-    return estimate_tokens(_head(item)) + _cost(item.text)
+    """``estimate_tokens(render_item(item))``, from the cached costs of the head and of the quoted text (the
+    estimate adds up over whitespace-separated parts)."""
+    return _head_cost(_head(item)) + _cost(item.text)
+
+
+@functools.lru_cache(maxsize=4_096)  # heads repeat: a date and a label
+def _head_cost(head: str) -> int:
+    return estimate_tokens(head)
+
+
+def block_cost(items: Sequence[MemoryItem]) -> int:
+    """``estimate_tokens(render_block(items))`` from the parts' cached costs (the estimate is additive)."""
+    if not items:
+        return 0
+    return (
+        _FIXED_COST
+        + sum(_HEADER_COST[section] for section in {i.section for i in items})
+        + sum(line_cost(i) for i in items)
+    )
 
 
 # --- excerpts ---------------------------------------------------------------------------------------------
@@ -400,5 +416,5 @@ def inject(
         messages=merge_block(messages, block),
         block=block,
         items=ordered,
-        tokens=estimate_tokens(block),
+        tokens=block_cost(chosen),
     )
