@@ -122,8 +122,45 @@ async def test_user_too_big_for_the_budget_is_not_cached() -> None:
     assert "big" not in cache
 
 
-async def test_a_load_overlapping_a_write_is_not_kept() -> None:
-    """If the user is written to while their vectors load, the (possibly stale) load is not cached."""
+async def test_writes_during_a_load_are_replayed_onto_it() -> None:
+    """Writes that land while a user loads reach the kept entry: a record the load missed is added, one it
+    already held is replaced by the same, a deleted one is gone, a touch shows (no stale state, no reload)."""
+    cache = VectorCache(max_bytes=2**20)
+    release = asyncio.Event()
+    loaded = records("u", 3)
+    calls = 0
+
+    async def slow_load() -> UserVectors:
+        nonlocal calls
+        calls += 1
+        await release.wait()
+        return entry_with("u", loaded, unit_rows(3))  # its snapshot holds record 0-2, taken before the writes
+
+    loading = asyncio.create_task(cache.get_or_load("u", slow_load))
+    await asyncio.sleep(0)
+    late = records("u", 1, start=99)
+    cache.upsert(late, unit_rows(1, seed=5))  # committed after the snapshot
+    cache.upsert(loaded[:1], unit_rows(1))  # one the snapshot already has (the same record again)
+    cache.remove("u", [loaded[1].id])
+    when = datetime(2026, 3, 1, tzinfo=UTC)
+    cache.patch("u", [loaded[2].id], last_accessed_at=when)
+    release.set()
+    entry = await loading
+    assert entry is not None
+    assert "u" in cache
+    assert await cache.get_or_load("u", slow_load) is entry
+    assert calls == 1
+    assert sorted(entry.index) == sorted([loaded[0].id, loaded[2].id, late[0].id])
+    [touched] = entry.records([loaded[2].id])
+    assert touched is not None
+    assert touched.last_accessed_at == when
+    [(best, score)] = entry.search(unit_rows(1, seed=5)[0], 1, None, None, None, True)
+    assert best == late[0].id
+    assert score > 0.999
+
+
+async def test_a_load_overlapping_a_drop_is_not_kept() -> None:
+    """A user dropped while loading (forgotten, reindexed) is not cached from that load."""
     cache = VectorCache(max_bytes=2**20)
     release = asyncio.Event()
 
@@ -133,7 +170,7 @@ async def test_a_load_overlapping_a_write_is_not_kept() -> None:
 
     loading = asyncio.create_task(cache.get_or_load("u", slow_load))
     await asyncio.sleep(0)
-    cache.upsert(records("u", 1, start=99), unit_rows(1))
+    cache.drop("u")
     release.set()
     assert await loading is not None
     assert "u" not in cache

@@ -3,7 +3,7 @@
 The dense arm embeds the query and searches the vectors (facts of all time, and turns and summaries within the
 window, plus the query's nearest subjects for subject fusion); the keyword arm runs BM25 over the same two pools;
 the entity arm matches the query against the user's name index (entities of facts, names of subjects): a name on
-at most ``entity_surface_max`` memories brings those memories in (one ``get_many``), a commoner name only lifts
+at most ``entity_surface_max`` memories brings those memories in (one ``read_many``), a commoner name only lifts
 memories the dense or keyword arm found. The user's current insights and their last messages from other
 conversations are looked up beside them. Each runs as a guarded step (``steps``) within its own timeout; without
 the embedder, BM25 alone answers. Pass a ``ReadCache`` as ``names`` so that the name index, the insights and the
@@ -131,7 +131,7 @@ async def _entity_arm(
     scores = entity_scores(names, index)
     rare = {rid for name in names if len(index.names[name]) <= settings.entity_surface_max for rid in index.names[name]}
     ids = [rid for rid in scores if rid in rare][: settings.entity_k]
-    records = await store.get_many(user_id, ids) if ids else []
+    records = await store.read_many(user_id, ids) if ids else []
     return Entity(scores=scores, surfaced=[r for r in records if _in_scope(r, since)])
 
 

@@ -1,8 +1,9 @@
 """What the read path needs from the store, and a cache of the per-user lookups that change slowly.
 
 ``RetrievalStore`` is the slice of ``MemoryStore`` the read path uses (every call scoped to one user). Three
-lookups do not depend on the query and cost a listing each: the user's name index (entities of facts, names
-of subjects), their current insights, and their newest turns. ``ReadCache`` keeps them per user (names and
+lookups do not depend on the query: the user's name index (entities of facts, names
+of subjects), their current insights, and their newest turns. They come from the vector cache
+(``MemoryStore.newest``), which holds the user's records anyway. ``ReadCache`` keeps them per user (names and
 insights ``ttl_s``, 5 minutes by default, newest turns ``recent_ttl_s``, 30 s), at most ``max_users`` users
 (LRU); ``invalidate`` drops a user at once, e.g. after their memories change or they are forgotten.
 Concurrent requests for one user share one load. An expired name index or insight set is still served while
@@ -30,16 +31,6 @@ from proxy.memory.store.records import Kind, MemoryRecord, Pool, newest_generati
 _T = TypeVar("_T")
 
 
-class Page(Protocol):
-    """A page of records (``store.Page``)."""
-
-    @property
-    def data(self) -> list[MemoryRecord]: ...
-
-    @property
-    def next_cursor(self) -> str | None: ...
-
-
 class RetrievalStore(Protocol):
     """The part of ``MemoryStore`` the read path uses; every call is scoped to one user."""
 
@@ -51,36 +42,26 @@ class RetrievalStore(Protocol):
         self, user_id: str, query: str, pools: Sequence[Pool]
     ) -> Sequence[Sequence[ScoredRecord]]: ...
 
-    async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
+    async def read_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
 
-    async def list(
-        self, user_id: str, kinds: Sequence[Kind] | None = None, *, limit: int = 50, cursor: str | None = None
-    ) -> Page: ...
+    async def newest(self, user_id: str, kinds: Sequence[Kind], limit: int) -> list[MemoryRecord]: ...
 
 
 async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> NameIndex:
     """Build a user's name index from their valid facts and subjects (pages through the store)."""
-    records: list[MemoryRecord] = []
-    cursor: str | None = None
-    while len(records) < max_records:
-        page = await store.list(user_id, [Kind.FACT, Kind.SUBJECT], limit=500, cursor=cursor)
-        records += [r for r in page.data if r.valid]
-        cursor = page.next_cursor
-        if cursor is None:
-            break
-    return NameIndex.build(records)
+    records = await store.newest(user_id, [Kind.FACT, Kind.SUBJECT], max_records)
+    return NameIndex.build([r for r in records if r.valid])
 
 
 async def load_insights(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
     """The user's current insights: the newest generation's, most confident first."""
-    page = await store.list(user_id, [Kind.INSIGHT], limit=limit)
-    return newest_generation([r for r in page.data if r.valid])
+    records = await store.newest(user_id, [Kind.INSIGHT], limit)
+    return newest_generation([r for r in records if r.valid])
 
 
 async def load_newest_turns(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
     """The user's newest valid turns (both roles, all conversations), newest first."""
-    page = await store.list(user_id, [Kind.TURN], limit=limit)
-    return [r for r in page.data if r.valid]
+    return [r for r in await store.newest(user_id, [Kind.TURN], limit) if r.valid]
 
 
 class ReadCache:

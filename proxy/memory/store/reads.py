@@ -200,6 +200,28 @@ class StoreReader:
             for pool, scored in zip(pools, found, strict=True)
         ]
 
+    async def read_many(self, user_id: str, ids: Sequence[str]) -> builtins.list[MemoryRecord]:
+        """``get_many`` for the read path: through the vector cache (loading the user), LanceDB when they do
+        not fit; the cache holds every write once LanceDB has it, so the answer is the same."""
+        check_user_id(user_id)
+        by_id = await self._records_by_id(user_id, ids)
+        touch = self._touches.toucher(user_id)
+        return [touch(by_id[i]) for i in dict.fromkeys(ids) if i in by_id]
+
+    async def newest(self, user_id: str, kinds: Sequence[Kind], limit: int) -> builtins.list[MemoryRecord]:
+        """The user's newest valid records of ``kinds``, newest first (as ``list`` orders them), for the read
+        path: from the vector cache when the user fits (no LanceDB scan per request: under sustained chat those
+        listings took seconds each), else from a listing."""
+        check_user_id(user_id)
+        entry = (
+            None if self._lance.mismatch else await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
+        )
+        if entry is None:
+            return (await self.list(user_id, kinds, limit=limit)).data
+        touch = self._touches.toucher(user_id)
+        found = entry.records(entry.ordered_ids(kinds, include_invalid=False)[:limit])
+        return [touch(record) for record in found if record is not None]
+
     async def _records_by_id(self, user_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """The user's records with these ids, from the vector cache (loading the user) or LanceDB."""
         entry = (
