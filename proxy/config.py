@@ -188,12 +188,12 @@ class MemorySettings(_Frozen):
 
     enabled: bool = True
     default_mode: Literal["full", "read", "write", "off"] = "full"
-    retrieval_timeout_ms: float = Field(default=250.0, gt=0)
+    retrieval_timeout_ms: float = Field(default=1000.0, gt=0)
     # Admission: at most this many read paths run at once; a request that cannot start one within
     # read_queue_ms goes on at once without memory (degraded=memory:busy) instead of waiting out the deadline
     # (which counts from the request's arrival, the wait included).
     max_concurrent_reads: int = Field(default=4, ge=1)
-    read_queue_ms: float = Field(default=100.0, ge=0)
+    read_queue_ms: float = Field(default=800.0, ge=0)
     # A stored turn keeps at most this many characters: head and tail around a marker (proxy/bounds.py).
     max_turn_chars: int = Field(default=16_000, ge=200)
 

@@ -293,6 +293,7 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
 # --- selection and rendering ------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=16_384)  # memories and the app's system prompt come back request after request
 def _normalised(text: str) -> str:
     """Lowercase words joined by single spaces, for "is this already in the conversation" checks."""
     return " ".join(words(text))

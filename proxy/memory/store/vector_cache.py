@@ -266,7 +266,7 @@ def _top_k(
     take = min(k, rows.size)
     top = np.argpartition(-scores, take - 1)[:take]
     top = top[np.argsort(-scores[top], kind="stable")]
-    return [(ids[int(rows[i])], float(scores[i])) for i in top]
+    return [(ids[row], score) for row, score in zip(rows[top].tolist(), scores[top].tolist(), strict=True)]
 
 
 class VectorCache:
