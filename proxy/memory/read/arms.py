@@ -130,7 +130,7 @@ async def _entity_arm(
     names = names_in_query(query.text, index)
     scores = entity_scores(names, index)
     rare = {rid for name in names if len(index.names[name]) <= settings.entity_surface_max for rid in index.names[name]}
-    ids = [rid for rid in scores if rid in rare][: settings.entity_k]
+    ids = sorted((rid for rid in scores if rid in rare), key=lambda rid: -scores[rid])[: settings.entity_k]
     records = await store.read_many(user_id, ids) if ids else []
     return Entity(scores=scores, surfaced=[r for r in records if _in_scope(r, since)])
 

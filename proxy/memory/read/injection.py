@@ -35,6 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from proxy.memory.read.query import message_text
 from proxy.memory.read.retrieval_settings import InjectionSettings
@@ -232,12 +233,17 @@ def _cost(text: str) -> int:
 
 
 @functools.lru_cache(maxsize=4_096)
-def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], tuple[frozenset[str], ...]]:
-    """A long text's chunks (spans), each chunk's cost inside the quotes, and its stems (cached per text)."""
+def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], dict[str, list[int]]]:
+    """A long text's chunks (spans), each chunk's cost inside the quotes, and for each stem the chunks that
+    hold it (cached per text; a query's few stems then count their chunks without a pass over all of them)."""
     chunks = [m.group() for m in _CHUNK.finditer(text)]
     spans = tuple(m.span() for m in _CHUNK.finditer(text))
     costs = tuple(estimate_tokens(quote(chunk)) - 2 for chunk in chunks)
-    return spans, costs, tuple(stems(chunk) for chunk in chunks)
+    holding: dict[str, list[int]] = {}
+    for index, chunk in enumerate(chunks):
+        for found in stems(chunk):
+            holding.setdefault(found, []).append(index)
+    return spans, costs, holding
 
 
 @functools.lru_cache(maxsize=256)
@@ -246,7 +252,7 @@ def _query_stems(query_terms: tuple[str, ...]) -> frozenset[str]:
     return frozenset(stems(" ".join(query_terms)))
 
 
-def _best_window(costs: Sequence[int], hits: Sequence[int], limit: int) -> tuple[int, int]:
+def _best_window(costs: Sequence[int], hits: Sequence[int] | npt.NDArray[np.int64], limit: int) -> tuple[int, int]:
     """The [start, end) chunk window within ``limit`` tokens holding most hits (earliest on ties)."""
     if not costs:
         return (0, 0)
@@ -275,9 +281,10 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     """``text`` if it fits ``max_tokens`` once quoted, else the window holding most query terms, with "…"."""
     if _cost(text) <= max_tokens:
         return text
-    spans, costs, chunk_stems = _chunked(text)
-    wanted = _query_stems(tuple(query_terms))
-    hits = [len(found & wanted) for found in chunk_stems] if wanted else [0] * len(costs)
+    spans, costs, holding = _chunked(text)
+    hits = np.zeros(len(costs), dtype=np.int64)  # per chunk, how many of the query's stems it holds
+    for wanted in _query_stems(tuple(query_terms)):
+        hits[holding.get(wanted, [])] += 1
     start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
     if end <= start:
         return _prefix_within(text, max_tokens - 1) + "…"

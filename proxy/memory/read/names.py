@@ -107,11 +107,12 @@ def name_damping(memories_with_name: int) -> float:
 
 
 def entity_scores(names: Iterable[str], index: NameIndex) -> dict[str, float]:
-    """Memory id -> sum of the damped weights of the query names it carries, capped at 1."""
+    """Memory id -> sum of the damped weights of the query names it carries, capped at 1 (in the order the
+    names bring them: a common name brings hundreds, so the caller orders only what it needs)."""
     scores: dict[str, float] = {}
     for name in names:
         ids = index.names.get(name, ())
         weight = name_damping(len(ids))
         for rid in ids:
             scores[rid] = min(1.0, scores.get(rid, 0.0) + weight)
-    return dict(sorted(scores.items(), key=lambda item: -item[1]))
+    return scores
