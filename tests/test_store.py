@@ -404,6 +404,22 @@ async def test_ann_index_keeps_searches_scoped(tmp_path: Path) -> None:
         assert {hit.record.user_id for hit in hits} == {"alice"}
 
 
+async def test_no_ann_index_while_the_vector_cache_serves_every_search(tmp_path: Path) -> None:
+    """Past the ANN threshold no index is built while every user fits the vector cache; one that does not fit
+    (searched in LanceDB) makes the next optimize build it."""
+    settings = settings_for(tmp_path, ann_index_min_rows=300)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        await store.add([fact("alice", f"walk in the park {i}") for i in range(400)])
+        assert len(await store.vector_search("alice", await query_vector(store, "walk in the park"), 5)) == 5
+        await store.optimize()
+        assert ("embedding",) not in {tuple(index.columns) for index in await store._lance.table.list_indices()}
+        store._cache.max_bytes = 0  # alice no longer fits: her next search goes to LanceDB
+        store._cache.clear()
+        assert len(await store.vector_search("alice", await query_vector(store, "walk in the park"), 5)) == 5
+        await store.optimize()
+        assert ("embedding",) in {tuple(index.columns) for index in await store._lance.table.list_indices()}
+
+
 async def test_a_second_store_on_the_same_directory_is_refused(tmp_path: Path) -> None:
     """One process owns a data directory: a second open fails clearly and harms nothing."""
     async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:

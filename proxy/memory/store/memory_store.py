@@ -430,8 +430,9 @@ class MemoryStore(StoreReader):
         """Compact LanceDB, fold new rows into its indexes, drop versions older than ten minutes.
 
         Also finishes a deferred purge, repairs Tantivy if a write reached LanceDB but failed in Tantivy
-        since the last round, and builds the ANN index once the table is large enough (outside the write
-        lock: it takes minutes).
+        since the last round, and builds the ANN index once the table is large enough and a vector search has
+        had to go to LanceDB (a user too big for the vector cache, or no cache): outside the write lock, it
+        takes minutes.
         """
         async with self._lock:
             if self._dir.purge_pending:  # a forget_user(purge=False) left bytes to remove
@@ -442,6 +443,8 @@ class MemoryStore(StoreReader):
                 self._needs_repair = False
             await self._mark_synced()
         purges = self._purges
+        if not self.searched_lance:  # every search so far was served by the vector cache
+            return
         if await self._lance.ensure_ann_index(self.settings.ann_index_min_rows):  # slow: outside the lock
             async with self._lock:
                 if purges != self._purges:  # a user was forgotten meanwhile: the new index may hold them

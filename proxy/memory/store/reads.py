@@ -57,6 +57,9 @@ class StoreReader:
         self._cache = cache
         self._touches = touches
         self._dim = dim
+        # Whether a vector search went to LanceDB (its user not in the cache): only then does an ANN index pay
+        # for its build (minutes of both cores and GBs of RAM at 100k rows, while the chat waits).
+        self.searched_lance = cache.max_bytes == 0
 
     @property
     def cache(self) -> VectorCache:
@@ -138,6 +141,7 @@ class StoreReader:
             raise StoreError(f"query vector has shape {vector.shape}, expected ({self._dim},)")
         entry = await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
         if entry is None:
+            self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
         found = entry.search_pools(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
         touch = self._touches.toucher(user_id)
