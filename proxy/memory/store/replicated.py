@@ -52,7 +52,12 @@ class ReplicatedStore(MemoryStore):
             purge_cleanup=timedelta(seconds=max(60.0, 4 * cluster.sync_interval_s)),
         )
         self._lance = MemoryTable(
-            settings.path / "lance", embedder.model_id, embedder.dim, allow_mismatch=allow_mismatch, shared=shared
+            settings.path / "lance",
+            embedder.model_id,
+            embedder.dim,
+            allow_mismatch=allow_mismatch,
+            shared=shared,
+            cache_bytes=settings.lance_cache_bytes,
         )
         self.cluster = cluster
         self.objects = objects

@@ -67,9 +67,18 @@ class MemoryTable:
     """The LanceDB table of memories under ``path``; ``open`` it, then use it from one event loop."""
 
     def __init__(
-        self, path: Path, model_id: str, dim: int, *, allow_mismatch: bool = False, shared: SharedTable | None = None
+        self,
+        path: Path,
+        model_id: str,
+        dim: int,
+        *,
+        allow_mismatch: bool = False,
+        shared: SharedTable | None = None,
+        cache_bytes: int | None = None,  # None: LanceDB's default session
     ) -> None:
         self.path = path
+        # LanceDB's own caches (opened indexes; file metadata and manifests), which default to 6 GB + 1 GB.
+        self.session = _session(cache_bytes)
         self.shared = shared
         self.manifests: Any = shared.manifests if shared else LocalManifest(path / "manifest.json")
         self.model_id = model_id
@@ -97,12 +106,13 @@ class MemoryTable:
         """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
         self.path.mkdir(parents=True, exist_ok=True)
         if self.shared is None:
-            self._db = await lancedb.connect_async(self.path)
+            self._db = await lancedb.connect_async(self.path, session=self.session)
         else:
             self._db = await lancedb.connect_async(
                 self.shared.uri,
                 storage_options=self.shared.storage_options,
                 read_consistency_interval=self.shared.read_consistency,
+                session=self.session,
             )
         manifest = found = await self.manifests.read()
         if manifest is None:
@@ -395,3 +405,11 @@ async def _rebatch(batches: AsyncIterator[pa.RecordBatch], rows: int) -> AsyncIt
             buffer, size = rest.to_batches(), rest.num_rows
     if size:
         yield pa.Table.from_batches(buffer)
+
+
+def _session(cache_bytes: int | None) -> Any:
+    """A LanceDB session whose caches hold at most ``cache_bytes`` (three quarters for indexes), or the default."""
+    if cache_bytes is None:
+        return None
+    index = cache_bytes * 3 // 4
+    return lancedb.Session(index_cache_size_bytes=index, metadata_cache_size_bytes=cache_bytes - index)
