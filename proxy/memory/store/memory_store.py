@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 import dataclasses
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -45,7 +47,7 @@ from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
 from proxy.memory.store.reads import StoreReader
 from proxy.memory.store.records import Kind, MemoryRecord, arrow_rows, utcnow
 from proxy.memory.store.table import MemoryTable
-from proxy.memory.store.touches import TouchBuffer
+from proxy.memory.store.touches import TouchBuffer, touch_chunks
 from proxy.memory.store.vector_cache import VectorCache, single_thread_blas
 
 __all__ = ["DocumentEmbedder", "MemoryStore", "StoreSettings"]
@@ -53,6 +55,8 @@ __all__ = ["DocumentEmbedder", "MemoryStore", "StoreSettings"]
 log = structlog.get_logger(__name__)
 
 OPTIMIZE_KEEP_VERSIONS = timedelta(minutes=10)
+TOUCH_CHUNK = 1_000  # access times per LanceDB update (10k at 40k rows held the write lock 1.2 s)
+SLOW_HOLD_MS = 1000.0  # a maintenance step or flush holding writes up longer than this is logged
 _FROZEN_FIELDS = frozenset({"id", "user_id", "embedding", "model_id"})
 _KEYWORD_FIELDS = frozenset({"text", "kind", "valid", "created_at"})
 
@@ -86,6 +90,9 @@ class StoreTuning(BaseModel):
     # rows and marks deletions in their fragments: once a second under load, it held the write lock 1-2 s of
     # every second). A kill -9 loses at most this much access-time history, never a memory.
     touch_flush_s: float = Field(60.0, gt=0)
+    # A memory's access time reaches LanceDB at most once per this many seconds (reads see every access at once;
+    # recency counts in hours and days, and rewriting the same rows every minute held writes up for seconds).
+    touch_granularity_s: float = Field(3600.0, ge=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
     vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
     # LanceDB's own caches (opened indexes, file metadata and manifests). Its default (6 GB + 1 GB) kept the
@@ -120,7 +127,7 @@ class MemoryStore(StoreReader):
             ),
             KeywordIndex(settings.path / "tantivy"),
             VectorCache(settings.vector_cache_bytes),
-            TouchBuffer(),
+            TouchBuffer(timedelta(seconds=settings.touch_granularity_s)),
             embedder.dim,
         )
         self.settings = settings
@@ -174,6 +181,18 @@ class MemoryStore(StoreReader):
         await self._flush_touches()
         async with self._lock:
             await self._mark_synced()
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, step: str) -> AsyncIterator[None]:
+        """The write lock for ``step``; one ``memory.write_lock_held`` line when it held writes up for long."""
+        async with self._lock:
+            started = time.perf_counter()
+            try:
+                yield
+            finally:
+                held_ms = (time.perf_counter() - started) * 1000
+                if held_ms >= SLOW_HOLD_MS:
+                    log.info("memory.write_lock_held", step=step, ms=round(held_ms))
 
     # consistency ----------------------------------------------------------------------------------------
 
@@ -245,7 +264,7 @@ class MemoryStore(StoreReader):
         for submission in batch:
             for record in submission.items:
                 unique.setdefault(record.id, record)
-        async with self._lock:
+        async with self._holding("flush"):
             owners = await self._lance.existing(self._maybe_stored(list(unique)))
             errors: list[BaseException | None] = [_foreign_ids(s, owners) for s in batch]
             refused = {r.id for s, e in zip(batch, errors, strict=True) if e is not None for r in s.items}
@@ -357,19 +376,24 @@ class MemoryStore(StoreReader):
         self._cache.patch(user_id, valid, last_accessed_at=when)
 
     async def _flush_touches(self) -> None:
+        """Write the pending access times to LanceDB, ``TOUCH_CHUNK`` records per update with the write lock
+        released in between: one update of every pending time held the store's writes up for 3-11 s."""
         if not self._touches:
             return
-        async with self._lock:
-            pending = self._touches.take()
-            at = max(when for per_user in pending.values() for when in per_user.values())
-            try:
-                await self._lance.touch({user: list(ids) for user, ids in pending.items()}, at)
-            except Exception:
-                self._touches.restore(pending)  # kept for the next round
-                raise
-            for user, ids in pending.items():
-                self._cache.patch(user, list(ids), last_accessed_at=at)
-            await self._mark_synced()
+        chunks = touch_chunks(self._touches.take(), TOUCH_CHUNK)
+        for done, chunk in enumerate(chunks):
+            async with self._holding("touches"):
+                at = max(when for per_user in chunk.values() for when in per_user.values())
+                try:
+                    await self._lance.touch({user: list(ids) for user, ids in chunk.items()}, at)
+                except Exception:
+                    for left in chunks[done:]:  # kept for the next round
+                        self._touches.restore(left)
+                    raise
+                self._touches.wrote(chunk, at)
+                for user, ids in chunk.items():
+                    self._cache.patch(user, list(ids), last_accessed_at=at)
+                await self._mark_synced()
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one record from both arms and the cache; False if the user has no such record."""
@@ -443,7 +467,7 @@ class MemoryStore(StoreReader):
         had to go to LanceDB (a user too big for the vector cache, or no cache): outside the write lock, it
         takes minutes.
         """
-        async with self._lock:
+        async with self._holding("optimize"):
             if self._dir.purge_pending:  # a forget_user(purge=False) left bytes to remove
                 await self._purge(None)
             await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)

@@ -1,0 +1,52 @@
+"""Touch buffering: access times noted at once, written to LanceDB at most once per granularity, in chunks."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+from proxy.memory.store.touches import TouchBuffer, touch_chunks
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def test_a_record_written_within_the_granularity_is_not_noted_again() -> None:
+    """After its access time reached LanceDB, a record waits out the granularity before it is written again."""
+    touches = TouchBuffer(timedelta(hours=1))
+    touches.note("u", ["a", "b"], T0)
+    touches.wrote(touches.take(), T0)
+    touches.note("u", ["a"], T0 + timedelta(minutes=59))
+    assert not touches
+    touches.note("u", ["a", "c"], T0 + timedelta(minutes=61))
+    assert touches.take() == {"u": {"a": T0 + timedelta(minutes=61), "c": T0 + timedelta(minutes=61)}}
+
+
+def test_without_granularity_every_access_is_written() -> None:
+    """Granularity 0 keeps the old behaviour: every noted access is pending for the next write."""
+    touches = TouchBuffer()
+    touches.note("u", ["a"], T0)
+    touches.wrote(touches.take(), T0)
+    touches.note("u", ["a"], T0 + timedelta(seconds=1))
+    assert touches.take() == {"u": {"a": T0 + timedelta(seconds=1)}}
+
+
+def test_forgetting_a_user_forgets_what_was_written() -> None:
+    """A forgotten user's records, if they come back under the same ids, are written at their first access."""
+    touches = TouchBuffer(timedelta(hours=1))
+    touches.note("u", ["a"], T0)
+    touches.wrote(touches.take(), T0)
+    touches.drop_user("u")
+    touches.note("u", ["a"], T0 + timedelta(minutes=1))
+    assert touches.take() == {"u": {"a": T0 + timedelta(minutes=1)}}
+
+
+def test_chunks_hold_every_note_once_and_at_most_size_each() -> None:
+    """The pending notes split into parts of at most ``size`` records, none lost or repeated."""
+    pending = {f"u{u}": {f"r{u}-{i}": T0 + timedelta(seconds=i) for i in range(u * 7)} for u in range(1, 6)}
+    chunks = touch_chunks(pending, 10)
+    assert all(sum(len(ids) for ids in chunk.values()) <= 10 for chunk in chunks)
+    merged: dict[str, dict[str, datetime]] = {}
+    for chunk in chunks:
+        for user_id, ids in chunk.items():
+            assert not set(ids) & set(merged.get(user_id, {}))
+            merged.setdefault(user_id, {}).update(ids)
+    assert merged == pending
