@@ -9,8 +9,8 @@ user message holding the question); its ranked list is ``result.candidates`` map
 
 Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
 configuration (``RetrievalSettings()``), the default with one of its parts switched off (``-entity``,
-``-terms``, ``-neighbours``, ``-dates``, ``-days``, ``-recency``: each part's gain on tune and on test), the seed's
-``minmax`` scoring, and the default over richer memories of the same conversation:
+``-terms``, ``-neighbours``, ``-conversation``, ``-dates``, ``-days``, ``-recency``: each part's gain on tune
+and on test), the seed's ``minmax`` scoring, and the default over richer memories of the same conversation:
 ``+turns`` (each turn embedded alone, as the writer did before it stored context vectors), ``+context`` when
 the writer's layout is another (``WRITER_CORPUS``), ``+observations`` (the dataset's ``observation`` facts,
 LLM-extracted per session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
@@ -278,6 +278,7 @@ _OFF = {
     "subject_weight": 0.0,
     "term_match_weight": 0.0,
     "neighbour_weight": 0.0,
+    "conversation_weight": 0.0,
     "date_weight": 0.0,
     "day_weight": 0.0,
 }
@@ -292,9 +293,10 @@ def variants() -> list[Variant]:
     """Every variant of one run: arms alone, the ablation chain to the default, and the default over richer memories.
 
     The chain adds one step at a time to the default fusion weights: the entity arm, subject fusion, term
-    matching, neighbour smoothing, then the date boosts (= the default). ``+gating`` is a branch (the entity step
-    with keyword gating on), since the default leaves gating off. ``+context``, ``+observations`` and
-    ``+context+observations`` run the default over other memories of the same conversation (see ``corpora``).
+    matching, neighbour smoothing, the conversation lift, then the date boosts (= the default). ``+gating`` is a
+    branch (the entity step with keyword gating on), since the default leaves gating off. ``+context``,
+    ``+observations`` and ``+context+observations`` run the default over other memories of the same conversation
+    (see ``corpora``).
     """
     base = RetrievalSettings()
     entity = {**_OFF, "entity_k": base.entity_k}
@@ -311,6 +313,10 @@ def variants() -> list[Variant]:
         ("+subjects", subjects),
         ("+terms", terms),
         ("+neighbours", {**terms, "neighbour_weight": base.neighbour_weight}),
+        (
+            "+conversation",
+            {**terms, "neighbour_weight": base.neighbour_weight, "conversation_weight": base.conversation_weight},
+        ),
         ("default", {}),
     ]
     out = [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in steps]
@@ -336,6 +342,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
     "-entity": {"entity_k": 0, "entity_weight": 0.0},
     "-terms": {"term_match_weight": 0.0},
     "-neighbours": {"neighbour_weight": 0.0},
+    "-conversation": {"conversation_weight": 0.0},
     "-dates": {"date_weight": 0.0},
     "-days": {"day_weight": 0.0},
     "-recency": {"recency_bonus": 0.0},

@@ -3,8 +3,8 @@
 The arms' union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
 of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
 carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
-them). The boosts follow: subject similarity, term matching (``term_match``), adjacent turns, and dates the
-query names (``boosts``). Keyword
+them). The boosts follow: subject similarity, term matching (``term_match``), adjacent turns, the best match's
+conversation, and dates the query names (``boosts``). Keyword
 gating leaves BM25 out when none of its top results holds enough of the query's terms.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.memory.read.boosts import Lifts, date_lifts, neighbour_lifts, subject_lifts
+from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neighbour_lifts, subject_lifts
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
@@ -196,6 +196,8 @@ def fuse(
         add("terms", term_match_lifts(candidates, fused, query.terms, term_vectors, settings.term_match_weight, depth))
     if settings.neighbour_weight > 0:
         add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
+    if settings.conversation_weight > 0:
+        add("conversation", conversation_lifts(candidates, fused, settings.conversation_weight))
     if settings.date_weight > 0 or settings.day_weight > 0:
         add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)

@@ -51,6 +51,7 @@ class RetrievalSettings(BaseModel):
     term_match_weight: float = Field(1.0, ge=0)  # + w x soft coverage of the query's words (term_match.py)
     neighbour_weight: float = Field(0.5, ge=0)  # + a * best adjacent turn's fused score
     neighbour_window_s: float = Field(60.0, ge=0)  # turns this close in one conversation are adjacent
+    conversation_weight: float = Field(0.3, ge=0)  # + w x the best fused score in the memory's conversation
     date_weight: float = Field(0.3, ge=0)  # + w when a memory's date matches a month/year the query names
     day_weight: float = Field(0.5, ge=0)  # + w more when it is within a day of a whole day the query names
     # scoring (see proxy/memory/read/scoring.py): "bounded" = relevance x a bounded bonus for being new and
