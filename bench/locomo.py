@@ -302,7 +302,7 @@ def variants() -> list[Variant]:
     entity = {**_OFF, "entity_k": base.entity_k}
     subjects = {**entity, "subject_weight": SUBJECT_WEIGHT}
     terms = {**subjects, "term_match_weight": base.term_match_weight}
-    steps = [
+    steps: list[tuple[str, dict[str, Any]]] = [
         ("bm25", {**_OFF, "dense_weight": 0.0, "bm25_weight": 1.0}),
         ("dense", {**_OFF, "dense_weight": 1.0, "bm25_weight": 0.0}),
         ("rrf", {**_OFF, "fusion": "rrf"}),

@@ -67,7 +67,8 @@ class StaticModel:
 
     def rows(self, pieces: npt.NDArray[np.int64]) -> Vectors:
         """The unit vectors of token ids (their rows of the table, normalised), one row each."""
-        return self._table[pieces].astype(np.float32) / self._norms[pieces, None]
+        rows: Vectors = self._table[pieces].astype(np.float32) / self._norms[pieces, None]
+        return rows
 
 
 class StaticEmbedder(BaseEmbedder):

@@ -32,7 +32,10 @@ CACHED_TEXTS = 16_384  # memories' piece sets kept (a few hundred bytes each): a
 
 
 class TermVectors(Protocol):
-    """Word piece vectors of a static embedding model (``StaticModel`` has this shape)."""
+    """Word piece vectors of a static embedding model (``StaticModel`` has this shape; hashable, since memories'
+    piece sets are cached per model)."""
+
+    def __hash__(self) -> int: ...
 
     def pieces(self, words: Sequence[str]) -> IntArray:
         """The distinct token ids of ``words``, sorted."""
