@@ -501,8 +501,8 @@ async def test_static_model_finds_the_matching_memory_and_spreads_like_minilm(lo
 
 
 async def test_static_model_lends_word_piece_vectors_for_term_matching() -> None:
-    """The static model's token rows serve term matching: distinct sorted ids per word list, unit rows, and a
-    word's other form nearer than an unrelated word. None before the model is loaded."""
+    """The static model's token rows serve term matching: distinct sorted ids per word list, a token's cosine
+    with itself 1, and a word's other form nearer than an unrelated word. None before the model is loaded."""
     embedder = build_embedder(EmbedderSettings())
     assert term_vectors_of(embedder) is None
     async with embedder:
@@ -513,11 +513,10 @@ async def test_static_model_lends_word_piece_vectors_for_term_matching() -> None
     assert pieces.tolist() == sorted(set(pieces.tolist()))
     assert len(pieces) == 2
     assert vectors.pieces([]).tolist() == []
-    research, researching, weather = (
-        vectors.rows(vectors.pieces([w]))[0] for w in ("research", "researching", "weather")
-    )
-    np.testing.assert_allclose(np.linalg.norm(vectors.rows(pieces), axis=1), 1.0, atol=1e-5)
-    assert float(research @ researching) > 0.6 > 0.2 > float(research @ weather)
+    research, researching, weather = (vectors.pieces([w]) for w in ("research", "researching", "weather"))
+    np.testing.assert_allclose(np.diag(vectors.cosines(pieces, pieces)), 1.0, atol=1e-5)
+    near, far = vectors.cosines(research, np.concatenate([researching, weather]))[0]
+    assert near > 0.6 > 0.2 > far
 
 
 async def test_static_query_side_lends_word_piece_vectors_too() -> None:

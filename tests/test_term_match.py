@@ -13,7 +13,14 @@ from proxy.memory.read.candidates import BM25, DENSE, ArmHit, Candidate
 from proxy.memory.read.fusion import fuse
 from proxy.memory.read.query import build_query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.read.term_match import MATCH_FLOOR, soft_coverage, term_match_lifts, term_vectors_of
+from proxy.memory.read.term_match import (
+    MATCH_FLOOR,
+    MAX_TEXT_TERMS,
+    soft_coverage,
+    term_match_lifts,
+    term_vectors_of,
+    text_pieces,
+)
 from proxy.memory.store.records import Kind, MemoryRecord
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
@@ -32,8 +39,8 @@ class ToyVectors:
     def pieces(self, words: Sequence[str]) -> npt.NDArray[np.int64]:
         return np.unique(np.array([WORDS.index(w) for w in words if w in WORDS], dtype=np.int64))
 
-    def rows(self, pieces: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
-        return self.table[pieces]
+    def cosines(self, first: npt.NDArray[np.int64], second: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        return self.table[first] @ self.table[second].T
 
 
 def _ids(*words: str) -> npt.NDArray[np.int64]:
@@ -48,7 +55,7 @@ def test_soft_coverage_is_one_for_every_piece_and_zero_for_none() -> None:
     """A doc holding all the query's pieces scores 1; one with only unrelated pieces (or none) scores 0."""
     toy = ToyVectors()
     query = _ids("research", "adoption")
-    scores = soft_coverage(query, [_ids("research", "adoption", "painting"), _ids("weather"), _ids()], toy.rows)
+    scores = soft_coverage(query, [_ids("research", "adoption", "painting"), _ids("weather"), _ids()], toy.cosines)
     assert scores.tolist() == pytest.approx([1.0, 0.0, 0.0])
 
 
@@ -56,7 +63,7 @@ def test_a_near_form_counts_partly_and_a_far_word_not_at_all() -> None:
     """ "researching" for "research" is a partial match (cosine rescaled from the floor); "painting" is none."""
     toy = ToyVectors()
     cosine = float(np.cos(ANGLES["researching"] - ANGLES["research"]))
-    scores = soft_coverage(_ids("research"), [_ids("researching"), _ids("painting")], toy.rows)
+    scores = soft_coverage(_ids("research"), [_ids("researching"), _ids("painting")], toy.cosines)
     assert scores[0] == pytest.approx((cosine - MATCH_FLOOR) / (1 - MATCH_FLOOR))
     assert 0.0 < scores[0] < 1.0
     assert scores[1] == 0.0
@@ -67,15 +74,15 @@ def test_a_piece_every_candidate_holds_weighs_less() -> None:
     toy = ToyVectors()
     query = _ids("caroline", "adoption")
     docs = [_ids("caroline", "adoption"), _ids("caroline"), _ids("caroline", "weather"), _ids("adoption")]
-    scores = soft_coverage(query, docs, toy.rows)
+    scores = soft_coverage(query, docs, toy.cosines)
     assert scores[0] == pytest.approx(1.0)
     assert scores[3] > 0.5 > scores[1] == scores[2] > 0.0
 
 
 def test_a_query_without_pieces_scores_nothing() -> None:
     """No query pieces (only stop words, or words the model does not know): every doc scores 0."""
-    assert soft_coverage(_ids(), [_ids("research")], ToyVectors().rows).tolist() == [0.0]
-    assert soft_coverage(_ids("research"), [], ToyVectors().rows).tolist() == []
+    assert soft_coverage(_ids(), [_ids("research")], ToyVectors().cosines).tolist() == [0.0]
+    assert soft_coverage(_ids("research"), [], ToyVectors().cosines).tolist() == []
 
 
 def test_lifts_go_to_the_best_candidates_only() -> None:
@@ -115,3 +122,11 @@ def test_term_vectors_of_an_embedder_without_them_is_none() -> None:
 
     assert term_vectors_of(object()) is None
     assert isinstance(term_vectors_of(Lending()), ToyVectors)
+
+
+def test_only_a_long_memorys_first_words_count() -> None:
+    """A long pasted memory is matched on its first ``MAX_TEXT_TERMS`` content words (a bounded cost)."""
+    toy = ToyVectors()
+    long_text = " ".join(["weather"] * MAX_TEXT_TERMS + [f"w{i}" for i in range(MAX_TEXT_TERMS)] + ["adoption"])
+    assert text_pieces(toy, "Caroline: adoption weather").tolist() == _ids("caroline", "adoption", "weather").tolist()
+    assert text_pieces(toy, long_text).tolist() == _ids("weather").tolist()

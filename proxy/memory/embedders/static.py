@@ -62,13 +62,18 @@ class StaticModel:
                 self._word_ids.clear()
             encoded = self._tokenizer.encode_batch(missing, add_special_tokens=False)
             self._word_ids.update((w, tuple(e.ids)) for w, e in zip(missing, encoded, strict=True))
-        ids = [i for w in words for i in self._word_ids.get(w, ())]
-        return np.unique(np.asarray(ids, dtype=np.int64))
+        ids = sorted({i for w in words for i in self._word_ids.get(w, ())})  # cheaper than np.unique at ~30 ids
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
-    def rows(self, pieces: npt.NDArray[np.int64]) -> Vectors:
-        """The unit vectors of token ids (their rows of the table, normalised), one row each."""
-        rows: Vectors = self._table[pieces].astype(np.float32) / self._norms[pieces, None]
-        return rows
+    def cosines(self, first: npt.NDArray[np.int64], second: npt.NDArray[np.int64]) -> Vectors:
+        """The cosine of every token of ``first`` with every token of ``second`` (their rows of the table).
+
+        The rows are converted (float16 to float32) but never normalised: the small matrix of products is
+        divided by their norms instead, four times cheaper than normalising ~1,000 rows of 384.
+        """
+        products = self._table[first].astype(np.float32) @ self._table[second].astype(np.float32).T
+        cosines: Vectors = products / np.outer(self._norms[first], self._norms[second])
+        return cosines
 
 
 class StaticEmbedder(BaseEmbedder):

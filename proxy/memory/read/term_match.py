@@ -7,7 +7,7 @@ coverage: for each content word piece of the query, the best cosine between it a
 (token rows of the static embedding model, whose rows are word vectors: ``TermVectors``), rescaled from
 ``[MATCH_FLOOR, 1]`` to ``[0, 1]``, averaged with IDF weights taken among the candidates themselves (a piece
 that nearly every candidate holds, such as a name the question and every turn of that person share, says
-little). Only candidates are scored (``~100`` texts, ~1 ms), never the whole store.
+little). Only candidates are scored (``max_candidates`` texts, ~1-1.5 ms), never the whole store.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ FloatArray = npt.NDArray[np.float32]
 # Cosines below this count as no match (LoCoMo tune split: 0.2, 0.3 and 0.4 within 0.004 R@10 of each other).
 MATCH_FLOOR = 0.3
 CACHED_TEXTS = 16_384  # memories' piece sets kept (a few hundred bytes each): a user's candidates recur
+MAX_TEXT_TERMS = 128  # a memory's first content words that count (of its first 16 x this many characters): bounds the
+# cost of a long pasted turn; the static model's own vector reads no more than its first 256 tokens either
 
 
 class TermVectors(Protocol):
@@ -41,8 +43,9 @@ class TermVectors(Protocol):
         """The distinct token ids of ``words``, sorted."""
         ...
 
-    def rows(self, pieces: IntArray) -> FloatArray:
-        """The unit vectors of token ids, one row each."""
+    def cosines(self, first: IntArray, second: IntArray) -> FloatArray:
+        """The cosine of every token of ``first`` with every token of ``second`` (shape ``(len(first),
+        len(second))``)."""
         ...
 
 
@@ -60,7 +63,10 @@ def term_vectors_of(embedder: object) -> TermVectors | None:
 
 
 def soft_coverage(
-    query: IntArray, docs: Sequence[IntArray], rows: Callable[[IntArray], FloatArray], floor: float = MATCH_FLOOR
+    query: IntArray,
+    docs: Sequence[IntArray],
+    cosines: Callable[[IntArray, IntArray], FloatArray],
+    floor: float = MATCH_FLOOR,
 ) -> npt.NDArray[np.float64]:
     """Per doc, in [0, 1]: the IDF-weighted mean over the query's pieces of their best match in the doc.
 
@@ -74,8 +80,7 @@ def soft_coverage(
         return out
     lengths = np.array([len(docs[i]) for i in held])
     vocab, column = np.unique(np.concatenate([docs[i] for i in held]), return_inverse=True)
-    cosines = rows(query).astype(np.float64) @ rows(vocab).astype(np.float64).T  # query pieces x vocabulary
-    matches = np.clip((cosines - floor) / (1.0 - floor), 0.0, 1.0)[:, column]
+    matches = np.clip((cosines(query, vocab) - floor) / (1.0 - floor), 0.0, 1.0)[:, column]  # query x all pieces
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
     best = np.maximum.reduceat(matches, starts, axis=1)  # query pieces x docs
     holds = np.logical_or.reduceat(vocab[column][None, :] == query[:, None], starts, axis=1)
@@ -98,13 +103,14 @@ def term_match_lifts(
     if not len(query) or weight <= 0:
         return {}
     pool = heapq.nlargest(depth, candidates, key=lambda c: fused[c.id])
-    scores = soft_coverage(query, [text_pieces(vectors, c.record.text) for c in pool], vectors.rows)
+    scores = soft_coverage(query, [text_pieces(vectors, c.record.text) for c in pool], vectors.cosines)
     return {c.id: weight * float(s) for c, s in zip(pool, scores, strict=True) if s > 0.0}
 
 
 @functools.lru_cache(maxsize=CACHED_TEXTS)
 def text_pieces(vectors: TermVectors, text: str) -> IntArray:
-    """The distinct token ids of a text's content words (``words.terms``), cached (read-only)."""
-    pieces = vectors.pieces(terms(text))
+    """The distinct token ids of a text's first ``MAX_TEXT_TERMS`` content words (``words.terms``), cached
+    (read-only)."""
+    pieces = vectors.pieces(terms(text[: 16 * MAX_TEXT_TERMS])[:MAX_TEXT_TERMS])
     pieces.setflags(write=False)
     return pieces
