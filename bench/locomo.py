@@ -9,8 +9,8 @@ user message holding the question); its ranked list is ``result.candidates`` map
 
 Variants run over the same stores in one pass: the arms alone, the fusion ablation chain, the default
 configuration (``RetrievalSettings()``), the default with one of its parts switched off (``-entity``,
-``-neighbours``, ``-dates``, ``-days``, ``-recency``: each part's gain on tune and on test), the seed's
-``minmax`` scoring, and the default over richer memories of the same conversation:
+``-terms``, ``-neighbours``, ``-conversation``, ``-dates``, ``-days``, ``-recency``: each part's gain on tune
+and on test), the seed's ``minmax`` scoring, and the default over richer memories of the same conversation:
 ``+turns`` (each turn embedded alone, as the writer did before it stored context vectors), ``+context`` when
 the writer's layout is another (``WRITER_CORPUS``), ``+observations`` (the dataset's ``observation`` facts,
 LLM-extracted per session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
@@ -78,6 +78,7 @@ from proxy.memory.read.injection import inject
 from proxy.memory.read.read_cache import ReadCache
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.read.term_match import TermVectors, term_vectors_of
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.settings import WriterSettings
@@ -275,7 +276,9 @@ _OFF = {
     "entity_k": 0,
     "gating": False,
     "subject_weight": 0.0,
+    "term_match_weight": 0.0,
     "neighbour_weight": 0.0,
+    "conversation_weight": 0.0,
     "date_weight": 0.0,
     "day_weight": 0.0,
 }
@@ -289,15 +292,17 @@ def harness_settings(**changes: Any) -> RetrievalSettings:
 def variants() -> list[Variant]:
     """Every variant of one run: arms alone, the ablation chain to the default, and the default over richer memories.
 
-    The chain adds one step at a time to the default fusion weights: the entity arm, subject fusion,
-    neighbour smoothing, then the date boosts (= the default). ``+gating`` is a branch (the entity step
-    with keyword gating on), since the default leaves gating off. ``+context``, ``+observations`` and
-    ``+context+observations`` run the default over other memories of the same conversation (see ``corpora``).
+    The chain adds one step at a time to the default fusion weights: the entity arm, subject fusion, term
+    matching, neighbour smoothing, the conversation lift, then the date boosts (= the default). ``+gating`` is a
+    branch (the entity step with keyword gating on), since the default leaves gating off. ``+context``,
+    ``+observations`` and ``+context+observations`` run the default over other memories of the same conversation
+    (see ``corpora``).
     """
     base = RetrievalSettings()
     entity = {**_OFF, "entity_k": base.entity_k}
     subjects = {**entity, "subject_weight": SUBJECT_WEIGHT}
-    steps = [
+    terms = {**subjects, "term_match_weight": base.term_match_weight}
+    steps: list[tuple[str, dict[str, Any]]] = [
         ("bm25", {**_OFF, "dense_weight": 0.0, "bm25_weight": 1.0}),
         ("dense", {**_OFF, "dense_weight": 1.0, "bm25_weight": 0.0}),
         ("rrf", {**_OFF, "fusion": "rrf"}),
@@ -306,7 +311,12 @@ def variants() -> list[Variant]:
         ("weighted+entity", entity),
         ("+gating", {**entity, "gating": True}),
         ("+subjects", subjects),
-        ("+neighbours", {**subjects, "neighbour_weight": base.neighbour_weight}),
+        ("+terms", terms),
+        ("+neighbours", {**terms, "neighbour_weight": base.neighbour_weight}),
+        (
+            "+conversation",
+            {**terms, "neighbour_weight": base.neighbour_weight, "conversation_weight": base.conversation_weight},
+        ),
         ("default", {}),
     ]
     out = [Variant(name, harness_settings(**changes), corpus=WRITER_CORPUS) for name, changes in steps]
@@ -330,7 +340,9 @@ SUBJECT_WEIGHT = 0.4  # subject fusion's weight before it was measured with subj
 # The default with one part off: each part's gain (default minus this) on tune and on test.
 ABLATIONS: dict[str, dict[str, Any]] = {
     "-entity": {"entity_k": 0, "entity_weight": 0.0},
+    "-terms": {"term_match_weight": 0.0},
     "-neighbours": {"neighbour_weight": 0.0},
+    "-conversation": {"conversation_weight": 0.0},
     "-dates": {"date_weight": 0.0},
     "-days": {"day_weight": 0.0},
     "-recency": {"recency_bonus": 0.0},
@@ -502,6 +514,9 @@ class PrecomputedQueries:
     async def embed_query(self, text: str) -> Vectors:
         found = self._queries.get(text)
         return found if found is not None else await self._embedder.embed_query(text)
+
+    def term_vectors(self) -> TermVectors | None:
+        return term_vectors_of(self._embedder)
 
 
 # --- the run ----------------------------------------------------------------------------------------------

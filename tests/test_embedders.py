@@ -26,6 +26,7 @@ from proxy.memory.embedders.remote import LiteLLMEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.embedders.static import StaticEmbedder
 from proxy.memory.errors import EmbedderError
+from proxy.memory.read.term_match import term_vectors_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -497,6 +498,33 @@ async def test_static_model_finds_the_matching_memory_and_spreads_like_minilm(lo
     assert (
         abs(float((far @ far.T)[off_diagonal].mean()) - float((minilm_far @ minilm_far.T)[off_diagonal].mean())) < 0.15
     )
+
+
+async def test_static_model_lends_word_piece_vectors_for_term_matching() -> None:
+    """The static model's token rows serve term matching: distinct sorted ids per word list, a token's cosine
+    with itself 1, and a word's other form nearer than an unrelated word. None before the model is loaded."""
+    embedder = build_embedder(EmbedderSettings())
+    assert term_vectors_of(embedder) is None
+    async with embedder:
+        await embedder.embed_query("warm-up")
+        vectors = term_vectors_of(embedder)
+    assert vectors is not None
+    pieces = vectors.pieces(["research", "research", "adoption"])
+    assert pieces.tolist() == sorted(set(pieces.tolist()))
+    assert len(pieces) == 2
+    assert vectors.pieces([]).tolist() == []
+    research, researching, weather = (vectors.pieces([w]) for w in ("research", "researching", "weather"))
+    np.testing.assert_allclose(np.diag(vectors.cosines(pieces, pieces)), 1.0, atol=1e-5)
+    near, far = vectors.cosines(research, np.concatenate([researching, weather]))[0]
+    assert near > 0.6 > 0.2 > far
+
+
+async def test_static_query_side_lends_word_piece_vectors_too() -> None:
+    """An ONNX model with the static query side lends that side's vectors; without one it lends none."""
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=STATIC)) as embedder:
+        assert term_vectors_of(embedder) is not None
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR)) as embedder:
+        assert term_vectors_of(embedder) is None
 
 
 async def test_static_model_refuses_another_query_side_and_an_onnx_loader() -> None:

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, smooth_neighbours
-from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, min_max
+from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, conversation_lifts, smooth_neighbours
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate, min_max
 from proxy.memory.read.fusion import fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
 from proxy.memory.read.names import (
     NameIndex,
@@ -304,6 +304,36 @@ def test_fuse_without_boosts_ranks_as_weighted_fusion() -> None:
     query = build_query([{"role": "user", "content": "Maya jazz vinyl records"}])
     assert query is not None
     arms = {DENSE: _hits((JAZZ, 0.9), (INK, 0.4), (BDAY, 0.4)), BM25: _hits((JAZZ, 5.0), (HIKE, 1.0))}
-    settings = RetrievalSettings(subject_weight=0, neighbour_weight=0, date_weight=0, day_weight=0)
+    settings = RetrievalSettings(
+        subject_weight=0, neighbour_weight=0, conversation_weight=0, date_weight=0, day_weight=0
+    )
     weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
     assert fuse(arms, query, settings).candidates == weighted_fusion(arms, weights)
+
+
+def test_conversation_lifts_follow_each_conversations_best_match() -> None:
+    """Every candidate of a conversation is lifted by ``weight`` x that conversation's best fused score (its own
+    included); memories without a conversation get nothing."""
+    turns = [
+        Candidate(_rec(f"turn {rid}", rid, kind=Kind.TURN, conversation_id=conversation), {})
+        for rid, conversation in (("a1", "a"), ("a2", "a"), ("b1", "b"))
+    ]
+    fact = Candidate(_rec("a fact", "f"), {})
+    fused = {"a1": 0.9, "a2": 0.2, "b1": 0.5, "f": 1.0}
+    lifts = conversation_lifts([*turns, fact], fused, 0.5)
+    assert lifts == pytest.approx({"a1": 0.45, "a2": 0.45, "b1": 0.25})
+
+
+def test_fuse_lifts_the_conversation_of_the_best_match() -> None:
+    """Of two equally scored turns, the one sharing a conversation with the best match ranks first."""
+    query = build_query([{"role": "user", "content": "jazz records"}])
+    assert query is not None
+    best, near, far = (
+        _rec(text, rid, kind=Kind.TURN, conversation_id=conversation, created_at=T0 + timedelta(hours=hours))
+        for text, rid, conversation, hours in (("jazz", "best", "c1", 0), ("x", "near", "c1", 1), ("y", "far", "c2", 2))
+    )
+    arms = {DENSE: _hits((best, 0.9), (near, 0.5), (far, 0.5), (INK, 0.1))}
+    settings = RetrievalSettings(neighbour_weight=0, date_weight=0, day_weight=0)
+    ranked = fuse(arms, query, settings).candidates
+    assert [c.id for c in ranked[:3]] == ["best", "near", "far"]
+    assert ranked[1].boosts["conversation"] > ranked[2].boosts["conversation"]

@@ -68,7 +68,7 @@ def terms(text: str, *, drop_stopwords: bool = True) -> tuple[str, ...]:
     """Distinct content terms of ``text`` in order of first appearance."""
     out: dict[str, None] = {}
     for token in words(text):
-        if has_cjk(token):
+        if not token.isascii() and has_cjk(token):
             for run in _CJK_RUN.findall(token):
                 out.update(dict.fromkeys(_cjk_bigrams(run)))
             rest = _CJK_RUN.sub(" ", token).split()

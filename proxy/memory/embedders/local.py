@@ -168,6 +168,10 @@ class LocalEmbedder(BaseEmbedder):
             raise EmbedderError(f"{self.model_id} failed to embed {len(texts)} texts: {exc}") from exc
         return l2_normalise(np.stack(rows))
 
+    def term_vectors(self) -> StaticModel | None:
+        """The static query side's word piece vectors for the read path's term matching (None without one)."""
+        return self._static
+
     async def aclose(self) -> None:
         """Finish the piece in flight, fail what waits, then stop the model's thread."""
         self._closed = True

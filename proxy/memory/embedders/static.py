@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.embedders.model_files import read_query_manifest, resolve_query_model_dir
@@ -19,6 +20,7 @@ from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.errors import EmbedderError
 
 MAX_TOKENS = 256
+MAX_CACHED_WORDS = 100_000  # word -> token ids kept for ``pieces`` (~100 bytes each); emptied when full
 
 
 class StaticModel:
@@ -40,6 +42,9 @@ class StaticModel:
             raise EmbedderError(f"{model_dir}/vectors.npy has shape {self._table.shape}, its manifest says dim {dim}")
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(MAX_TOKENS)
+        norms = np.sqrt(np.einsum("ij,ij->i", self._table, self._table, dtype=np.float32))
+        self._norms = np.where(norms == 0.0, np.float32(1.0), norms)
+        self._word_ids: dict[str, tuple[int, ...]] = {}
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """One unit row per text (a text without tokens gets a zero row)."""
@@ -48,6 +53,27 @@ class StaticModel:
             if encoding.ids:
                 out[row] = self._table[encoding.ids].mean(axis=0, dtype=np.float32)
         return l2_normalise(out)
+
+    def pieces(self, words: Sequence[str]) -> npt.NDArray[np.int64]:
+        """The distinct token ids of ``words``, sorted (each word is tokenised once, then cached)."""
+        missing = [w for w in dict.fromkeys(words) if w not in self._word_ids]
+        if missing:
+            if len(self._word_ids) + len(missing) > MAX_CACHED_WORDS:
+                self._word_ids.clear()
+            encoded = self._tokenizer.encode_batch(missing, add_special_tokens=False)
+            self._word_ids.update((w, tuple(e.ids)) for w, e in zip(missing, encoded, strict=True))
+        ids = sorted({i for w in words for i in self._word_ids.get(w, ())})  # cheaper than np.unique at ~30 ids
+        return np.fromiter(ids, dtype=np.int64, count=len(ids))
+
+    def cosines(self, first: npt.NDArray[np.int64], second: npt.NDArray[np.int64]) -> Vectors:
+        """The cosine of every token of ``first`` with every token of ``second`` (their rows of the table).
+
+        The rows are converted (float16 to float32) but never normalised: the small matrix of products is
+        divided by their norms instead, four times cheaper than normalising ~1,000 rows of 384.
+        """
+        products = self._table[first].astype(np.float32) @ self._table[second].astype(np.float32).T
+        cosines: Vectors = products / np.outer(self._norms[first], self._norms[second])
+        return cosines
 
 
 class StaticEmbedder(BaseEmbedder):
@@ -101,6 +127,10 @@ class StaticEmbedder(BaseEmbedder):
         if urgent or len(texts) <= self.INLINE_TEXTS:
             return model.embed(texts)
         return await asyncio.to_thread(model.embed, texts)
+
+    def term_vectors(self) -> StaticModel | None:
+        """The model's word piece vectors for the read path's term matching (None until it is loaded)."""
+        return self._model
 
     async def aclose(self) -> None:
         self._closed = True

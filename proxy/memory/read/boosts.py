@@ -1,4 +1,5 @@
-"""Additive boosts on fused scores: subject similarity, adjacent turns, and dates the query names (pure functions).
+"""Additive boosts on fused scores: subject similarity, adjacent turns, the best match's conversation, and dates
+the query names (pure functions).
 
 Each boost computes *lifts* (memory id -> amount added to its fused score) from what fusion found; ``fuse``
 adds them in order, so that a later boost sees the earlier ones. The ``apply_*`` functions add one boost to a
@@ -58,6 +59,17 @@ def neighbour_lifts(candidates: Sequence[Fused], fused: Mapping[str, float], wei
 
 
 _TURN_ORDER = operator.attrgetter("record.created_at", "record.id")
+
+
+def conversation_lifts(candidates: Sequence[Fused], fused: Mapping[str, float], weight: float) -> Lifts:
+    """``weight`` x the best ``fused`` score among the candidates of each candidate's conversation (itself
+    included): the conversation where the best match lies is where its context is."""
+    best: dict[str, float] = {}
+    for c in candidates:
+        conversation = c.record.conversation_id
+        if conversation is not None:
+            best[conversation] = max(best.get(conversation, 0.0), fused[c.id])
+    return {c.id: weight * best[c.record.conversation_id] for c in candidates if c.record.conversation_id is not None}
 
 
 def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:

@@ -3,7 +3,8 @@
 The arms' union is the candidate set, so a hit of any one arm can surface. Fusion is either a weighted sum
 of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
 carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
-them). The boosts (``boosts``) follow: subject similarity, adjacent turns, and dates the query names. Keyword
+them). The boosts follow: subject similarity, term matching (``term_match``), adjacent turns, the best match's
+conversation, and dates the query names (``boosts``). Keyword
 gating leaves BM25 out when none of its top results holds enough of the query's terms.
 """
 
@@ -15,10 +16,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from proxy.memory.read.boosts import Lifts, date_lifts, neighbour_lifts, subject_lifts
+from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neighbour_lifts, subject_lifts
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.term_match import TermVectors, term_match_lifts
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.words import stem, stems
 
@@ -161,11 +163,13 @@ def fuse(
     *,
     gated: bool | None = None,
     limit: int | None = None,
+    term_vectors: TermVectors | None = None,
 ) -> Fusion:
     """Gate, fuse and boost the arms' hits into one candidate list, best first.
 
     ``gated`` is computed here unless the caller already decided it (with ``is_gated``). ``limit``: only the best
     this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
+    ``term_vectors``: the embedding model's word piece vectors, for term matching (None: no term matching).
     """
     if gated is None:
         gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
@@ -187,8 +191,13 @@ def fuse(
 
     if settings.subject_weight > 0 and subject_hits:
         add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
+    if settings.term_match_weight > 0 and term_vectors is not None:
+        depth = settings.max_candidates
+        add("terms", term_match_lifts(candidates, fused, query.terms, term_vectors, settings.term_match_weight, depth))
     if settings.neighbour_weight > 0:
         add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
+    if settings.conversation_weight > 0:
+        add("conversation", conversation_lifts(candidates, fused, settings.conversation_weight))
     if settings.date_weight > 0 or settings.day_weight > 0:
         add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)

@@ -33,6 +33,7 @@ from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.scoring import score_candidates
 from proxy.memory.read.selection import plan_items
 from proxy.memory.read.steps import Report
+from proxy.memory.read.term_match import term_vectors_of
 
 GATED = "gated"  # listed among the arms when keyword gating left BM25 out
 
@@ -101,7 +102,15 @@ async def retrieve(
     fusing = time.perf_counter()
     arms, gated = _arm_hits(found, query, settings)
     subjects = found.dense.subjects if found.dense else ()
-    fused = fuse(arms, query, settings, subject_hits=subjects, gated=gated, limit=settings.max_candidates)
+    fused = fuse(
+        arms,
+        query,
+        settings,
+        subject_hits=subjects,
+        gated=gated,
+        limit=settings.max_candidates,
+        term_vectors=term_vectors_of(embedder),
+    )
     candidates, ran = fused.candidates, list(arms)
     if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):
         reranking = time.perf_counter()

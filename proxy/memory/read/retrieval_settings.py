@@ -35,7 +35,7 @@ class RetrievalSettings(BaseModel):
     # fusion (weights tuned on LoCoMo conversations 0-4 with the embedded MiniLM: bench/locomo.py)
     fusion: Literal["weighted", "rrf"] = "weighted"
     dense_weight: float = Field(0.35, ge=0)  # MiniLM's dense arm is weaker than BM25 on chat turns
-    bm25_weight: float = Field(0.65, ge=0)
+    bm25_weight: float = Field(0.4, ge=0)  # 0.65 before term matching, which also rewards the query's words
     entity_weight: float = Field(0.1, ge=0)
     rrf_k: int = Field(60, ge=1)
     # keyword gating (off: it cost 0.02 recall@10 on LoCoMo, where BM25 is the stronger arm)
@@ -48,8 +48,10 @@ class RetrievalSettings(BaseModel):
     subject_weight: float = Field(0.0, ge=0)  # 0 turns it off
     subject_top_n: int = Field(40, ge=1)
     # general boosts from the calibration (all additive; 0 turns each off; tuned with bench/locomo.py)
+    term_match_weight: float = Field(1.0, ge=0)  # + w x soft coverage of the query's words (term_match.py)
     neighbour_weight: float = Field(0.5, ge=0)  # + a * best adjacent turn's fused score
     neighbour_window_s: float = Field(60.0, ge=0)  # turns this close in one conversation are adjacent
+    conversation_weight: float = Field(0.3, ge=0)  # + w x the best fused score in the memory's conversation
     date_weight: float = Field(0.3, ge=0)  # + w when a memory's date matches a month/year the query names
     day_weight: float = Field(0.5, ge=0)  # + w more when it is within a day of a whole day the query names
     # scoring (see proxy/memory/read/scoring.py): "bounded" = relevance x a bounded bonus for being new and

@@ -1,0 +1,116 @@
+"""Term matching: how much of the query's vocabulary a memory holds, softly (pure functions).
+
+BM25 counts exact stems only and the dense arm compares whole texts, so a turn that holds every word the
+question asks about, a few of them in another form ("researching" for "research", "children" for "kids"),
+can rank below one that only shares its common words. Term matching scores the best fused candidates by soft
+coverage: for each content word piece of the query, the best cosine between it and any piece of the memory
+(token rows of the static embedding model, whose rows are word vectors: ``TermVectors``), rescaled from
+``[MATCH_FLOOR, 1]`` to ``[0, 1]``, averaged with IDF weights taken among the candidates themselves (a piece
+that nearly every candidate holds, such as a name the question and every turn of that person share, says
+little). Only candidates are scored (``max_candidates`` texts, ~1-1.5 ms), never the whole store.
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from proxy.memory.read.boosts import Fused, Lifts
+from proxy.memory.words import terms
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float32]
+
+# Cosines below this count as no match (LoCoMo tune split: 0.2, 0.3 and 0.4 within 0.004 R@10 of each other).
+MATCH_FLOOR = 0.3
+CACHED_TEXTS = 16_384  # memories' piece sets kept (a few hundred bytes each): a user's candidates recur
+MAX_TEXT_TERMS = 128  # a memory's first content words that count (of its first 16 x this many characters): bounds the
+# cost of a long pasted turn; the static model's own vector reads no more than its first 256 tokens either
+
+
+class TermVectors(Protocol):
+    """Word piece vectors of a static embedding model (``StaticModel`` has this shape; hashable, since memories'
+    piece sets are cached per model)."""
+
+    def __hash__(self) -> int: ...
+
+    def pieces(self, words: Sequence[str]) -> IntArray:
+        """The distinct token ids of ``words``, sorted."""
+        ...
+
+    def cosines(self, first: IntArray, second: IntArray) -> FloatArray:
+        """The cosine of every token of ``first`` with every token of ``second`` (shape ``(len(first),
+        len(second))``)."""
+        ...
+
+
+@runtime_checkable
+class HasTermVectors(Protocol):
+    """An embedder that can lend its static model's word piece vectors (the static default, or a static query
+    side); others have none and the read path goes without term matching."""
+
+    def term_vectors(self) -> TermVectors | None: ...
+
+
+def term_vectors_of(embedder: object) -> TermVectors | None:
+    """The word piece vectors ``embedder`` lends (None when it has none, or has not loaded them yet)."""
+    return embedder.term_vectors() if isinstance(embedder, HasTermVectors) else None
+
+
+def soft_coverage(
+    query: IntArray,
+    docs: Sequence[IntArray],
+    cosines: Callable[[IntArray, IntArray], FloatArray],
+    floor: float = MATCH_FLOOR,
+) -> npt.NDArray[np.float64]:
+    """Per doc, in [0, 1]: the IDF-weighted mean over the query's pieces of their best match in the doc.
+
+    A piece's match is its highest cosine to any of the doc's pieces, mapped from ``[floor, 1]`` onto
+    ``[0, 1]`` (1: the piece itself). Its weight is ``log(1 + n / df)``, ``df`` the number of the ``n`` docs
+    that hold the piece itself (at least 1). A doc without pieces scores 0.
+    """
+    out = np.zeros(len(docs), dtype=np.float64)
+    held = [i for i, d in enumerate(docs) if len(d)]
+    if not len(query) or not held:
+        return out
+    lengths = np.array([len(docs[i]) for i in held])
+    vocab, column = np.unique(np.concatenate([docs[i] for i in held]), return_inverse=True)
+    matches = np.clip((cosines(query, vocab) - floor) / (1.0 - floor), 0.0, 1.0)[:, column]  # query x all pieces
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))
+    best = np.maximum.reduceat(matches, starts, axis=1)  # query pieces x docs
+    holds = np.logical_or.reduceat(vocab[column][None, :] == query[:, None], starts, axis=1)
+    idf = np.log1p(len(docs) / np.maximum(holds.sum(axis=1), 1))
+    out[held] = idf @ best / idf.sum()
+    return out
+
+
+def term_match_lifts(
+    candidates: Sequence[Fused],
+    fused: Mapping[str, float],
+    query_terms: Sequence[str],
+    vectors: TermVectors,
+    weight: float,
+    depth: int,
+) -> Lifts:
+    """``weight`` x the soft coverage of the query's content words (``Query.terms``), for the ``depth`` best
+    candidates by ``fused`` (the others get nothing)."""
+    query = vectors.pieces(query_terms)
+    if not len(query) or weight <= 0:
+        return {}
+    pool = heapq.nlargest(depth, candidates, key=lambda c: fused[c.id])
+    scores = soft_coverage(query, [text_pieces(vectors, c.record.text) for c in pool], vectors.cosines)
+    return {c.id: weight * float(s) for c, s in zip(pool, scores, strict=True) if s > 0.0}
+
+
+@functools.lru_cache(maxsize=CACHED_TEXTS)
+def text_pieces(vectors: TermVectors, text: str) -> IntArray:
+    """The distinct token ids of a text's first ``MAX_TEXT_TERMS`` content words (``words.terms``), cached
+    (read-only)."""
+    pieces = vectors.pieces(terms(text[: 16 * MAX_TEXT_TERMS])[:MAX_TEXT_TERMS])
+    pieces.setflags(write=False)
+    return pieces
