@@ -181,13 +181,13 @@ def fuse(
         weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
         fused = _weighted_scores(union, weights)
     candidates = [_Found(rid, record) for rid, record in union.records.items()]  # what the boosts look at
-    boosts: dict[str, dict[str, float]] = {}
+    applied: list[tuple[str, Lifts]] = []  # each boost's lifts, in order (only the kept candidates list them)
 
     def add(name: str, lifts: Lifts) -> None:  # in order: a later boost sees the earlier ones in ``fused``
         for rid, amount in lifts.items():
             if amount > 0.0:
                 fused[rid] += amount
-                boosts.setdefault(rid, {})[name] = amount
+        applied.append((name, lifts))
 
     if settings.subject_weight > 0 and subject_hits:
         add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
@@ -203,12 +203,17 @@ def fuse(
     order = _ranked_ids(union.records, fused)
     chosen = order if limit is None else order[:limit]
     built = [
-        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
-        if rid in boosts
+        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts)
+        if (boosts := _boosts_of(rid, applied))
         else Candidate(union.records[rid], union.scores[rid], fused[rid])
         for rid in chosen
     ]
     return Fusion(candidates=built, gated=gated)
+
+
+def _boosts_of(rid: str, applied: Sequence[tuple[str, Lifts]]) -> dict[str, float]:
+    """The boosts that lifted one memory, by name, in the order they were applied."""
+    return {name: amount for name, lifts in applied if (amount := lifts.get(rid, 0.0)) > 0.0}
 
 
 class _Found(NamedTuple):

@@ -24,8 +24,8 @@ class RetrievalSettings(BaseModel):
     short_query_words: int = Field(4, ge=0)  # a latest message of at most this many words is "short"
     expand_anaphoric: bool = True  # short or anaphoric latest message: add the previous user turn
     # arms
-    dense_k: int = Field(50, ge=1)  # hits asked of the dense arm, per pool (facts; recent turns+summaries)
-    bm25_k: int = Field(50, ge=1)  # hits asked of the keyword arm, per pool
+    dense_k: int = Field(60, ge=1)  # hits asked of the dense arm, per pool (facts; recent turns+summaries)
+    bm25_k: int = Field(60, ge=1)  # hits asked of the keyword arm, per pool
     entity_k: int = Field(20, ge=0)  # most memories the entity arm may add; 0 turns the arm off
     entity_surface_max: int = Field(10, ge=0)  # a name on more memories only lifts what other arms found
     entity_text_names: bool = False  # names written (capitalised) in hits' text count too, among those hits
@@ -56,7 +56,7 @@ class RetrievalSettings(BaseModel):
     day_weight: float = Field(0.5, ge=0)  # + w more when it is within a day of a whole day the query names
     # scoring (see proxy/memory/read/scoring.py): "bounded" = relevance x a bounded bonus for being new and
     # important; "minmax" = the seed's sum of min-max normalised relevance, recency and importance
-    max_candidates: int = Field(50, ge=1)  # the most relevant this many (after fusion and boosts) are scored
+    max_candidates: int = Field(60, ge=1)  # the most relevant this many (after fusion and boosts) are scored
     scoring: Literal["bounded", "minmax"] = "bounded"
     recency_bonus: float = Field(0.2, ge=0)  # bounded: x (1 + this) for a fact created just now
     recency_half_life_days: float = Field(30.0, gt=0)  # bounded: the recency bonus halves every this many days
