@@ -88,10 +88,11 @@ class StoreTuning(BaseModel):
     optimize_after_commits: int = Field(200, ge=1)
     # Seconds between writes of access times to LanceDB (reads see them at once; a write rewrites the touched
     # rows and marks deletions in their fragments: once a second under load, it held the write lock 1-2 s of
-    # every second). A kill -9 loses at most this much access-time history, never a memory.
+    # every second).
     touch_flush_s: float = Field(60.0, gt=0)
     # A memory's access time reaches LanceDB at most once per this many seconds (reads see every access at once;
-    # recency counts in hours and days, and rewriting the same rows every minute held writes up for seconds).
+    # recency counts in hours and days, and rewriting the same rows every minute held writes up for seconds). A
+    # kill -9 loses at most about this much access-time history (plus touch_flush_s), never a memory.
     touch_granularity_s: float = Field(3600.0, ge=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
     vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
