@@ -25,6 +25,7 @@ class TouchBuffer:
         self.granularity = granularity
         self._pending: Pending = {}
         self._written: Pending = {}  # access times written within the last ``granularity``
+        self._last_write: datetime | None = None
 
     def __bool__(self) -> bool:
         return bool(self._pending)
@@ -40,17 +41,22 @@ class TouchBuffer:
             pending[record_id] = max(when, pending.get(record_id, when))
 
     def take(self) -> Pending:
-        """Every pending note, leaving none (``restore`` them if writing fails)."""
+        """Every pending note, leaving none (``restore`` them if writing fails); writes older than the
+        granularity are forgotten here, once a flush (``wrote`` runs once per chunk of it)."""
         pending, self._pending = self._pending, {}
+        if self._last_write is not None:
+            self._forget_written_before(self._last_write - self.granularity)
         return pending
 
     def wrote(self, pending: Pending, at: datetime) -> None:
-        """Note that ``pending`` reached LanceDB at ``at`` (and forget writes older than the granularity)."""
+        """Note that ``pending`` reached LanceDB at ``at``."""
         if self.granularity <= timedelta(0):
             return
         for user_id, ids in pending.items():
             self._written.setdefault(user_id, {}).update(dict.fromkeys(ids, at))
-        horizon = at - self.granularity
+        self._last_write = at
+
+    def _forget_written_before(self, horizon: datetime) -> None:
         for user_id in list(self._written):
             kept = {i: t for i, t in self._written[user_id].items() if t > horizon}
             if kept:
