@@ -42,8 +42,7 @@ class StaticModel:
             raise EmbedderError(f"{model_dir}/vectors.npy has shape {self._table.shape}, its manifest says dim {dim}")
         self._tokenizer.no_padding()
         self._tokenizer.enable_truncation(MAX_TOKENS)
-        norms = np.sqrt(np.einsum("ij,ij->i", self._table, self._table, dtype=np.float32))
-        self._norms = np.where(norms == 0.0, np.float32(1.0), norms)
+        self._terms, self._scales = unit_int8(self._table)
         self._word_ids: dict[str, tuple[int, ...]] = {}
 
     def embed(self, texts: Sequence[str]) -> Vectors:
@@ -66,14 +65,35 @@ class StaticModel:
         return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
     def cosines(self, first: npt.NDArray[np.int64], second: npt.NDArray[np.int64]) -> Vectors:
-        """The cosine of every token of ``first`` with every token of ``second`` (their rows of the table).
+        """The cosine of every token of ``first`` with every token of ``second`` (their rows of the table), to
+        within ~0.003: from unit rows stored as int8 with a scale per row (``unit_int8``).
 
-        The rows are converted (float16 to float32) but never normalised: the small matrix of products is
-        divided by their norms instead, four times cheaper than normalising ~1,000 rows of 384.
+        Gathering ~1,000 int8 rows and widening them costs a tenth of doing it from the float16 table (numpy's
+        float16 -> float32 conversion is scalar: 0.66 ms for 1,500 rows); the long side goes first in the
+        product, which OpenBLAS runs ~40% faster with a short second side.
         """
-        products = self._table[first].astype(np.float32) @ self._table[second].astype(np.float32).T
-        cosines: Vectors = products / np.outer(self._norms[first], self._norms[second])
+        short = self._terms[first].astype(np.float32) * self._scales[first, None]
+        products = self._terms[second].astype(np.float32) @ short.T
+        products *= self._scales[second, None]
+        cosines: Vectors = products.T
         return cosines
+
+
+def unit_int8(table: npt.NDArray[np.floating], chunk: int = 256) -> tuple[npt.NDArray[np.int8], Vectors]:
+    """The table's rows normalised to unit length, as int8 (each row scaled so its largest value is 127) and
+    the per-row scale that turns them back (a row of zeros stays zeros), built a chunk at a time so the
+    float32 copy never exists whole."""
+    codes = np.zeros(table.shape, dtype=np.int8)
+    scales = np.zeros(table.shape[0], dtype=np.float32)
+    for start in range(0, table.shape[0], chunk):
+        rows = table[start : start + chunk].astype(np.float32)
+        norms = np.sqrt(np.einsum("ij,ij->i", rows, rows))
+        rows /= np.where(norms == 0.0, np.float32(1.0), norms)[:, None]
+        peak = np.abs(rows).max(axis=1) / 127.0
+        peak = np.where(peak == 0.0, np.float32(1.0), peak).astype(np.float32)
+        codes[start : start + chunk] = np.rint(rows / peak[:, None]).astype(np.int8)
+        scales[start : start + chunk] = np.where(norms == 0.0, np.float32(0.0), peak)
+    return codes, scales
 
 
 class StaticEmbedder(BaseEmbedder):
