@@ -186,6 +186,20 @@ async def test_touch_sets_last_accessed_and_survives_a_restart(tmp_path: Path) -
         assert (await store.get("alice", record.id)).last_accessed_at == at
 
 
+async def test_a_user_loaded_into_the_cache_after_a_touch_shows_the_pending_access_time(store: MemoryStore) -> None:
+    """Reads from the vector cache apply no touches, so a user's entry loaded while an access time is still
+    pending (not yet written to LanceDB) carries it: every arm and lookup then shows it."""
+    at = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    [record] = await store.add([fact("alice", "Alice drinks oat milk")])
+    await store.touch("alice", [record.id], at=at)
+    store.cache.drop("alice")  # evicted before the flush: the next read loads it from LanceDB
+    hits = await store.vector_search("alice", await query_vector(store, "oat milk"), 1)
+    assert hits[0].record.last_accessed_at == at
+    assert "alice" in store.cache
+    assert (await store.keyword_search("alice", "oat milk", 1))[0].record.last_accessed_at == at
+    assert (await store.read_many("alice", [record.id]))[0].last_accessed_at == at
+
+
 async def test_delete_removes_from_both_arms_and_is_scoped(store: MemoryStore) -> None:
     """A deleted record is gone everywhere; deleting it as another user does nothing."""
     keep, gone = await store.add([fact("alice", "Alice likes jazz"), fact("alice", "Alice likes jazz piano")])

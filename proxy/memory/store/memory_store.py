@@ -372,9 +372,11 @@ class MemoryStore(StoreReader):
         check_user_id(user_id)
         when = at or utcnow()
         valid = [record_id for record_id in ids if valid_record_id(record_id)]
-        self._touches.note(user_id, valid, when)
-        # The cached records show it at once (reads then need no overlay); LanceDB gets it at the next flush.
-        self._cache.patch(user_id, valid, last_accessed_at=when)
+        noted = self._touches.note(user_id, valid, when)
+        # The cached records show it at once (reads from the cache apply no touches); LanceDB gets it at the next
+        # flush. Records whose time was written within the granularity keep that one, in the cache as on disk.
+        if noted:
+            self._cache.patch(user_id, noted, last_accessed_at=when)
 
     async def _flush_touches(self) -> None:
         """Write the pending access times to LanceDB, ``TOUCH_CHUNK`` records per update with the write lock

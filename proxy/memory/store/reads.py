@@ -144,11 +144,10 @@ class StoreReader:
             self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
         found = entry.search_pools(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
-        touch = self._touches.toucher(user_id)
         out = []
-        for scored in found:
+        for scored in found:  # cached records carry their pending access times already (``_load_user``)
             records = entry.records([record_id for record_id, _ in scored])
-            out.append([Hit(touch(r), score) for r, (_, score) in zip(records, scored, strict=True) if r is not None])
+            out.append([Hit(r, score) for r, (_, score) in zip(records, scored, strict=True) if r is not None])
         return out
 
     async def _lance_vector_search(
@@ -166,7 +165,12 @@ class StoreReader:
         if estimated_bytes(rows, self._lance.stored_dim) > self._cache.max_bytes:
             return None
         table = await self._lance.user_rows(user_id)
-        return await asyncio.to_thread(UserVectors, user_id, self._lance.stored_dim, table)
+        entry = await asyncio.to_thread(UserVectors, user_id, self._lance.stored_dim, table)
+        # Access times noted before the load and not yet written: a cached record carries them, so reads from
+        # the cache apply no touches (those noted during the load are replayed onto it by the cache).
+        for record_id, at in self._touches.pending_of(user_id).items():
+            entry.touch(record_id, at)
+        return entry
 
     async def keyword_search(
         self,
@@ -194,10 +198,9 @@ class StoreReader:
         if not ids:
             return [[] for _ in pools]
         by_id = await self._records_by_id(user_id, ids)
-        touch = self._touches.toucher(user_id)
         return [
             [
-                Hit(touch(record), score)
+                Hit(record, score)
                 for record_id, score in scored
                 if (record := by_id.get(record_id)) is not None and _matches(record, user_id, pool)
             ]
@@ -209,8 +212,7 @@ class StoreReader:
         not fit; the cache holds every write once LanceDB has it, so the answer is the same."""
         check_user_id(user_id)
         by_id = await self._records_by_id(user_id, ids)
-        touch = self._touches.toucher(user_id)
-        return [touch(by_id[i]) for i in dict.fromkeys(ids) if i in by_id]
+        return [by_id[i] for i in dict.fromkeys(ids) if i in by_id]
 
     async def newest(self, user_id: str, kinds: Sequence[Kind], limit: int) -> builtins.list[MemoryRecord]:
         """The user's newest valid records of ``kinds``, newest first (as ``list`` orders them), for the read
@@ -222,18 +224,19 @@ class StoreReader:
         )
         if entry is None:
             return (await self.list(user_id, kinds, limit=limit)).data
-        touch = self._touches.toucher(user_id)
         found = entry.records(entry.ordered_ids(kinds, include_invalid=False)[:limit])
-        return [touch(record) for record in found if record is not None]
+        return [record for record in found if record is not None]
 
     async def _records_by_id(self, user_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
-        """The user's records with these ids, from the vector cache (loading the user) or LanceDB."""
+        """The user's records with these ids, pending access times applied: from the vector cache (loading the
+        user; its records carry them) or LanceDB."""
         entry = (
             None if self._lance.mismatch else await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
         )
         if entry is not None:
             return {r.id: r for r in entry.records(ids) if r is not None}
-        return {r.id: r for r in await self._lance.records(user_id, ids, embedding=False)}
+        touch = self._touches.toucher(user_id)
+        return {r.id: touch(r) for r in await self._lance.records(user_id, ids, embedding=False)}
 
     async def export(self, user_id: str) -> AsyncIterator[str]:
         """Every record of the user, history included, oldest first, as JSON lines (each ends in ``\\n``)."""

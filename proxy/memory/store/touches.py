@@ -2,15 +2,16 @@
 
 Every read that returns a record notes that it was used. Writing each note would cost a LanceDB commit per
 read, so notes wait here (the latest time per record) until the store's ``memory-touch`` ticker writes them;
-meanwhile every read applies the pending times to what it returns. A record whose access time was written
-less than ``granularity`` ago is not noted again (the store's cache shows the new time at once): recency is
+meanwhile every read shows the pending times (the store's cache holds them; records read from LanceDB get
+them here). A record whose access time was written less than ``granularity`` ago is not noted again and keeps
+the written time, in the cache as on disk: recency is
 measured in hours and days, and rewriting the same rows every minute held the store's writes up for 3-11 s
 a minute under a busy chat.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import datetime, timedelta
 
 from proxy.memory.store.records import MemoryRecord
@@ -30,15 +31,21 @@ class TouchBuffer:
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def note(self, user_id: str, ids: Iterable[str], when: datetime) -> None:
-        """Note that the user's records ``ids`` were used at ``when`` (a later note wins)."""
+    def note(self, user_id: str, ids: Iterable[str], when: datetime) -> list[str]:
+        """Note that the user's records ``ids`` were used at ``when`` (a later note wins); returns the ids noted
+        (not those whose access time was written within the granularity: they keep the written one)."""
         written = self._written.get(user_id, {})
         ids = [i for i in ids if (at := written.get(i)) is None or when - at >= self.granularity]
         if not ids:  # no empty entry: the writer takes the latest time of what is pending
-            return
+            return ids
         pending = self._pending.setdefault(user_id, {})
         for record_id in ids:
             pending[record_id] = max(when, pending.get(record_id, when))
+        return ids
+
+    def pending_of(self, user_id: str) -> Mapping[str, datetime]:
+        """The user's access times not yet written (record id -> time; read-only)."""
+        return self._pending.get(user_id, {})
 
     def take(self) -> Pending:
         """Every pending note, leaving none (``restore`` them if writing fails); writes older than the

@@ -149,6 +149,12 @@ class UserVectors:
             if record is not None and any(getattr(record, name) != value for name, value in changes.items()):
                 self._records[self.index[record_id]] = record.replace(**changes)  # (a flush repeats a touch)
 
+    def touch(self, record_id: str, at: datetime) -> None:
+        """Note an access time on one record, unless it already shows a later one."""
+        record = self.records([record_id])[0]
+        if record is not None and (record.last_accessed_at is None or record.last_accessed_at < at):
+            self._records[self.index[record_id]] = record.replace(last_accessed_at=at)
+
     def remove(self, ids: Sequence[str]) -> int:
         """Forget these records; returns how many were present."""
         removed = 0
