@@ -202,18 +202,26 @@ def fuse(
         add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)
     chosen = order if limit is None else order[:limit]
+    boosts = _boosts_of(chosen, applied)
     built = [
-        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts)
-        if (boosts := _boosts_of(rid, applied))
+        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
+        if rid in boosts
         else Candidate(union.records[rid], union.scores[rid], fused[rid])
         for rid in chosen
     ]
     return Fusion(candidates=built, gated=gated)
 
 
-def _boosts_of(rid: str, applied: Sequence[tuple[str, Lifts]]) -> dict[str, float]:
-    """The boosts that lifted one memory, by name, in the order they were applied."""
-    return {name: amount for name, lifts in applied if (amount := lifts.get(rid, 0.0)) > 0.0}
+def _boosts_of(chosen: Sequence[str], applied: Sequence[tuple[str, Lifts]]) -> dict[str, dict[str, float]]:
+    """The boosts that lifted each chosen memory, by name, in the order they were applied (memories that no
+    boost lifted are left out): one pass over each boost's lifts, not one lookup per memory and boost."""
+    wanted = set(chosen)
+    out: dict[str, dict[str, float]] = {}
+    for name, lifts in applied:
+        for rid, amount in lifts.items():
+            if amount > 0.0 and rid in wanted:
+                out.setdefault(rid, {})[name] = amount
+    return out
 
 
 class _Found(NamedTuple):
