@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
-from proxy.memory.store.touches import TouchBuffer, touch_chunks
+from proxy.memory.store.touches import SHOWN_STEP, TouchBuffer, touch_chunks
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -18,6 +18,17 @@ def test_a_record_written_within_the_granularity_is_not_noted_again() -> None:
     assert not touches
     touches.note("u", ["a", "c"], T0 + timedelta(minutes=61))
     assert touches.take() == {"u": {"a": T0 + timedelta(minutes=61), "c": T0 + timedelta(minutes=61)}}
+
+
+def test_a_pending_access_time_moves_only_by_whole_steps() -> None:
+    """A record used again within ``SHOWN_STEP`` keeps its pending time (nothing for the cache to copy); a
+    step later, it moves; an earlier time never wins over a later one."""
+    touches = TouchBuffer(timedelta(hours=1))
+    assert touches.note("u", ["a", "b"], T0) == ["a", "b"]
+    assert touches.note("u", ["a"], T0 + SHOWN_STEP / 2) == []
+    assert touches.note("u", ["a", "c"], T0 + SHOWN_STEP) == ["a", "c"]
+    assert touches.note("u", ["a"], T0 - SHOWN_STEP) == []
+    assert touches.take() == {"u": {"a": T0 + SHOWN_STEP, "b": T0, "c": T0 + SHOWN_STEP}}
 
 
 def test_without_granularity_every_access_is_written() -> None:

@@ -17,6 +17,7 @@ from datetime import datetime, timedelta
 from proxy.memory.store.records import MemoryRecord
 
 Pending = dict[str, dict[str, datetime]]  # user id -> record id -> access time
+SHOWN_STEP = timedelta(minutes=1)  # a pending access time moves by at least this much (recency counts hours)
 
 
 class TouchBuffer:
@@ -32,16 +33,24 @@ class TouchBuffer:
         return bool(self._pending)
 
     def note(self, user_id: str, ids: Iterable[str], when: datetime) -> list[str]:
-        """Note that the user's records ``ids`` were used at ``when`` (a later note wins); returns the ids noted
-        (not those whose access time was written within the granularity: they keep the written one)."""
+        """Note that the user's records ``ids`` were used at ``when`` (a later note wins); returns the ids whose
+        shown access time should move to ``when``: noted ones that were not pending, or pending since at least
+        ``SHOWN_STEP``. Records whose access time was written within the granularity are not noted (they
+        keep the written one); a record used again within the step keeps showing its first time (the
+        store's cache then copies no record for it: under a busy chat, the same memories are used many
+        times a minute)."""
         written = self._written.get(user_id, {})
         ids = [i for i in ids if (at := written.get(i)) is None or when - at >= self.granularity]
         if not ids:  # no empty entry: the writer takes the latest time of what is pending
             return ids
         pending = self._pending.setdefault(user_id, {})
+        shown = []
         for record_id in ids:
-            pending[record_id] = max(when, pending.get(record_id, when))
-        return ids
+            before = pending.get(record_id)
+            if before is None or when - before >= SHOWN_STEP:
+                shown.append(record_id)
+                pending[record_id] = when if before is None else max(when, before)
+        return shown
 
     def pending_of(self, user_id: str) -> Mapping[str, datetime]:
         """The user's access times not yet written (record id -> time; read-only)."""
