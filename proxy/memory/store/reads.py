@@ -13,6 +13,7 @@ import builtins
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
+from typing import NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -30,9 +31,9 @@ from proxy.memory.store.touches import TouchBuffer
 from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes
 
 
-@dataclass(frozen=True)
-class Hit:
-    """One search result: the record (without its vector) and its score."""
+class Hit(NamedTuple):
+    """One search result: the record (without its vector) and its score (a tuple: ~240 are made a request,
+    at a quarter of a frozen dataclass's cost)."""
 
     record: MemoryRecord
     score: float
