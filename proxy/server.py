@@ -23,7 +23,7 @@ from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
-from proxy.heap import TRIM_INTERVAL_S, trim_in_thread
+from proxy.heap import TRIM_INTERVAL_S, fix_mmap_threshold, trim_in_thread
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.store.background import Ticker
@@ -150,6 +150,7 @@ def run_command(args: argparse.Namespace) -> None:
             print(problem, file=sys.stderr)
             raise SystemExit(EXIT_CONFIG)
         configure_logging(settings.logging.level)
+        fix_mmap_threshold()
         try:
             uvloop.run(serve(settings))
         except SchemaError as exc:  # a store this version cannot serve: say what to do, no traceback

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from proxy import heap
 
 pytestmark = pytest.mark.skipif(heap._glibc() is None, reason="glibc only")
+ROOT = Path(__file__).resolve().parent.parent
 
 
 async def test_trim_hands_freed_pages_back() -> None:
@@ -25,3 +31,33 @@ async def test_trim_hands_freed_pages_back() -> None:
 def _rss_kb() -> int:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS"))
+
+
+def test_a_fixed_mmap_threshold_maps_big_blocks_even_after_one_was_freed() -> None:
+    """glibc raises its mmap threshold when a mapped block is freed; fixed, a 1 MB block made after that is
+    still a mapping of its own, handed back when freed (mapped bytes: mallinfo2's ``hblkhd``). In a fresh
+    process: a heap with free space reuses it for big blocks whatever the threshold."""
+    script = (
+        "import ctypes; from proxy import heap; from tests.test_heap import mapped_bytes; heap.fix_mmap_threshold(); "
+        "del bytearray(8 * 2**20)[:]; before = mapped_bytes(); block = bytearray(2**20); during = mapped_bytes(); "
+        "del block; print(during - before, mapped_bytes() - before)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT)
+    grew, left = (int(v) for v in out.stdout.split())
+    assert grew >= 2**20
+    assert left < 2**20
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
+    ]
+
+
+def mapped_bytes() -> int:
+    """Bytes malloc holds in mappings of their own."""
+    libc = heap._glibc()
+    assert libc is not None
+    libc.mallinfo2.restype = _MallInfo2
+    return int(libc.mallinfo2().hblkhd)
