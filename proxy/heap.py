@@ -13,6 +13,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import functools
+import os
 import sys
 
 TRIM_INTERVAL_S = 60.0
@@ -40,8 +41,11 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
     (one run each): after the drain, glibc's own count was 579 MB of heap of which 394 MB free; with the
     threshold fixed, 288 MB of which 176 MB free, and RSS 867 -> 694 MB after the drain (677 -> 588 a minute
     later; 313 -> 278 MB before the load), the write side as fast. Buffers reused on the read path keep it
-    from mapping per request (``StaticModel._widened``).
+    from mapping per request (``StaticModel._widened``). An operator's ``MALLOC_MMAP_THRESHOLD_`` or
+    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...`` is left as it is.
     """
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return  # the operator chose one (glibc reads both at start-up)
     libc = _glibc()
     if libc is not None and hasattr(libc, "mallopt"):
         libc.mallopt(_M_MMAP_THRESHOLD, size)
