@@ -8,8 +8,19 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tantivy import Document, Index, SchemaBuilder
 
-from proxy.memory.store.keyword import KeywordDoc, KeywordFilter, KeywordIndex, cjk_analyzer, cjk_bigrams, cjk_runs
+from proxy.memory.store.keyword import (
+    KeywordDoc,
+    KeywordFilter,
+    KeywordIndex,
+    cjk_analyzer,
+    cjk_bigrams,
+    cjk_runs,
+    id_from_halves,
+    id_halves,
+)
+from proxy.memory.store.records import new_id
 
 ALL = KeywordFilter(include_invalid=True)
 
@@ -170,3 +181,42 @@ async def test_stop_words_do_not_drive_matches_but_a_stop_word_query_still_works
         await kw.commit()
         assert await ids(kw, "alice", "the cat") == ["s2"]
         assert await ids(kw, "alice", "to be") == ["s3"]
+
+
+async def test_generated_ids_come_back_from_the_fast_id_halves_and_others_from_the_document(tmp_path: Path) -> None:
+    """A generated id (32 lowercase hex digits) is read back from its two fast halves, every other id (an
+    imported one, upper-case hex) from the stored document: the same ids either way."""
+    generated = [new_id() for _ in range(3)]
+    others = ["imported-7", generated[0].upper()]
+    async with KeywordIndex(tmp_path / "kw") as kw:
+        await kw.upsert([doc(i, f"alice walks the dog {n}") for n, i in enumerate(generated + others)])
+        await kw.commit()
+        assert set(await ids(kw, "alice", "walks dog")) == set(generated + others)
+    assert id_halves("imported-7") == (False, 0, 0)
+    for record_id in [*generated, "0" * 32, "f" * 32]:
+        hexed, high, low = id_halves(record_id)
+        assert hexed
+        assert -(2**63) <= high < 2**63
+        assert -(2**63) <= low < 2**63
+        assert id_from_halves(high, low) == record_id
+
+
+async def test_an_index_of_an_older_schema_is_rebuilt(tmp_path: Path) -> None:
+    """An index written before a field existed (here: before the fast id halves) does not open as it is: the
+    keyword index starts a fresh generation and says so (``fresh``), and the store re-indexes from LanceDB."""
+    path = tmp_path / "kw"
+    (path / "g000001").mkdir(parents=True)
+    (path / "CURRENT").write_text("g000001")
+    builder = SchemaBuilder()
+    builder.add_text_field("id", stored=True, tokenizer_name="raw", index_option="basic")
+    old = Index(builder.build(), path=str(path / "g000001"))
+    writer = old.writer(heap_size=15_000_000, num_threads=1)
+    writer.add_document(Document(id="a1"))
+    writer.commit()
+    writer.wait_merging_threads()
+    del writer, old
+    async with KeywordIndex(path) as kw:
+        assert kw.fresh
+        await kw.upsert([doc("a1", "Alice adopted a dog")])
+        await kw.commit()
+        assert await ids(kw, "alice", "dog") == ["a1"]
