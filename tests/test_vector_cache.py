@@ -6,6 +6,7 @@ import asyncio
 from datetime import UTC, datetime, timedelta
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -220,3 +221,11 @@ async def test_closing_stops_a_load_whose_caller_gave_up() -> None:
     assert not stopped.is_set()  # the caller gave up; the load did not
     await asyncio.wait_for(cache.aclose(), 5)
     assert stopped.is_set()
+
+
+@pytest.mark.parametrize("n", [1, 5, 9, 100, 1_000])
+def test_an_entry_holds_little_more_room_than_its_records(n: int) -> None:
+    entry = entry_with("u", records("u", n), unit_rows(n))
+    capacity = entry.vectors.shape[1]
+    assert n <= capacity <= max(8, 1.5 * n + 1)  # a one-memory user no longer pins 64 rows of vectors
+    assert entry.search(unit_rows(1, seed=9)[0], n, None, None, None, False)[0][0] in entry.index

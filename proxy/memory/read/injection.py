@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -232,29 +232,43 @@ def _cost(text: str) -> int:
     return estimate_tokens(quote(text))
 
 
+class _Chunks(NamedTuple):
+    """A long text cut into chunks, as arrays (a few hundred bytes for a turn of ~400 characters, against
+    ~13 KB as tuples of spans and a dict of lists per stem, which 4,096 cached texts made ~54 MB)."""
+
+    spans: npt.NDArray[np.int32]  # (chunks, 2): each chunk's [start, end) in the text
+    costs: npt.NDArray[np.int32]  # each chunk's cost inside the quotes
+    stem_hashes: npt.NDArray[np.int64]  # every (stem, chunk) pair of the text: the stem's hash ...
+    stem_chunks: npt.NDArray[np.int32]  # ... and the chunk holding it
+
+
 @functools.lru_cache(maxsize=4_096)
-def _chunked(text: str) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...], dict[str, list[int]]]:
-    """A long text's chunks (spans), each chunk's cost inside the quotes, and for each stem the chunks that
-    hold it (cached per text; a query's few stems then count their chunks without a pass over all of them)."""
-    chunks = [m.group() for m in _CHUNK.finditer(text)]
-    spans = tuple(m.span() for m in _CHUNK.finditer(text))
-    costs = tuple(estimate_tokens(quote(chunk)) - 2 for chunk in chunks)
-    holding: dict[str, list[int]] = {}
-    for index, chunk in enumerate(chunks):
-        for found in stems(chunk):
-            holding.setdefault(found, []).append(index)
-    return spans, costs, holding
+def _chunked(text: str) -> _Chunks:
+    """A long text's chunks, each chunk's cost inside the quotes, and which chunks hold which stems (cached
+    per text; a query's few stems then count their chunks without a pass over all of them)."""
+    found = list(_CHUNK.finditer(text))
+    costs = [estimate_tokens(quote(m.group())) - 2 for m in found]
+    pairs = [(hash(stem), index) for index, m in enumerate(found) for stem in stems(m.group())]
+    hashes, chunks = zip(*pairs, strict=True) if pairs else ((), ())
+    return _Chunks(
+        np.array([m.span() for m in found], dtype=np.int32).reshape(-1, 2),
+        np.array(costs, dtype=np.int32),
+        np.array(hashes, dtype=np.int64),
+        np.array(chunks, dtype=np.int32),
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _query_stems(query_terms: tuple[str, ...]) -> frozenset[str]:
-    """The stems of a query's terms (one query excerpts every item of its block)."""
-    return frozenset(stems(" ".join(query_terms)))
+def _query_stems(query_terms: tuple[str, ...]) -> npt.NDArray[np.int64]:
+    """The hashes of a query's stems, as ``_chunked`` keeps them (one query excerpts every item of its block)."""
+    return np.array(sorted({hash(stem) for stem in stems(" ".join(query_terms))}), dtype=np.int64)
 
 
-def _best_window(costs: Sequence[int], hits: Sequence[int] | npt.NDArray[np.int64], limit: int) -> tuple[int, int]:
+def _best_window(
+    costs: Sequence[int] | npt.NDArray[np.int32], hits: Sequence[int] | npt.NDArray[np.int64], limit: int
+) -> tuple[int, int]:
     """The [start, end) chunk window within ``limit`` tokens holding most hits (earliest on ties)."""
-    if not costs:
+    if not len(costs):
         return (0, 0)
     spent = np.concatenate(([0], np.cumsum(costs)))
     found = np.concatenate(([0], np.cumsum(hits)))
@@ -281,16 +295,15 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     """``text`` if it fits ``max_tokens`` once quoted, else the window holding most query terms, with "…"."""
     if _cost(text) <= max_tokens:
         return text
-    spans, costs, holding = _chunked(text)
-    hits = np.zeros(len(costs), dtype=np.int64)  # per chunk, how many of the query's stems it holds
-    for wanted in _query_stems(tuple(query_terms)):
-        hits[holding.get(wanted, [])] += 1
+    spans, costs, stem_hashes, stem_chunks = _chunked(text)
+    held = stem_chunks[np.isin(stem_hashes, _query_stems(tuple(query_terms)))]
+    hits = np.bincount(held, minlength=len(costs))  # per chunk, how many of the query's stems it holds
     start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
     if end <= start:
         return _prefix_within(text, max_tokens - 1) + "…"
     cut = text[spans[start][0] : spans[end - 1][1]]
     cut = ("…" if start > 0 else "") + cut + ("…" if end < len(spans) else "")
-    if cut.isprintable() and sum(costs[start:end]) + 4 <= max_tokens:
+    if cut.isprintable() and int(costs[start:end].sum()) + 4 <= max_tokens:
         return cut  # spaces only between chunks (nothing quoting escapes): chunk costs + quotes + two "…" add up
     while _cost(cut) > max_tokens and " " in cut.strip():
         cut = cut.rstrip("…").rsplit(" ", 1)[0] + "…"
