@@ -57,8 +57,12 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[s
     return event
 
 
-def _dumps(obj: Any, default: Any = None) -> str:
-    return orjson.dumps(obj, default=default or str).decode()
+def _dumps(obj: Any, default: Any = None) -> bytes:
+    return orjson.dumps(obj, default=default or str)
+
+
+def _dumps_text(obj: Any, default: Any = None) -> str:
+    return _dumps(obj, default).decode()
 
 
 def configure_logging(level: str = "info") -> None:
@@ -69,6 +73,9 @@ def configure_logging(level: str = "info") -> None:
         handler.addFilter(RedactingFilter())
     for noisy in ("aiohttp.access", "LiteLLM", "httpx", "lance"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # A line and its newline in one write (``print`` makes them two system calls on an unbuffered stdout, the
+    # container's): the binary stream when there is one.
+    binary = getattr(sys.stdout, "buffer", None)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -76,9 +83,13 @@ def configure_logging(level: str = "info") -> None:
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             redact,
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(serializer=_dumps),
+            structlog.processors.JSONRenderer(serializer=_dumps if binary is not None else _dumps_text),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=(
+            structlog.BytesLoggerFactory(file=binary)
+            if binary is not None
+            else structlog.PrintLoggerFactory(file=sys.stdout)
+        ),
         cache_logger_on_first_use=True,
     )
