@@ -13,7 +13,8 @@ messages plus the response schema).
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
   p99, memproxy's RSS. After the load: wait until the queue is empty, RSS again (``rss_after_drain_mb``, the
-  bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its heap once a minute); and the
+  bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its heap once a minute while busy, and
+  within ~5 s of going quiet); and the
   texts the embedding model took per exchange over the run (``texts_embedded_per_exchange``, from /metrics).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
   one exchange from its speaker (the other speaker's next turn is the assistant's reply, a session is a
@@ -61,7 +62,7 @@ from tests.support.processes import memproxy_process
 RESULTS = Path(__file__).resolve().parent / "results" / "writes.json"
 ADMIN_KEY = "bench-writes-admin-key"
 PROBE_INTERVAL_S = 1.0
-TRIM_WAIT_S = 65.0  # RSS is read again this long after the drain: one of memproxy's heap trims in between
+TRIM_WAIT_S = 65.0  # RSS is read again this long after the drain: a minute of memproxy idle
 
 
 def _tokenizer() -> Any:
@@ -351,7 +352,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             exchanges = (await asyncio.to_thread(queue_counts, data))["exchanges_done"] - before["exchanges_done"]
             await asyncio.sleep(5)
             rss_after = rss_mb(pid)
-            await asyncio.sleep(TRIM_WAIT_S)  # memproxy hands freed heap back once a minute (proxy.heap)
+            await asyncio.sleep(TRIM_WAIT_S)  # what a minute of quiet adds (proxy.heap)
             rss_settled = rss_mb(pid)
     report = sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
     return {**report, "rss_a_minute_later_mb": round(rss_settled, 1),

@@ -1,4 +1,5 @@
-"""Freed heap pages handed back to the system once a minute (glibc's ``malloc_trim``).
+"""Freed heap pages handed back to the system (glibc's ``malloc_trim``): once a minute while the process
+works, and as soon as it goes quiet after work (``QuietTrimmer``).
 
 glibc keeps what the server's threads free (the event loop's, the model's, LanceDB's and Tantivy's pools, the
 job queue's; up to 8 arenas per core) resident until the top of each heap is free, which under steady writes
@@ -15,8 +16,13 @@ import ctypes.util
 import functools
 import os
 import sys
+import time
+from collections.abc import Callable
 
 TRIM_INTERVAL_S = 60.0
+QUIET_CHECK_S = 5.0  # how often ``QuietTrimmer.tick`` looks
+QUIET_CPU_SHARE = 0.05  # a check interval with less CPU than this share of one core is quiet
+WORK_CPU_S = 1.0  # CPU seconds since the last trim that make a quiet interval worth a trim
 MMAP_THRESHOLD_BYTES = 128 * 1024  # glibc's initial value; set explicitly, it stops growing
 _M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
 
@@ -61,3 +67,39 @@ def trim() -> None:
 async def trim_in_thread() -> None:
     """``trim`` off the event loop (it holds the arenas' locks while it walks them)."""
     await asyncio.to_thread(trim)
+
+
+class QuietTrimmer:
+    """Decides when to trim: every ``TRIM_INTERVAL_S`` while the process works, and at the first quiet check
+    (under ``QUIET_CPU_SHARE`` of a core since the previous one) after ``WORK_CPU_S`` of work, so that what a
+    burst freed goes back within seconds of its end rather than up to a minute later. An idle process is not
+    trimmed again. ``bench/writes.py --mode sustained --minutes 3``: see the commit that added it.
+    """
+
+    def __init__(
+        self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.process_time
+    ) -> None:
+        self._clock, self._cpu = clock, cpu
+        self._checked_at, self._checked_cpu = clock(), cpu()
+        self._trimmed_at, self._trimmed_cpu = self._checked_at, self._checked_cpu
+
+    def due(self) -> bool:
+        """Whether to trim now (call every ``QUIET_CHECK_S``)."""
+        now, cpu = self._clock(), self._cpu()
+        quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
+        self._checked_at, self._checked_cpu = now, cpu
+        worked = cpu - self._trimmed_cpu
+        if quiet and worked < WORK_CPU_S:
+            self._trimmed_at = now  # nothing done worth a trim: the minute counts from the end of the quiet
+            return False
+        return quiet or now - self._trimmed_at >= TRIM_INTERVAL_S
+
+    def trimmed(self) -> None:
+        """Note a trim just done."""
+        self._trimmed_at, self._trimmed_cpu = self._clock(), self._cpu()
+
+    async def tick(self) -> None:
+        """Trim off the event loop when ``due``."""
+        if self.due():
+            await trim_in_thread()
+            self.trimmed()

@@ -23,7 +23,7 @@ from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
-from proxy.heap import TRIM_INTERVAL_S, fix_mmap_threshold, trim_in_thread
+from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.store.background import Ticker
@@ -90,7 +90,7 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with Ticker("heap-trim", TRIM_INTERVAL_S, trim_in_thread):  # proxy.heap
+        async with Ticker("heap-trim", QUIET_CHECK_S, QuietTrimmer().tick):  # proxy.heap
             site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
             await site.start()
             addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]

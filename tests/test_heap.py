@@ -61,3 +61,30 @@ def mapped_bytes() -> int:
     assert libc is not None
     libc.mallinfo2.restype = _MallInfo2
     return int(libc.mallinfo2().hblkhd)
+
+
+class _Clocks:
+    """A wall clock and a CPU clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now, self.cpu = 1000.0, 50.0
+
+    def step(self, seconds: float, busy_share: float) -> None:
+        self.now += seconds
+        self.cpu += seconds * busy_share
+
+
+def test_the_trimmer_trims_once_quiet_after_work_and_each_minute_while_busy() -> None:
+    clocks = _Clocks()
+    trimmer = heap.QuietTrimmer(clock=lambda: clocks.now, cpu=lambda: clocks.cpu)
+    seen = []
+    for busy in [0.0] * 30 + [0.9] * 30 + [0.0] * 3:  # idle 150 s, busy 150 s, then quiet
+        clocks.step(heap.QUIET_CHECK_S, busy)
+        due = trimmer.due()
+        if due:
+            trimmer.trimmed()
+        seen.append(due)
+    assert not any(seen[:30])  # an idle process is left alone
+    assert sum(seen[30:60]) == 2  # busy: once a minute (150 s)
+    assert seen[60]  # the first quiet check after the work
+    assert not any(seen[61:])  # then nothing more
