@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-from collections.abc import AsyncIterator, Sequence
+import functools
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -37,6 +38,10 @@ class Hit(NamedTuple):
 
     record: MemoryRecord
     score: float
+
+
+# ``Hit(*pair)`` in C: a NamedTuple's own ``__new__`` is a Python function (~0.35 against ~0.17 us a hit)
+_hit = cast("Callable[[tuple[MemoryRecord, float]], Hit]", functools.partial(tuple.__new__, Hit))
 
 
 @dataclass(frozen=True)
@@ -144,12 +149,9 @@ class StoreReader:
         if entry is None:
             self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
-        found = entry.search_pools(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
-        out = []
-        for scored in found:  # cached records carry their pending access times already (``_load_user``)
-            records = entry.records([record_id for record_id, _ in scored])
-            out.append([Hit(r, score) for r, (_, score) in zip(records, scored, strict=True) if r is not None])
-        return out
+        found = entry.search_rows(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
+        # cached records carry their pending access times already (``_load_user``)
+        return [list(map(_hit, zip(entry.records_at(rows), scores, strict=True))) for rows, scores in found]
 
     async def _lance_vector_search(
         self, user_id: str, vector: npt.NDArray[np.float32], pool: Pool
@@ -201,7 +203,7 @@ class StoreReader:
         by_id = await self._records_by_id(user_id, ids)
         return [
             [
-                Hit(record, score)
+                _hit((record, score))
                 for record_id, score in scored
                 if (record := by_id.get(record_id)) is not None and _matches(record, user_id, pool)
             ]

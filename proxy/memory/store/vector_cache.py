@@ -18,7 +18,7 @@ import functools
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -213,17 +213,26 @@ class UserVectors:
 
     def search_pools(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[list[tuple[str, float]]]:
         """Top (id, cosine) of each pool; the query's scores against every row are computed at most once."""
-        n, ids = self.n, self.ids
+        ids = self.ids
+        return [
+            [(ids[row], score) for row, score in zip(rows, scores, strict=True)]
+            for rows, scores in self.search_rows(query, pools)
+        ]
+
+    def search_rows(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[tuple[list[int], list[float]]]:
+        """``search_pools`` as (rows, cosines) per pool, best first: rows of live records, for ``records_at``
+        (no id per hit to make and look up again). Valid until the entry next changes."""
+        n = self.n
         scores: npt.NDArray[np.float32] | None = None
-        out: list[list[tuple[str, float]]] = []
+        out: list[tuple[list[int], list[float]]] = []
         for pool in pools:
             rows = np.flatnonzero(self._mask(n, pool))
             if pool.k <= 0 or rows.size == 0:
-                out.append([])
+                out.append(([], []))
                 continue
             if scores is None:  # every row at once: gathering a pool's columns costs more than scoring them all
                 scores = _dot(query, self.vectors[:, :n])
-            out.append(_top_k(scores[rows], rows, pool.k, ids))
+            out.append(_top_k(scores[rows], rows, pool.k))
         return out
 
     def _mask(self, n: int, pool: Pool) -> npt.NDArray[np.bool_]:
@@ -240,13 +249,21 @@ class UserVectors:
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
-        rows = [self.index.get(record_id) for record_id in ids]
-        pending = [row for row in rows if row is not None and self._records[row] is None]
+        index = self.index
+        rows = [index.get(record_id) for record_id in ids]
+        found = self.records_at([row for row in rows if row is not None])
+        it = iter(found)
+        return [next(it) if row is not None else None for row in rows]
+
+    def records_at(self, rows: Sequence[int]) -> list[MemoryRecord]:
+        """The records of live rows (``search_rows``'), materialised from the loaded columns once."""
+        records = self._records
+        pending = [row for row in rows if records[row] is None]
         for row in pending:
             base = self._base[row]
-            self._records[row] = from_row({name: values[base] for name, values in self._columns.items()})
+            records[row] = from_row({name: values[base] for name, values in self._columns.items()})
         self._materialised += len(pending)
-        return [self._records[row] if row is not None else None for row in rows]
+        return cast("list[MemoryRecord]", [records[row] for row in rows])
 
     def ordered_ids(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> list[str]:
         """Ids of live records, newest first (created_at, then id, descending)."""
@@ -276,14 +293,12 @@ def single_thread_blas() -> None:
     threadpoolctl.threadpool_limits(limits=1, user_api="blas")
 
 
-def _top_k(
-    scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int, ids: list[str]
-) -> list[tuple[str, float]]:
-    """The ``k`` best (id, score), best first; ``scores[i]`` belongs to row ``rows[i]``."""
+def _top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) -> tuple[list[int], list[float]]:
+    """The ``k`` best (rows, scores), best first; ``scores[i]`` belongs to row ``rows[i]``."""
     take = min(k, rows.size)
     top = np.argpartition(-scores, take - 1)[:take]
     top = top[np.argsort(-scores[top], kind="stable")]
-    return [(ids[row], score) for row, score in zip(rows[top].tolist(), scores[top].tolist(), strict=True)]
+    return rows[top].tolist(), scores[top].tolist()
 
 
 class VectorCache:
