@@ -249,11 +249,9 @@ class UserVectors:
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
-        index = self.index
-        rows = [index.get(record_id) for record_id in ids]
-        found = self.records_at([row for row in rows if row is not None])
-        it = iter(found)
-        return [next(it) if row is not None else None for row in rows]
+        rows = [self.index.get(record_id) for record_id in ids]
+        self.records_at([row for row in rows if row is not None])  # materialises the missing ones
+        return [self._records[row] if row is not None else None for row in rows]
 
     def records_at(self, rows: Sequence[int]) -> list[MemoryRecord]:
         """The records of live rows (``search_rows``'), materialised from the loaded columns once."""
