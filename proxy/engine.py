@@ -25,6 +25,7 @@ from proxy.chat import arms_entries
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.features import FeatureBoard, guard_handlers
+from proxy.memory.read import text_caches
 from proxy.memory.read.candidates import Candidate
 from proxy.memory.read.injection import inject as inject_block
 from proxy.memory.read.read_cache import NameIndexCache
@@ -164,6 +165,20 @@ class MemoryEngine:
         self.names.invalidate(user_id)
         await self.names.wait_for_loads()
         self.names.invalidate(user_id)
+
+    def release_idle(self) -> int:
+        """Called while the process is quiet: drop the users no read has used for ``store.vector_cache_idle_s``
+        from the vector cache, and once no user is left there, the read path's per-text caches and the query
+        vectors' LRU too (a quiet process hands that memory back; the next reads refill them). Returns how many
+        users were dropped."""
+        released = self.store.release_idle()
+        if released:
+            emptied = self.store.cached_users == 0
+            if emptied:
+                text_caches.clear()
+                self.embedder.query_cache.clear()
+            log.info("memory.released_idle", users=len(released), cache_emptied=emptied)
+        return len(released)
 
     @property
     def ready(self) -> bool:

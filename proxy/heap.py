@@ -74,19 +74,26 @@ class QuietTrimmer:
     (under ``QUIET_CPU_SHARE`` of a core since the previous one) after ``WORK_CPU_S`` of work, so that what a
     burst freed goes back within seconds of its end rather than up to a minute later. An idle process is not
     trimmed again. ``bench/writes.py --mode sustained --minutes 3``: see the commit that added it.
+
+    ``release``, if given, is called at every quiet check to drop caches of users gone idle
+    (``MemoryEngine.release_idle``); when it dropped any, the heap is trimmed at once, idle process or not.
     """
 
     def __init__(
-        self, clock: Callable[[], float] = time.monotonic, cpu: Callable[[], float] = time.process_time
+        self,
+        clock: Callable[[], float] = time.monotonic,
+        cpu: Callable[[], float] = time.process_time,
+        release: Callable[[], int] | None = None,
     ) -> None:
-        self._clock, self._cpu = clock, cpu
+        self._clock, self._cpu, self._release = clock, cpu, release
+        self.quiet = False  # whether the last check found the process quiet
         self._checked_at, self._checked_cpu = clock(), cpu()
         self._trimmed_at, self._trimmed_cpu = self._checked_at, self._checked_cpu
 
     def due(self) -> bool:
         """Whether to trim now (call every ``QUIET_CHECK_S``)."""
         now, cpu = self._clock(), self._cpu()
-        quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
+        quiet = self.quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
         self._checked_at, self._checked_cpu = now, cpu
         worked = cpu - self._trimmed_cpu
         if quiet and worked < WORK_CPU_S:
@@ -99,7 +106,10 @@ class QuietTrimmer:
         self._trimmed_at, self._trimmed_cpu = self._clock(), self._cpu()
 
     async def tick(self) -> None:
-        """Trim off the event loop when ``due``."""
-        if self.due():
+        """Release idle caches when quiet; trim off the event loop when ``due`` or when that released any."""
+        due = self.due()
+        if self.quiet and self._release is not None and self._release() > 0:
+            due = True
+        if due:
             await trim_in_thread()
             self.trimmed()

@@ -82,6 +82,9 @@ async def _inject(state: AppState, identity: Identity, body: Mapping[str, Any]) 
 
 async def _read_slot(state: AppState) -> bool:
     """Take one of the read path's slots, waiting at most ``memory.read_queue_ms``; False if none came free."""
+    if not state.read_slots.locked():  # a free slot: taken at once, no timer armed and cancelled
+        await state.read_slots.acquire()
+        return True
     try:
         async with asyncio.timeout(state.settings.memory.read_queue_ms / 1000):
             await state.read_slots.acquire()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from http import HTTPStatus
@@ -26,6 +27,7 @@ from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.service import ReleasesIdle
 from proxy.memory.store.background import Ticker
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError
@@ -78,6 +80,13 @@ class AppRunner(web.AppRunner):
         return server
 
 
+def release_idle(app: web.Application) -> int:
+    """The memory service's ``release_idle`` (users dropped from its caches), once it has one."""
+    state = app.get(STATE)
+    memory = state.memory if state is not None else None
+    return memory.release_idle() if isinstance(memory, ReleasesIdle) else 0
+
+
 async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
     """Serve until a termination signal arrives."""
     app = build_app(settings, memory_factory=memory_factory)
@@ -90,7 +99,8 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with Ticker("heap-trim", QUIET_CHECK_S, QuietTrimmer().tick):  # proxy.heap
+        trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
+        async with Ticker("heap-trim", QUIET_CHECK_S, trimmer.tick):  # proxy.heap
             site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
             await site.start()
             addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]

@@ -88,3 +88,35 @@ def test_the_trimmer_trims_once_quiet_after_work_and_each_minute_while_busy() ->
     assert sum(seen[30:60]) == 2  # busy: once a minute (150 s)
     assert seen[60]  # the first quiet check after the work
     assert not any(seen[61:])  # then nothing more
+
+
+async def test_a_quiet_check_releases_idle_caches_and_trims_when_any_went(monkeypatch: pytest.MonkeyPatch) -> None:
+    """At every quiet check (busy ones never) the trimmer asks ``release`` to drop idle users' caches, and
+    trims at once when it dropped any, even in a process that has been idle since its last trim."""
+    clocks, released, trims = _Clocks(), [0, 3], []
+    calls: list[float] = []
+
+    def release() -> int:
+        calls.append(clocks.now)
+        return released.pop(0) if released else 0
+
+    async def trim() -> None:
+        trims.append(clocks.now)
+
+    monkeypatch.setattr(heap, "trim_in_thread", trim)
+    trimmer = heap.QuietTrimmer(clock=lambda: clocks.now, cpu=lambda: clocks.cpu, release=release)
+    clocks.step(heap.QUIET_CHECK_S, 1.0)  # busy: no release asked
+    await trimmer.tick()
+    assert calls == []
+    clocks.step(heap.QUIET_CHECK_S, 0.0)  # quiet after work: released nothing, trimmed for the work done
+    await trimmer.tick()
+    assert len(calls) == 1
+    assert trims == [clocks.now]
+    clocks.step(heap.QUIET_CHECK_S, 0.0)  # still quiet, nothing worked since: a trim only because 3 went
+    await trimmer.tick()
+    assert trims[-1] == clocks.now
+    assert len(trims) == 2
+    clocks.step(heap.QUIET_CHECK_S, 0.0)  # quiet, nothing released, nothing worked: no trim
+    await trimmer.tick()
+    assert len(calls) == 3
+    assert len(trims) == 2

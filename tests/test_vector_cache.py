@@ -108,6 +108,39 @@ async def test_lru_eviction_by_bytes() -> None:
     assert cache.nbytes <= cache.max_bytes
 
 
+async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``release_idle`` drops the users last read ``idle_s`` ago or more (a write does not count as a read),
+    keeps the others, and gives their bytes back; a released user's next read loads them again."""
+    clock = [100.0]
+    monkeypatch.setattr("proxy.memory.store.vector_cache.time.monotonic", lambda: clock[0])
+    cache = VectorCache(max_bytes=2**22)
+    loads: list[str] = []
+
+    async def load(user: str) -> UserVectors:
+        loads.append(user)
+        return entry_with(user, records(user, 20), unit_rows(20))
+
+    for user in ("old", "recent"):
+        await cache.get_or_load(user, lambda user=user: load(user))
+    clock[0] += 30
+    await cache.get_or_load("recent", lambda: load("recent"))
+    cache.upsert(records("old", 1, start=50), unit_rows(1))  # a write keeps the entry current, not in use
+    clock[0] += 15
+    assert cache.release_idle(20.0) == ["old"]
+    assert "old" not in cache
+    assert "recent" in cache
+    assert cache.nbytes == cache.get("recent").nbytes  # type: ignore[union-attr]
+    assert cache.release_idle(20.0) == []
+    await cache.get_or_load("old", lambda: load("old"))
+    assert loads == ["old", "recent", "old"]
+    clock[0] += 60
+    assert sorted(cache.release_idle(20.0)) == ["old", "recent"]
+    assert len(cache) == 0
+    assert cache.nbytes == 0
+
+
 async def test_user_too_big_for_the_budget_is_not_cached() -> None:
     """A user whose vectors exceed the budget is searched elsewhere (the loader says None)."""
     cache = VectorCache(max_bytes=estimated_bytes(10, DIM))

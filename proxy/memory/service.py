@@ -77,6 +77,15 @@ class StorageStatus(Protocol):
         ...
 
 
+@runtime_checkable
+class ReleasesIdle(Protocol):
+    """A memory service that can hand back what it caches for users who went idle (called while quiet)."""
+
+    def release_idle(self) -> int:
+        """Drop what is cached for users not read lately; returns how many users were dropped."""
+        ...
+
+
 class RecordPage(Protocol):
     """One page of a user's records, newest first, and the cursor of the next (None at the end)."""
 

@@ -56,6 +56,10 @@ class QueryCache:
         self._items.move_to_end(key)
         return vector
 
+    def clear(self) -> None:
+        """Empty the LRU (pinned vectors stay: their jobs still need them)."""
+        self._items.clear()
+
     def pin(self, text: str) -> None:
         """Keep the text's vector (if cached) until as many ``unpin`` calls as pins."""
         key = _key(text)

@@ -439,3 +439,9 @@ def inject(
         items=ordered,
         tokens=block_cost(chosen),
     )
+
+
+def clear_caches() -> None:
+    """Empty this module's per-text caches (``text_caches.clear``)."""
+    for cached in (_head_cost, _cost, _chunked, _normalised):
+        cached.cache_clear()

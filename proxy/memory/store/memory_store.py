@@ -96,6 +96,9 @@ class StoreTuning(BaseModel):
     touch_granularity_s: float = Field(3600.0, ge=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
     vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
+    # While the process is quiet, a user whose cached vectors no read has used for this many seconds is dropped
+    # from the cache (their next read loads them again); 0 keeps every user until the byte budget evicts them.
+    vector_cache_idle_s: float = Field(20.0, ge=0)
     # LanceDB's own caches (opened indexes, file metadata and manifests). Its default (6 GB + 1 GB) kept the
     # metadata of every version a busy write side made: 275 MB after 3,000 commits, growing without end.
     lance_cache_bytes: int = Field(64 * 2**20, ge=1 * 2**20)
@@ -397,6 +400,16 @@ class MemoryStore(StoreReader):
                 for user, ids in chunk.items():
                     self._cache.patch(user, list(ids), last_accessed_at=at)
                 await self._mark_synced()
+
+    def release_idle(self) -> list[str]:
+        """Drop the vector cache's users no read has used for ``vector_cache_idle_s``; returns them."""
+        idle_s = self.settings.vector_cache_idle_s
+        return self._cache.release_idle(idle_s) if idle_s > 0 else []
+
+    @property
+    def cached_users(self) -> int:
+        """How many users the vector cache holds."""
+        return len(self._cache)
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one record from both arms and the cache; False if the user has no such record."""

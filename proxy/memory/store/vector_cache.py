@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from datetime import datetime
@@ -306,8 +307,9 @@ class VectorCache:
         self.max_bytes = max_bytes
         self.hits = 0
         self.misses = 0
-        self._entries: OrderedDict[str, UserVectors] = OrderedDict()
+        self._entries: OrderedDict[str, UserVectors] = OrderedDict()  # least recently read first
         self._bytes: dict[str, int] = {}
+        self._read_at: dict[str, float] = {}  # time.monotonic() of each entry's last read
         self._total = 0
         # user -> the writes to replay onto the entry being loaded (None: dropped meanwhile, discard the load)
         self._loading: dict[str, list[Callable[[UserVectors], object]] | None] = {}
@@ -326,6 +328,9 @@ class VectorCache:
         """Stop the loads in flight (the store closes; nothing would use them)."""
         await _cancel_all(self._loads.values())
 
+    def __len__(self) -> int:
+        return len(self._entries)
+
     def __contains__(self, user_id: object) -> bool:
         return user_id in self._entries
 
@@ -334,6 +339,7 @@ class VectorCache:
         entry = self._entries.get(user_id)
         if entry is not None:
             self._entries.move_to_end(user_id)
+            self._read_at[user_id] = time.monotonic()
         return entry
 
     async def get_or_load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
@@ -387,6 +393,7 @@ class VectorCache:
             self._mark_too_big(user_id)
             return
         self._entries[user_id] = entry
+        self._read_at[user_id] = time.monotonic()
         self._account(user_id)
 
     def _account(self, user_id: str) -> None:
@@ -433,9 +440,23 @@ class VectorCache:
             entry.remove(ids)
             self._account(user_id)
 
+    def release_idle(self, idle_s: float, now: float | None = None) -> list[str]:
+        """Drop the entries no read has used for ``idle_s`` seconds (writes do not count: they keep an entry
+        current, not useful); returns their users. Their next read loads them again from LanceDB."""
+        cutoff = (time.monotonic() if now is None else now) - idle_s
+        idle = []
+        for user_id in self._entries:  # least recently read first
+            if self._read_at.get(user_id, cutoff) > cutoff:
+                break
+            idle.append(user_id)
+        for user_id in idle:
+            self.drop(user_id)
+        return idle
+
     def drop(self, user_id: str) -> None:
         """Forget everything cached about the user."""
         self._entries.pop(user_id, None)
+        self._read_at.pop(user_id, None)
         self._total -= self._bytes.pop(user_id, 0)
         self._too_big.pop(user_id, None)
         self._discard_load(user_id)

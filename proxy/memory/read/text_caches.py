@@ -1,0 +1,16 @@
+"""The read path's per-text caches (token costs, excerpts, normalised texts, written names, term pieces): what the
+memories read most often cost to prepare, kept so that the same memories injected request after request are
+prepared once. ``clear`` empties them all; ``MemoryEngine.release_idle`` calls it once no user is cached any more,
+so that a quiet process hands their memory back (they refill at ~30 us a text on the next reads).
+"""
+
+from __future__ import annotations
+
+from proxy.memory.read import injection, names, term_match
+
+
+def clear() -> None:
+    """Empty every per-text cache of the read path."""
+    injection.clear_caches()
+    names.written_names.cache_clear()
+    term_match.text_pieces.cache_clear()
