@@ -167,10 +167,10 @@ class MemoryEngine:
         self.names.invalidate(user_id)
 
     def release_idle(self) -> int:
-        """Called while the process is quiet: drop the users no read has used for ``store.vector_cache_idle_s``
-        from the vector cache, and once no user is left there, the read path's per-text caches and the query
-        vectors' LRU too (a quiet process hands that memory back; the next reads refill them). Returns how many
-        users were dropped."""
+        """Called every few seconds (``proxy.heap``): once no read has come for a few seconds, drop the users no
+        read has used for ``store.vector_cache_idle_s`` from the vector cache, and once no user is left there,
+        the read path's per-text caches and the query vectors' LRU too (readers gone idle hand that memory back;
+        the next reads refill them). Returns how many users were dropped."""
         released = self.store.release_idle()
         if released:
             emptied = self.store.cached_users == 0

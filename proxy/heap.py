@@ -75,8 +75,9 @@ class QuietTrimmer:
     burst freed goes back within seconds of its end rather than up to a minute later. An idle process is not
     trimmed again. ``bench/writes.py --mode sustained --minutes 3``: see the commit that added it.
 
-    ``release``, if given, is called at every quiet check to drop caches of users gone idle
-    (``MemoryEngine.release_idle``); when it dropped any, the heap is trimmed at once, idle process or not.
+    ``release``, if given, is called at every check to drop the caches of users gone idle
+    (``MemoryEngine.release_idle``, which decides what is idle); when it dropped any, the heap is trimmed at
+    once, idle process or not.
     """
 
     def __init__(
@@ -86,14 +87,13 @@ class QuietTrimmer:
         release: Callable[[], int] | None = None,
     ) -> None:
         self._clock, self._cpu, self._release = clock, cpu, release
-        self.quiet = False  # whether the last check found the process quiet
         self._checked_at, self._checked_cpu = clock(), cpu()
         self._trimmed_at, self._trimmed_cpu = self._checked_at, self._checked_cpu
 
     def due(self) -> bool:
         """Whether to trim now (call every ``QUIET_CHECK_S``)."""
         now, cpu = self._clock(), self._cpu()
-        quiet = self.quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
+        quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
         self._checked_at, self._checked_cpu = now, cpu
         worked = cpu - self._trimmed_cpu
         if quiet and worked < WORK_CPU_S:
@@ -106,9 +106,9 @@ class QuietTrimmer:
         self._trimmed_at, self._trimmed_cpu = self._clock(), self._cpu()
 
     async def tick(self) -> None:
-        """Release idle caches when quiet; trim off the event loop when ``due`` or when that released any."""
+        """Release idle users' caches; trim off the event loop when ``due`` or when that released any."""
         due = self.due()
-        if self.quiet and self._release is not None and self._release() > 0:
+        if self._release is not None and self._release() > 0:
             due = True
         if due:
             await trim_in_thread()

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes
+from proxy.memory.store.vector_cache import READS_IDLE_S, UserVectors, VectorCache, estimated_bytes
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -127,6 +127,8 @@ async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_r
     clock[0] += 30
     await cache.get_or_load("recent", lambda: load("recent"))
     cache.upsert(records("old", 1, start=50), unit_rows(1))  # a write keeps the entry current, not in use
+    clock[0] += READS_IDLE_S / 2
+    assert cache.release_idle(20.0) == []  # a read came too recently: nothing goes while reads come
     clock[0] += 15
     assert cache.release_idle(20.0) == ["old"]
     assert "old" not in cache

@@ -1,11 +1,13 @@
-"""The read path's per-text caches (token costs, excerpts, normalised texts, written names, term pieces): what the
-memories read most often cost to prepare, kept so that the same memories injected request after request are
-prepared once. ``clear`` empties them all; ``MemoryEngine.release_idle`` calls it once no user is cached any more,
-so that a quiet process hands their memory back (they refill at ~30 us a text on the next reads).
+"""The read path's per-text caches (token costs, excerpts, normalised texts, written names, term pieces, word
+stems): what the memories read most often cost to prepare, kept so that the same memories injected request
+after request are prepared once. ``clear`` empties them all; ``MemoryEngine.release_idle`` calls it once no user
+is cached any more, so that a process whose readers went idle hands their memory back (they refill at ~30 us a
+text on the next reads).
 """
 
 from __future__ import annotations
 
+from proxy.memory import words
 from proxy.memory.read import injection, names, term_match
 
 
@@ -14,3 +16,4 @@ def clear() -> None:
     injection.clear_caches()
     names.written_names.cache_clear()
     term_match.text_pieces.cache_clear()
+    words.stem.cache_clear()  # every distinct word seen (numbers and ids too), up to 65,536

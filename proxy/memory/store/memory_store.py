@@ -96,8 +96,8 @@ class StoreTuning(BaseModel):
     touch_granularity_s: float = Field(3600.0, ge=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
     vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
-    # While the process is quiet, a user whose cached vectors no read has used for this many seconds is dropped
-    # from the cache (their next read loads them again); 0 keeps every user until the byte budget evicts them.
+    # Once no read has come for 5 s, a user whose cached vectors no read has used for this many seconds is
+    # dropped (their next read loads them again); 0 keeps every user until the byte budget evicts them.
     vector_cache_idle_s: float = Field(20.0, ge=0)
     # LanceDB's own caches (opened indexes, file metadata and manifests). Its default (6 GB + 1 GB) kept the
     # metadata of every version a busy write side made: 275 MB after 3,000 commits, growing without end.

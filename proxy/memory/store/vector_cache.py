@@ -45,6 +45,7 @@ def grown(capacity: int) -> int:
     return max(_MIN_CAPACITY, capacity + capacity // 2)
 
 
+READS_IDLE_S = 5.0  # ``release_idle`` drops nothing while a read came this recently
 MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past it the load is not kept
 
 
@@ -441,9 +442,13 @@ class VectorCache:
             self._account(user_id)
 
     def release_idle(self, idle_s: float, now: float | None = None) -> list[str]:
-        """Drop the entries no read has used for ``idle_s`` seconds (writes do not count: they keep an entry
-        current, not useful); returns their users. Their next read loads them again from LanceDB."""
-        cutoff = (time.monotonic() if now is None else now) - idle_s
+        """Once no read has come for ``READS_IDLE_S``, drop the entries no read has used for ``idle_s`` seconds
+        (writes do not count: they keep an entry current, not useful); returns their users. Their next read
+        loads them again from LanceDB. While reads keep coming, only the byte budget evicts."""
+        now = time.monotonic() if now is None else now
+        if now - max(self._read_at.values(), default=now) < READS_IDLE_S:
+            return []
+        cutoff = now - idle_s
         idle = []
         for user_id in self._entries:  # least recently read first
             if self._read_at.get(user_id, cutoff) > cutoff:
