@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -496,3 +497,22 @@ async def test_update_many_retires_several_records_of_one_user_at_once(store: Me
     assert await keyword_ids(store, "bob", "blue stamps") == [bob.id]
     with pytest.raises(ValueError, match="text"):
         await store.update_many("alice", [alice[2].id], text="changed")
+
+
+async def test_a_user_released_while_idle_is_reloaded_with_everything_written_meanwhile(store: MemoryStore) -> None:
+    """``release_idle`` keeps users while reads are recent and drops them once unread for
+    ``vector_cache_idle_s``; a memory written while a user was out of the cache is found by the next read, which
+    loads the user again from LanceDB."""
+    [first] = await store.add([fact("alice", "Alice adopted a golden retriever named Max")])
+    await store.add([fact("bob", "Bob collects vinyl records")])
+    assert (await vector_ids(store, "alice", "golden retriever"))[0] == first.id
+    assert await vector_ids(store, "bob", "vinyl records")
+    assert store.cached_users == 2
+    assert store.release_idle() == []  # just read
+    later = time.monotonic() + store.settings.vector_cache_idle_s + 1
+    assert sorted(store.release_idle(now=later)) == ["alice", "bob"]
+    assert store.cached_users == 0
+    [second] = await store.add([fact("alice", "Alice moved to Lisbon in May")])
+    assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == second.id
+    assert first.id in await vector_ids(store, "alice", "golden retriever")
+    assert store.cached_users == 1

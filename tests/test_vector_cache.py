@@ -108,14 +108,11 @@ async def test_lru_eviction_by_bytes() -> None:
     assert cache.nbytes <= cache.max_bytes
 
 
-async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read() -> None:
     """``release_idle`` drops the users last read ``idle_s`` ago or more (a write does not count as a read),
     keeps the others, and gives their bytes back; a released user's next read loads them again."""
     clock = [100.0]
-    monkeypatch.setattr("proxy.memory.store.vector_cache.time.monotonic", lambda: clock[0])
-    cache = VectorCache(max_bytes=2**22)
+    cache = VectorCache(max_bytes=2**22, clock=lambda: clock[0])
     loads: list[str] = []
 
     async def load(user: str) -> UserVectors:

@@ -79,7 +79,7 @@ class StorageStatus(Protocol):
 
 @runtime_checkable
 class ReleasesIdle(Protocol):
-    """A memory service that can hand back what it caches for users who went idle (called while quiet)."""
+    """A memory service that can hand back what it caches for users who went idle (``proxy.heap`` asks)."""
 
     def release_idle(self) -> int:
         """Drop what is cached for users not read lately; returns how many users were dropped."""

@@ -401,10 +401,11 @@ class MemoryStore(StoreReader):
                     self._cache.patch(user, list(ids), last_accessed_at=at)
                 await self._mark_synced()
 
-    def release_idle(self) -> list[str]:
-        """Drop the vector cache's users no read has used for ``vector_cache_idle_s``; returns them."""
+    def release_idle(self, now: float | None = None) -> list[str]:
+        """Drop the vector cache's users no read has used for ``vector_cache_idle_s`` (``VectorCache.release_idle``;
+        ``now``: its clock, ``time.monotonic``); returns them."""
         idle_s = self.settings.vector_cache_idle_s
-        return self._cache.release_idle(idle_s) if idle_s > 0 else []
+        return self._cache.release_idle(idle_s, now) if idle_s > 0 else []
 
     @property
     def cached_users(self) -> int:

@@ -304,13 +304,14 @@ def _top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) 
 class VectorCache:
     """Users' ``UserVectors`` under one byte budget, least recently used evicted first."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
+        self._clock = clock
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[str, UserVectors] = OrderedDict()  # least recently read first
         self._bytes: dict[str, int] = {}
-        self._read_at: dict[str, float] = {}  # time.monotonic() of each entry's last read
+        self._read_at: dict[str, float] = {}  # ``clock()`` at each entry's last read
         self._total = 0
         # user -> the writes to replay onto the entry being loaded (None: dropped meanwhile, discard the load)
         self._loading: dict[str, list[Callable[[UserVectors], object]] | None] = {}
@@ -340,7 +341,7 @@ class VectorCache:
         entry = self._entries.get(user_id)
         if entry is not None:
             self._entries.move_to_end(user_id)
-            self._read_at[user_id] = time.monotonic()
+            self._read_at[user_id] = self._clock()
         return entry
 
     async def get_or_load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
@@ -394,7 +395,7 @@ class VectorCache:
             self._mark_too_big(user_id)
             return
         self._entries[user_id] = entry
-        self._read_at[user_id] = time.monotonic()
+        self._read_at[user_id] = self._clock()
         self._account(user_id)
 
     def _account(self, user_id: str) -> None:
@@ -445,8 +446,9 @@ class VectorCache:
         """Once no read has come for ``READS_IDLE_S``, drop the entries no read has used for ``idle_s`` seconds
         (writes do not count: they keep an entry current, not useful); returns their users. Their next read
         loads them again from LanceDB. While reads keep coming, only the byte budget evicts."""
-        now = time.monotonic() if now is None else now
-        if now - max(self._read_at.values(), default=now) < READS_IDLE_S:
+        now = self._clock() if now is None else now
+        newest = self._read_at.get(next(reversed(self._entries)), now) if self._entries else now
+        if now - newest < READS_IDLE_S:  # the last entry is the one read last
             return []
         cutoff = now - idle_s
         idle = []
