@@ -447,13 +447,12 @@ class VectorCache:
         (writes do not count: they keep an entry current, not useful); returns their users. Their next read
         loads them again from LanceDB. While reads keep coming, only the byte budget evicts."""
         now = self._clock() if now is None else now
-        newest = self._read_at.get(next(reversed(self._entries)), now) if self._entries else now
-        if now - newest < READS_IDLE_S:  # the last entry is the one read last
-            return []
+        if not self._entries or now - self._read_at[next(reversed(self._entries))] < READS_IDLE_S:
+            return []  # the last entry is the one read last
         cutoff = now - idle_s
         idle = []
         for user_id in self._entries:  # least recently read first
-            if self._read_at.get(user_id, cutoff) > cutoff:
+            if self._read_at[user_id] > cutoff:
                 break
             idle.append(user_id)
         for user_id in idle:
