@@ -35,7 +35,7 @@ CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
 KEYED_PATHS = CHAT_PATHS | {"/v1/models"}
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 EXPOSED_HEADERS = ("X-Memory-Mode, X-Memory-Injected, X-Memory-Ids, X-Memory-Arms, X-Memory-Retrieval-Ms, "
-                   "X-Request-Id")  # fmt: skip
+                   "X-Request-Id, X-Upstream-Request-Id")  # fmt: skip
 
 
 def key_hash(key: str) -> str:

@@ -73,6 +73,9 @@ LITELLM_STEERING_FIELDS = frozenset(
 TRACE_HEADERS = ("traceparent", "tracestate")
 # Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
+# ``X-Request-Id`` on memproxy's answer is memproxy's own id (the one in its log lines); the upstream's id for the
+# same exchange, which a provider's support asks for, is relayed under this name instead.
+UPSTREAM_REQUEST_ID = "X-Upstream-Request-Id"
 
 
 @contextlib.contextmanager
@@ -98,7 +101,7 @@ def relayed_headers(headers: Mapping[str, str]) -> dict[str, str]:
     for name, value in headers.items():
         lower = name.lower()
         if any(lower == h or (h.endswith("-") and lower.startswith(h)) for h in RELAYED_RESPONSE_HEADERS):
-            out[name] = value
+            out[UPSTREAM_REQUEST_ID if lower == "x-request-id" else name] = value
     return out
 
 

@@ -59,6 +59,16 @@ async def test_stream_relays_every_event(make_proxy: ProxyFactory) -> None:
     assert "".join(contents) == "echo: a b c"
 
 
+async def test_request_id_is_memproxys_and_the_upstreams_is_relayed_apart(make_proxy: ProxyFactory) -> None:
+    """One ``X-Request-Id`` on the answer, the client's (the id in memproxy's log lines); the upstream's id for
+    the same exchange comes as ``X-Upstream-Request-Id``."""
+    proxy = await make_proxy()
+    response = await proxy.post(CHAT, json=_body(stream=True), headers={"X-Request-Id": "client-7"})
+    await response.read()
+    assert response.headers.getall("X-Request-Id") == ["client-7"]
+    assert response.headers["X-Upstream-Request-Id"] == "fake-req"
+
+
 async def test_stream_is_not_buffered(make_proxy: ProxyFactory) -> None:
     """The first chunk of a slow stream reaches the client long before the stream ends."""
     proxy = await make_proxy()
