@@ -163,6 +163,12 @@ class ShadowMemory:
         """The engine's readiness."""
         return bool(self._engine.ready)
 
+    def release_idle(self) -> int:
+        """The engine's (defined here, not reached through ``__getattr__``: from Python 3.12 a runtime protocol
+        check such as ``ReleasesIdle`` looks attributes up statically)."""
+        released: int = self._engine.release_idle()
+        return released
+
     @property
     def admin(self) -> MemoryAdmin:
         """The engine's management operations (shadow comparisons never change what they see)."""
