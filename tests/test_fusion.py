@@ -255,7 +255,7 @@ def test_names_written_in_found_memories_lift_them_damped_by_how_many_carry_them
     anna = _rec("Anna recommended Dune to me", "anna")
     both = _rec("Anna and Tom went to Oslo", "both")
     book = _rec("I read a book about dunes", "book")
-    assert written_names(anna.text) == {"anna", "dune"}
+    assert written_names[anna.text] == {"anna", "dune"}
     assert text_name_scores("what did anna recommend?", [anna, book]) == {"anna": 1.0}
     shared = text_name_scores("What did Anna say?", [anna, both, book])
     assert shared == pytest.approx({"anna": name_damping(2), "both": name_damping(2)})

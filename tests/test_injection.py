@@ -229,7 +229,7 @@ def test_long_items_are_cut_to_the_excerpt_with_most_query_terms() -> None:
 def test_a_cut_text_is_cached_as_a_few_arrays() -> None:
     """What the excerpt cache keeps per text stays small (4,096 texts are kept): arrays, not a dict of lists."""
     text = "We talked about the weather and the traffic for a long while that day. " * 5
-    chunks = _chunked(text)
+    chunks = _chunked[text]
     assert sum(part.nbytes for part in chunks) < 40 * len(chunks.costs)
     assert text[chunks.spans[3][0] : chunks.spans[3][1]] == text.split()[3]
 

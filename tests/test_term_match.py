@@ -128,5 +128,5 @@ def test_only_a_long_memorys_first_words_count() -> None:
     """A long pasted memory is matched on its first ``MAX_TEXT_TERMS`` content words (a bounded cost)."""
     toy = ToyVectors()
     long_text = " ".join(["weather"] * MAX_TEXT_TERMS + [f"w{i}" for i in range(MAX_TEXT_TERMS)] + ["adoption"])
-    assert text_pieces(toy, "Caroline: adoption weather").tolist() == _ids("caroline", "adoption", "weather").tolist()
-    assert text_pieces(toy, long_text).tolist() == _ids("weather").tolist()
+    assert text_pieces[toy, "Caroline: adoption weather"].tolist() == _ids("caroline", "adoption", "weather").tolist()
+    assert text_pieces[toy, long_text].tolist() == _ids("weather").tolist()

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import numpy.typing as npt
 
+from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
 from proxy.memory.read.query import message_text
 from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.store.records import Kind, MemoryRecord
@@ -202,7 +203,7 @@ def render_item(item: MemoryItem) -> str:
 def line_cost(item: MemoryItem) -> int:
     """``estimate_tokens(render_item(item))``, from the cached costs of the head and of the quoted text (the
     estimate adds up over whitespace-separated parts)."""
-    return _head_cost(_head(item)) + _cost(item.text)
+    return _head_cost(_head(item)) + _cost[item.text]
 
 
 @functools.lru_cache(maxsize=4_096)  # heads repeat: a date and a label
@@ -226,7 +227,7 @@ def block_cost(items: Sequence[MemoryItem]) -> int:
 _CHUNK = re.compile(rf"[{_CJK_CLASS}]|[^\s{_CJK_CLASS}]+")
 
 
-@functools.lru_cache(maxsize=16_384)  # the same memories are injected request after request
+@byte_cache(16 * MIB, lambda text, _: text_bytes(text))  # the same memories are injected request after request
 def _cost(text: str) -> int:
     """Estimated tokens of ``text`` once quoted."""
     return estimate_tokens(quote(text))
@@ -242,7 +243,7 @@ class _Chunks(NamedTuple):
     stem_chunks: npt.NDArray[np.int32]  # ... and the chunk holding it
 
 
-@functools.lru_cache(maxsize=4_096)
+@byte_cache(8 * MIB, lambda text, chunks: text_bytes(text) + sum(a.nbytes for a in chunks))
 def _chunked(text: str) -> _Chunks:
     """A long text's chunks, each chunk's cost inside the quotes, and which chunks hold which stems (cached
     per text; a query's few stems then count their chunks without a pass over all of them)."""
@@ -284,7 +285,7 @@ def _prefix_within(text: str, limit: int) -> str:
     low, high = 0, len(text)
     while low < high:
         middle = (low + high + 1) // 2
-        if _cost(text[:middle]) <= limit:
+        if _cost[text[:middle]] <= limit:
             low = middle
         else:
             high = middle - 1
@@ -293,9 +294,9 @@ def _prefix_within(text: str, limit: int) -> str:
 
 def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     """``text`` if it fits ``max_tokens`` once quoted, else the window holding most query terms, with "…"."""
-    if _cost(text) <= max_tokens:
+    if _cost[text] <= max_tokens:
         return text
-    spans, costs, stem_hashes, stem_chunks = _chunked(text)
+    spans, costs, stem_hashes, stem_chunks = _chunked[text]
     held = stem_chunks[np.isin(stem_hashes, _query_stems(tuple(query_terms)))]
     hits = np.bincount(held, minlength=len(costs))  # per chunk, how many of the query's stems it holds
     start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
@@ -305,15 +306,16 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     cut = ("…" if start > 0 else "") + cut + ("…" if end < len(spans) else "")
     if cut.isprintable() and int(costs[start:end].sum()) + 4 <= max_tokens:
         return cut  # spaces only between chunks (nothing quoting escapes): chunk costs + quotes + two "…" add up
-    while _cost(cut) > max_tokens and " " in cut.strip():
+    while _cost[cut] > max_tokens and " " in cut.strip():
         cut = cut.rstrip("…").rsplit(" ", 1)[0] + "…"
-    return cut if _cost(cut) <= max_tokens else _prefix_within(cut, max_tokens)
+    return cut if _cost[cut] <= max_tokens else _prefix_within(cut, max_tokens)
 
 
 # --- selection and rendering ------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=16_384)  # memories and the app's system prompt come back request after request
+# memories and the app's system prompt come back request after request; requests' messages may be megabytes
+@byte_cache(16 * MIB, lambda text, normalised: text_bytes(text, normalised))
 def _normalised(text: str) -> str:
     """Lowercase words joined by single spaces, for "is this already in the conversation" checks."""
     return " ".join(words(text))
@@ -321,10 +323,10 @@ def _normalised(text: str) -> str:
 
 def drop_present(items: Sequence[MemoryItem], conversation: Sequence[str]) -> list[MemoryItem]:
     """Items whose text is not already in the conversation nor repeated by a higher-scored item."""
-    haystack = "\n".join(_normalised(t) for t in conversation)
+    haystack = "\n".join(_normalised[t] for t in conversation)
     kept: dict[str, MemoryItem] = {}
     for item in sorted(items, key=lambda i: -i.score):
-        key = _normalised(item.text)
+        key = _normalised[item.text]
         if key and key not in kept and key not in haystack:
             kept[key] = item
     return list(kept.values())

@@ -8,11 +8,11 @@ Names written with a capital in the found memories' own text count too (``writte
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.words import STOPWORDS, cased_words, has_cjk, normalise_name, words
 
@@ -72,7 +72,8 @@ def names_in_query(text: str, index: NameIndex) -> list[str]:
     return list(found)
 
 
-@functools.lru_cache(maxsize=16_384)  # the same memories come back request after request
+# the same memories come back request after request
+@byte_cache(16 * MIB, lambda text, names: text_bytes(text, *names))
 def written_names(text: str) -> frozenset[str]:
     """Names written in a memory's text: its capitalised words (lowercased), stop words and single letters left out.
 
@@ -92,7 +93,7 @@ def text_name_scores(query_text: str, records: Iterable[MemoryRecord]) -> dict[s
     wanted = {w for w in words(query_text) if w not in STOPWORDS}
     carried: dict[str, list[str]] = {}
     for record in {r.id: r for r in records}.values():
-        for name in wanted & written_names(record.text):
+        for name in wanted & written_names[record.text]:
             carried.setdefault(name, []).append(record.id)
     scores: dict[str, float] = {}
     for ids in carried.values():

@@ -12,7 +12,6 @@ little). Only candidates are scored (``max_candidates`` texts, ~0.7-1 ms), never
 
 from __future__ import annotations
 
-import functools
 import heapq
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
@@ -21,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from proxy.memory.read.boosts import Fused, Lifts
+from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
 from proxy.memory.words import terms
 
 IntArray = npt.NDArray[np.int64]
@@ -28,7 +28,7 @@ FloatArray = npt.NDArray[np.float32]
 
 # Cosines below this count as no match (LoCoMo tune split: 0.2, 0.3 and 0.4 within 0.004 R@10 of each other).
 MATCH_FLOOR = 0.3
-CACHED_TEXTS = 16_384  # memories' piece sets kept (a few hundred bytes each): a user's candidates recur
+CACHED_BYTES = 16 * MIB  # memories' piece sets kept (a few hundred bytes each, and their texts): candidates recur
 MAX_TEXT_TERMS = 128  # a memory's first content words that count (of its first 16 x this many characters): bounds the
 # cost of a long pasted turn; the static model's own vector reads no more than its first 256 tokens either
 
@@ -104,14 +104,15 @@ def term_match_lifts(
     if not len(query) or weight <= 0:
         return {}
     pool = heapq.nlargest(depth, candidates, key=lambda c: fused[c.id])
-    scores = soft_coverage(query, [text_pieces(vectors, c.record.text) for c in pool], vectors.cosines)
+    scores = soft_coverage(query, [text_pieces[vectors, c.record.text] for c in pool], vectors.cosines)
     return {c.id: weight * float(s) for c, s in zip(pool, scores, strict=True) if s > 0.0}
 
 
-@functools.lru_cache(maxsize=CACHED_TEXTS)
-def text_pieces(vectors: TermVectors, text: str) -> IntArray:
-    """The distinct token ids of a text's first ``MAX_TEXT_TERMS`` content words (``words.terms``), cached
-    (read-only)."""
+@byte_cache(CACHED_BYTES, lambda key, pieces: text_bytes(key[1]) + pieces.nbytes)
+def text_pieces(key: tuple[TermVectors, str]) -> IntArray:
+    """The distinct token ids of a text's first ``MAX_TEXT_TERMS`` content words (``words.terms``) by a model's
+    vectors, for a (vectors, text) key; cached (read-only)."""
+    vectors, text = key
     pieces = vectors.pieces(terms(text[: 16 * MAX_TEXT_TERMS])[:MAX_TEXT_TERMS])
     pieces.setflags(write=False)
     return pieces
