@@ -28,6 +28,7 @@ from proxy.memory.read.injection import (
 )
 from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.text_cap import cap_text
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 ROOMY = InjectionSettings(budget_tokens=100_000, max_item_tokens=10_000)
@@ -211,6 +212,27 @@ def test_items_already_in_the_conversation_are_not_injected() -> None:
     assert result.ids == ["jazz"]
     kept = inject(messages, items, (), InjectionSettings(dedupe_against_conversation=False))
     assert "dup-of-chat" in kept.ids
+
+
+def test_dedupe_reads_the_newest_messages_as_stored_turns_are_capped() -> None:
+    """A pasted 1 MB document is not normalised whole (~0.1 s of the event loop per MB): dedupe looks at the
+    newest messages, each capped as a stored turn is, so the turn stored from that message still counts as
+    present, and so does a fact in the newest message; a fact said only before ~64k characters of newer
+    conversation may be injected again."""
+    document = "Intro. " + "lorem ipsum dolor sit amet " * 40_000 + "Sign-off."
+    stored_turn = cap_text(document, 16_000)  # what memory.max_turn_chars' default stores
+    messages = [
+        {"role": "user", "content": "My sister Lena lives in Oslo."},
+        *[{"role": "assistant", "content": "filler " * 3_000} for _ in range(4)],
+        {"role": "user", "content": document},
+        {"role": "user", "content": "I am vegetarian. Summarise the document."},
+    ]
+    items = [
+        _item(stored_turn, 0.9, rid="turn-of-the-document"),
+        _item("I am vegetarian", 0.8, rid="said-last"),
+        _item("My sister Lena lives in Oslo", 0.7, rid="said-long-ago"),
+    ]
+    assert inject(messages, items, (), ROOMY).ids == ["said-long-ago"]
 
 
 def test_long_items_are_cut_to_the_excerpt_with_most_query_terms() -> None:

@@ -41,6 +41,7 @@ from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
 from proxy.memory.read.query import message_text
 from proxy.memory.read.retrieval_settings import InjectionSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.text_cap import cap_text
 from proxy.memory.words import stems, words
 
 OPEN_TAG = "<memory>"
@@ -53,6 +54,8 @@ PREAMBLE = (
     "Do not mention this block unless asked."
 )
 SYSTEM_ROLES = ("system", "developer")
+DEDUPE_MESSAGE_CHARS = 16_000  # a message as dedupe sees it: as long as a stored turn (max_turn_chars' default)
+DEDUPE_CHARS = 64_000  # the newest messages' characters dedupe looks at, in all
 
 
 class Section(StrEnum):
@@ -321,9 +324,25 @@ def _normalised(text: str) -> str:
     return " ".join(words(text))
 
 
+def _recent_conversation(conversation: Sequence[str]) -> list[str]:
+    """What of the conversation the dedupe looks at: its newest messages up to ``DEDUPE_CHARS`` in all, each
+    capped as a stored turn is (``cap_text`` at ``DEDUPE_MESSAGE_CHARS``, so a turn stored from a long message
+    still matches it). Normalising costs ~0.1 s a megabyte on the event loop; a request may carry 8 MiB."""
+    out: list[str] = []
+    total = 0
+    for text in reversed(conversation):
+        if total >= DEDUPE_CHARS:
+            break
+        capped = cap_text(text, DEDUPE_MESSAGE_CHARS)
+        out.append(capped)
+        total += len(capped)
+    return out
+
+
 def drop_present(items: Sequence[MemoryItem], conversation: Sequence[str]) -> list[MemoryItem]:
-    """Items whose text is not already in the conversation nor repeated by a higher-scored item."""
-    haystack = "\n".join(_normalised[t] for t in conversation)
+    """Items whose text is not already in the conversation's recent messages (``_recent_conversation``) nor
+    repeated by a higher-scored item."""
+    haystack = "\n".join(_normalised[t] for t in _recent_conversation(conversation))
     kept: dict[str, MemoryItem] = {}
     for item in sorted(items, key=lambda i: -i.score):
         key = _normalised[item.text]
