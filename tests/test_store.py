@@ -263,6 +263,45 @@ async def test_cache_stays_coherent_with_writes(store: MemoryStore) -> None:
     assert await vector_ids(store, "alice", "swims every morning") == [second.id]
 
 
+async def test_get_many_and_list_answer_alike_from_the_cache_and_from_lancedb(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While the read side holds a user, get_many and list answer from the vector cache (no filtered scan of the
+    table), exactly as LanceDB would: fields, vectors, history, pending access times, order and cursors,
+    through new, edited, superseded and deleted records."""
+    records = [fact("alice", f"memory {i}", hours=i % 9, kind=Kind.TURN if i % 3 else Kind.FACT) for i in range(23)]
+    added = await store.add(records)
+    await store.supersede("alice", added[0].id, fact("alice", "memory 0, corrected", hours=40))
+    await store.update("alice", added[3].id, text="memory 3, edited")
+    await store.delete("alice", added[6].id)
+    await store.touch("alice", [added[9].id], at=T0 + timedelta(days=3))
+    ids = [r.id for r in added[::-1]] + ["missing"]
+
+    async def answers() -> list[object]:
+        many = await store.get_many("alice", ids)
+        out: list[object] = [[(r.public_dict(), np.asarray(r.embedding).tolist()) for r in many]]
+        for kinds, history in ((None, False), ([Kind.FACT], True), ([Kind.TURN], False)):
+            cursor = None
+            while True:
+                page = await store.list("alice", kinds, limit=4, cursor=cursor, include_invalid=history)
+                out.append(([r.public_dict() for r in page.data], page.next_cursor))
+                if (cursor := page.next_cursor) is None:
+                    break
+        return out
+
+    assert "alice" not in store.cache
+    from_lance = await answers()
+    assert await vector_ids(store, "alice", "memory")  # the read side loads alice
+    assert "alice" in store.cache
+
+    async def no_scan(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a filtered LanceDB read for a cached user")
+
+    monkeypatch.setattr(store._lance, "records", no_scan)
+    monkeypatch.setattr(store._lance, "keys", no_scan)
+    assert await answers() == from_lance
+
+
 async def test_export_is_jsonl_of_the_user_with_history_and_no_vectors(store: MemoryStore) -> None:
     """Export yields one JSON object per line for every record of the user, invalid ones included."""
     old = fact("alice", "Alice is 30", hours=1)

@@ -81,11 +81,22 @@ class StoreReader:
         found = await self.get_many(user_id, [id])
         return found[0] if found else None
 
+    def _cached(self, user_id: str) -> UserVectors | None:
+        """The user's vector-cache entry if the read side holds them (never loaded here): it holds every write
+        once LanceDB has it, so it answers as LanceDB would, without a filtered scan of the table (which
+        touches every fragment not yet compacted into the scalar indexes: after a burst of writes, hundreds)."""
+        return None if self._lance.mismatch else self._cache.peek(user_id)
+
     async def get_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]:
-        """The user's records with these ids, in the order asked (missing ones left out)."""
+        """The user's records with these ids, vectors included, in the order asked (missing ones left out)."""
         check_user_id(user_id)
-        by_id = {record.id: record for record in await self._lance.records(user_id, ids)}
-        return [self._touches.touched(by_id[i]) for i in dict.fromkeys(ids) if i in by_id]
+        wanted = list(dict.fromkeys(ids))
+        entry = self._cached(user_id)
+        if entry is not None:  # cached records carry their pending access times already (``_load_user``)
+            found = [record for record in entry.records(wanted) if record is not None]
+            return [record.replace(embedding=entry.vector(record.id)) for record in found]
+        by_id = {record.id: record for record in await self._lance.records(user_id, wanted)}
+        return [self._touches.touched(by_id[i]) for i in wanted if i in by_id]
 
     async def list(
         self,
@@ -98,7 +109,11 @@ class StoreReader:
     ) -> Page:
         """The user's records, newest first (created_at, then id, descending), ``limit`` at a time."""
         check_user_id(user_id)
-        keys = await self._lance.keys(user_id, kinds, include_invalid)
+        entry = self._cached(user_id)
+        if entry is not None:
+            keys = entry.keys(kinds, include_invalid)
+        else:
+            keys = await self._lance.keys(user_id, kinds, include_invalid)
         page_ids, next_cursor = page_keys(keys, cursor, limit)
         return Page(await self.get_many(user_id, page_ids), next_cursor)
 

@@ -265,6 +265,17 @@ class UserVectors:
         self._materialised += len(pending)
         return cast("list[MemoryRecord]", [records[row] for row in rows])
 
+    def vector(self, record_id: str) -> npt.NDArray[np.float32]:
+        """The stored vector of a cached record (a read-only copy: the column is reused as the user changes)."""
+        vector = self.vectors[:, self.index[record_id]].copy()
+        vector.setflags(write=False)
+        return vector
+
+    def keys(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> pa.Table:
+        """(id, created_at in microseconds) of live records matching the filters, as ``MemoryTable.keys``."""
+        rows = np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
+        return pa.table({"id": [self.ids[row] for row in rows.tolist()], "created_at": self.created[rows]})
+
     def ordered_ids(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> list[str]:
         """Ids of live records, newest first (created_at, then id, descending)."""
         rows = np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
@@ -335,6 +346,11 @@ class VectorCache:
 
     def __contains__(self, user_id: object) -> bool:
         return user_id in self._entries
+
+    def peek(self, user_id: str) -> UserVectors | None:
+        """The user's entry if cached, without marking it used: what the write side and the management API
+        read must not keep a user the read side left in the cache (``release_idle``)."""
+        return self._entries.get(user_id)
 
     def get(self, user_id: str) -> UserVectors | None:
         """The user's entry if cached (and mark it most recently used)."""
