@@ -67,14 +67,15 @@ def test_cache_clear_empties_it() -> None:
 
 
 def test_requests_with_large_distinct_messages_leave_the_injection_caches_bounded() -> None:
-    """A RAG-style app: every request carries its own 50 kB context. Before, the normalised-text cache kept up to
-    16,384 of them (key and value: ~1.9 GB); now it stays within its byte budget."""
+    """A RAG-style app: every request carries its own 15 kB context (under the 16,000 characters dedupe reads
+    of a message). Before, the normalised-text cache kept up to 16,384 of them (key and value: ~500 MB); now it
+    stays within its byte budget."""
     injection.clear_caches()
     item = injection.MemoryItem("m1", injection.Section.ABOUT_USER, "Sam likes green tea", "2024-05-01", 1.0)
-    for i in range(300):
-        context = f"document {i}: " + " ".join(f"word{i}x{j}" for j in range(5_000))
+    requests = 700
+    for i in range(requests):
+        context = f"document {i}: " + " ".join(f"w{i}x{j}" for j in range(1_600))
         messages = [{"role": "system", "content": context}, {"role": "user", "content": "what does Sam drink?"}]
         injection.inject(messages, [item], ["sam", "drink"], InjectionSettings())
-    budget = 16 * 2**20
-    assert injection._normalised.cached_bytes <= budget
-    assert injection._normalised.entries < 300
+    assert injection._normalised.cached_bytes <= 16 * 2**20
+    assert injection._normalised.entries < requests

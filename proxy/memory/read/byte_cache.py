@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 _V = TypeVar("_V")
 _MISS: Any = object()
 MIB = 2**20
-ENTRY_OVERHEAD = 120  # bytes per entry beyond its key and value: dict slots, the key tuple, a small int
+ENTRY_OVERHEAD = 120  # bytes per entry beyond its key and value: the dict slots and small objects
 
 
 def text_bytes(*parts: object) -> int:
@@ -80,12 +80,10 @@ class ByteCache(dict[Hashable, _V]):
         self._young_bytes = self._old_bytes = 0
 
 
-def byte_cache(
-    max_bytes: int, size: Callable[[tuple[Any, ...], Any], int]
-) -> Callable[[Callable[..., _V]], ByteCache[_V]]:
-    """Decorate a function of hashable arguments with a ``ByteCache``."""
+def byte_cache(max_bytes: int, size: Callable[[Any, Any], int]) -> Callable[[Callable[[Any], _V]], ByteCache[_V]]:
+    """Decorate a function of one hashable argument with a ``ByteCache`` (then look it up as ``name[key]``)."""
 
-    def wrap(function: Callable[..., _V]) -> ByteCache[_V]:
+    def wrap(function: Callable[[Any], _V]) -> ByteCache[_V]:
         return ByteCache(function, max_bytes, size)
 
     return wrap
