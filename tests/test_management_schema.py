@@ -124,7 +124,9 @@ def excused_checks(case: schemathesis.Case) -> list[Any]:
 
 
 @SCHEMA.parametrize()
-@hypothesis.settings(max_examples=15, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.settings(
+    max_examples=15, deadline=None, derandomize=True, suppress_health_check=list(hypothesis.HealthCheck)
+)
 def test_fuzzed_requests_get_no_server_error(case: schemathesis.Case, live_url: str) -> None:
     """Requests generated from the document (valid and invalid) never get a 5xx and match the document."""
     case.call_and_validate(
