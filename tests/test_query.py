@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.read.query import build_query, is_anaphoric
+from proxy.memory.read.query import build_query, is_anaphoric, user_texts
 
 
 def _chat(*user_texts: str) -> list[dict[str, object]]:
@@ -102,3 +102,11 @@ def test_build_query_never_fails_and_ends_with_the_latest_user_text(
     else:
         assert query.latest == user[-1].strip()
         assert query.text.endswith(query.latest)
+
+
+def test_user_texts_skips_empty_messages_and_reads_only_the_last_few_when_asked() -> None:
+    """Oldest first, blank and non-user messages left out; ``last`` keeps the newest ones (read from the end)."""
+    messages = [*_chat("first", "  ", "second", "third"), {"role": "tool", "content": "x"}, "not a message"]
+    assert user_texts(messages) == ["first", "second", "third"]  # type: ignore[arg-type]
+    assert user_texts(messages, last=2) == ["second", "third"]  # type: ignore[arg-type]
+    assert user_texts(messages, last=5) == ["first", "second", "third"]  # type: ignore[arg-type]

@@ -43,10 +43,16 @@ def message_text(message: Mapping[str, Any]) -> str:
     return ""
 
 
-def user_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The non-empty texts of the user messages, oldest first."""
-    texts = (message_text(m) for m in messages if isinstance(m, Mapping) and m.get("role") == "user")
-    return [t for t in texts if t.strip()]
+def user_texts(messages: Sequence[Mapping[str, Any]], last: int | None = None) -> list[str]:
+    """The non-empty texts of the user messages, oldest first; only the ``last`` few when given (read from the
+    end: a long history is not walked whole)."""
+    texts: list[str] = []
+    for message in reversed(messages):
+        if last is not None and len(texts) >= last:
+            break
+        if isinstance(message, Mapping) and message.get("role") == "user" and (text := message_text(message)).strip():
+            texts.append(text)
+    return texts[::-1]
 
 
 def is_anaphoric(text: str, short_words: int) -> bool:
@@ -61,7 +67,7 @@ def is_anaphoric(text: str, short_words: int) -> bool:
 
 def build_query(messages: Sequence[Mapping[str, Any]], *, short_words: int = 4, expand: bool = True) -> Query | None:
     """The query of a chat request, or None when it has no user text to search with."""
-    texts = user_texts(messages)
+    texts = user_texts(messages, last=2)
     if not texts:
         return None
     latest = query_texts(texts[-1:])[0]  # a huge message costs a bounded search
