@@ -106,6 +106,38 @@ async def test_lease_has_one_holder_and_passes_on(endpoint: str) -> None:
     objects.close()
 
 
+async def test_replicas_started_together_on_an_empty_bucket_all_open(
+    endpoint: str, local: BaseEmbedder, tmp_path: Path
+) -> None:
+    """Three replicas open their stores at once on a fresh bucket: they race to create the live table, the
+    losers open the winner's, and a write through one is read through another (a CI run saw a replica fail
+    to start on LanceDB's commit conflict)."""
+    cluster = _cluster(endpoint, bucket_uri())
+    async with contextlib.AsyncExitStack() as stack:
+        stores = await asyncio.gather(
+            *(stack.enter_async_context(replica(cluster, local, tmp_path / n, n)) for n in ("a", "b", "c"))
+        )
+        (a, _), (b, _), _ = stores
+        [added] = await a.add([fact("alice", "Alice keeps bees on her roof")])
+
+        async def b_has_it() -> bool:
+            return await b.get("alice", added.id) is not None
+
+        await eventually(b_has_it)
+
+        # The race itself is rare in one process: LanceDB's answer to the loser, as a replica met it in CI.
+        async def preempted(*args: object, **kwargs: object) -> None:
+            raise RuntimeError(
+                "lance error: Retryable commit conflict for version 2: This Overwrite transaction was preempted"
+                " by concurrent transaction Overwrite at version 2. Please retry."
+            )
+
+        table = b._lance
+        table._db.create_table = preempted
+        reopened = await table._create(table.manifest.table, table.dim)
+        assert await reopened.count_rows() == await a._lance.table.count_rows()
+
+
 async def test_a_write_on_one_replica_is_found_on_the_other(endpoint: str, local: BaseEmbedder, tmp_path: Path) -> None:
     """A fact stored through replica A is found by both arms of replica B (whose cache was warm) within seconds."""
     async with two_replicas(endpoint, local, tmp_path) as (a, b):

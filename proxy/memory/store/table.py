@@ -35,6 +35,7 @@ log = structlog.get_logger(__name__)
 
 RECORD_COLUMNS = [name for name in arrow_schema(1).names if name != "embedding"]
 _IN_CHUNK = 512
+CREATE_ATTEMPTS = 3  # replicas racing to create the live table on an empty bucket (``MemoryTable._create``)
 # HNSW build parameters, cheaper than Lance's defaults (m 20, ef_construction 300): indexing 30k x 384
 # took 44 s instead of 160 s on two busy cores.
 ANN_M = 16
@@ -124,15 +125,31 @@ class MemoryTable:
             self._table = await self._db.open_table(manifest.table)
             await self._add_missing_columns()
         else:
-            self._table = await self._db.create_table(
-                manifest.table, schema=arrow_schema(manifest.dim), exist_ok=self.shared is not None
-            )
+            self._table = await self._create(manifest.table, manifest.dim)
         if found is None or self.shared is None:  # replicas: the first one writes it
             await self.manifests.write(manifest)
         self.manifest = manifest
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
+
+    async def _create(self, name: str, dim: int) -> Any:
+        """Create the live table; on shared storage, open the one another replica created meanwhile.
+
+        Replicas started together on an empty bucket all see no table and all create it: LanceDB commits one
+        creation and refuses the others with a retryable commit conflict (a replica that raised it failed to
+        start). The winner's table has the same schema (same code, same manifest).
+        """
+        for attempt in range(CREATE_ATTEMPTS):
+            try:
+                return await self._db.create_table(name, schema=arrow_schema(dim), exist_ok=self.shared is not None)
+            except (RuntimeError, OSError, ValueError) as exc:
+                if self.shared is None or "conflict" not in str(exc).lower() or attempt == CREATE_ATTEMPTS - 1:
+                    raise
+                log.info("memory.table_created_elsewhere", table=name)
+                if name in await self._table_names():
+                    return await self._db.open_table(name)
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def _add_missing_columns(self) -> None:
         """Give a table written by an older version the nullable columns added since (metadata only)."""
