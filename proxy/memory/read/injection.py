@@ -324,39 +324,26 @@ def _normalised(text: str) -> str:
     return " ".join(words(text))
 
 
-def _recent_conversation(conversation: Sequence[str]) -> list[str]:
-    """What of the conversation the dedupe looks at: its newest messages up to ``DEDUPE_CHARS`` in all, each
-    capped as a stored turn is (``cap_text`` at ``DEDUPE_MESSAGE_CHARS``, so a turn stored from a long message
-    still matches it). Normalising costs ~0.1 s a megabyte on the event loop; a request may carry 8 MiB."""
-    out: list[str] = []
-    total = 0
-    for text in reversed(conversation):
-        if total >= DEDUPE_CHARS:
-            break
-        capped = cap_text(text, DEDUPE_MESSAGE_CHARS)
-        out.append(capped)
-        total += len(capped)
-    return out
-
-
-def _tail_texts(messages: Sequence[Mapping[str, Any]]) -> list[str]:
-    """The texts of the newest messages that dedupe can read (``_recent_conversation``), oldest first: a long
-    history (20,000 messages: ~16 ms) is not walked whole."""
+def _recent_conversation(messages: Sequence[Mapping[str, Any]]) -> list[str]:
+    """What of the conversation dedupe looks at, newest first: the texts of its newest messages up to
+    ``DEDUPE_CHARS`` in all, each capped as a stored turn is (``cap_text`` at ``DEDUPE_MESSAGE_CHARS``, so a
+    turn stored from a long message still matches it). Read from the end: normalising costs ~0.1 s a megabyte
+    on the event loop, a request may carry 8 MiB, and a long history (20,000 messages) is not walked whole."""
     texts: list[str] = []
     total = 0
     for message in reversed(messages):
         if total >= DEDUPE_CHARS:
             break
         if isinstance(message, Mapping):
-            texts.append(message_text(message))
-            total += min(len(texts[-1]), DEDUPE_MESSAGE_CHARS)
-    return texts[::-1]
+            texts.append(cap_text(message_text(message), DEDUPE_MESSAGE_CHARS))
+            total += len(texts[-1])
+    return texts
 
 
 def drop_present(items: Sequence[MemoryItem], conversation: Sequence[str]) -> list[MemoryItem]:
-    """Items whose text is not already in the conversation's recent messages (``_recent_conversation``) nor
-    repeated by a higher-scored item."""
-    haystack = "\n".join(_normalised[t] for t in _recent_conversation(conversation))
+    """Items whose text is not already in ``conversation`` (``_recent_conversation``'s texts) nor repeated by a
+    higher-scored item."""
+    haystack = "\n".join(_normalised[t] for t in conversation)
     kept: dict[str, MemoryItem] = {}
     for item in sorted(items, key=lambda i: -i.score):
         key = _normalised[item.text]
@@ -464,7 +451,7 @@ def inject(
     settings: InjectionSettings,
 ) -> Injection:
     """Choose, render and merge the memory block into a chat request's messages."""
-    chosen = select_items(items, query_terms, _tail_texts(messages), settings)
+    chosen = select_items(items, query_terms, _recent_conversation(messages), settings)
     block = render_block(chosen)
     ordered = [i for s in Section for i in sorted(chosen, key=lambda i: -i.score) if i.section is s]
     return Injection(

@@ -271,14 +271,18 @@ class UserVectors:
         vector.setflags(write=False)
         return vector
 
+    def _live_rows(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> npt.NDArray[np.intp]:
+        """Rows of live records of ``kinds`` (all kinds when empty), invalid ones only if ``include_invalid``."""
+        return np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
+
     def keys(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> pa.Table:
         """(id, created_at in microseconds) of live records matching the filters, as ``MemoryTable.keys``."""
-        rows = np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
+        rows = self._live_rows(kinds, include_invalid)
         return pa.table({"id": [self.ids[row] for row in rows.tolist()], "created_at": self.created[rows]})
 
     def ordered_ids(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> list[str]:
         """Ids of live records, newest first (created_at, then id, descending)."""
-        rows = np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
+        rows = self._live_rows(kinds, include_invalid)
         rows_sorted = sorted(rows.tolist(), key=lambda row: (int(self.created[row]), self.ids[row]), reverse=True)
         return [self.ids[row] for row in rows_sorted]
 
