@@ -97,3 +97,21 @@ async def test_jobs_in_metrics(make_proxy: ProxyFactory) -> None:
     text = await (await proxy.get("/metrics")).text()
     assert "memproxy_jobs_depth" in text
     assert 'memproxy_job_step_seconds_count{step="turns"}' in text
+
+
+async def test_a_user_released_while_idle_leaves_the_read_cache_too(make_proxy: ProxyFactory) -> None:
+    """Once idle, a user's name index, insights and newest turns go with their vectors: the read cache is not
+    left holding what the vector cache handed back (up to 1,024 users' records)."""
+    proxy = await make_proxy()
+    engine = proxy.app[STATE].memory
+    for user in ("alice", "bob"):
+        asked = await proxy.post(CHAT, json=_chat("What do I like to eat?"), headers={"X-Memory-User": user})
+        assert asked.status == 200
+    await _settled(proxy)
+    assert {"alice", "bob"} <= set(engine.names._users)
+    assert engine.release_idle() == 0  # read just now: nothing goes
+    cache = engine.store._cache
+    clock = cache._clock
+    cache._clock = lambda: clock() + 3600.0  # an hour without a read
+    assert engine.release_idle() == 2
+    assert not {"alice", "bob"} & set(engine.names._users)
