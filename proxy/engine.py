@@ -169,9 +169,8 @@ class MemoryEngine:
     def release_idle(self) -> int:
         """Called every few seconds (``proxy.heap``): once no read has come for a few seconds, drop the users no
         read has used for ``store.vector_cache_idle_s`` from the vector cache and the read cache, and once no
-        user is left there,
-        the read path's per-text caches and the query vectors' LRU too (readers gone idle hand that memory back;
-        the next reads refill them). Returns how many users were dropped."""
+        user is left there, the read path's per-text caches and the query vectors' LRU too (readers gone idle
+        hand that memory back; the next reads refill them). Returns how many users were dropped."""
         released = self.store.release_idle()
         for user_id in released:  # their name index, insights and newest turns go too: a reload is cheap once
             self.names.invalidate(user_id)  # the vector cache holds them again
