@@ -12,10 +12,11 @@ messages plus the response schema).
   second one probe exchange carries a unique word; the probe polls the management API until that turn is
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
-  p99, memproxy's RSS. After the load: wait until the queue is empty, RSS again (``rss_after_drain_mb``, the
-  bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its heap once a minute while busy, and
-  within ~5 s of going quiet); and the
-  texts the embedding model took per exchange over the run (``texts_embedded_per_exchange``, from /metrics).
+  p99, memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
+  5 s of quiet: RSS (``rss_before_mb``). After the load: wait until the queue is empty, RSS again
+  (``rss_after_drain_mb``, the bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its
+  heap once a minute while busy, and within ~5 s of going quiet); and the texts the embedding model took per
+  exchange over the run (``texts_embedded_per_exchange``, from /metrics).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
   one exchange from its speaker (the other speaker's next turn is the assistant's reply, a session is a
   conversation). The fake memory-side model stands in for a perfect extractor: it answers an extraction call
@@ -62,6 +63,7 @@ from tests.support.processes import memproxy_process
 RESULTS = Path(__file__).resolve().parent / "results" / "writes.json"
 ADMIN_KEY = "bench-writes-admin-key"
 PROBE_INTERVAL_S = 1.0
+WARM_SETTLE_S = 25.0  # the warm-up's fact windows fire after 20 s ([writer] facts_window_wait_s)
 TRIM_WAIT_S = 65.0  # RSS is read again this long after the drain: a minute of memproxy idle
 
 
@@ -334,7 +336,10 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for i in range(20):  # warm-up: models loaded, caches and pools made
                 await chat(session, base, f"warm{i}", [{"role": "user", "content": "I like tea"}], "full")
-            await wait_drained(session, base, 120)
+            # Before, as after: the warm-up's jobs done, its fact windows (waiting facts_window_wait_s) included,
+            # then 5 s of quiet; read at once, the figure caught the process still loading its model.
+            await wait_drained(session, base, 120, settle_s=WARM_SETTLE_S)
+            await asyncio.sleep(5)
             rss_before = rss_mb(pid)
             texts_before = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0)
             minutes = [Minute() for _ in range(args.minutes)]
