@@ -25,6 +25,7 @@ from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, utcnow
 from tests.support.fake_llm import DEFAULTS, FakeLLM, fact, facts, user_payload
 from tests.support.processes import fake_upstream_process, memproxy_process
+from tests.test_answered_stored import wait_for_drain
 
 pytestmark = pytest.mark.e2e
 
@@ -129,24 +130,6 @@ async def _facts_stored(url: str, user: str, count: int) -> list[dict[str, Any]]
     raise AssertionError(f"{count} facts were not stored")
 
 
-def _jobs_busy(url: str) -> float:
-    """Jobs due or running, from memproxy's /metrics."""
-    with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30) as response:  # noqa: S310
-        lines = response.read().decode().splitlines()
-    names = ("memproxy_jobs_ready ", "memproxy_jobs_running ")
-    return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(names))
-
-
-async def _writes_done(url: str) -> None:
-    """Wait until no job is due or running: a fact is listed once LanceDB holds it, and joins the keyword
-    index a moment later, within the same job."""
-    for _ in range(600):
-        if await asyncio.to_thread(_jobs_busy, url) == 0:
-            return
-        await asyncio.sleep(0.1)
-    raise AssertionError("the write side did not go idle")
-
-
 async def _age(user: str, data: Path, by: timedelta) -> None:
     """Move every memory of the user ``by`` into the past, in the store's own timestamps (proxy stopped)."""
     async with build_embedder(EmbedderSettings()) as embedder, MemoryStore(StoreSettings(path=data), embedder) as store:
@@ -185,7 +168,8 @@ async def test_a_fact_changed_weeks_later_wins_over_the_old_one(
     async with _proxy(_env(upstream, memory_llm, tmp_path)) as (url, client):
         await _say(client, PARIS, "omar", "summer")
         stored = await _facts_stored(url, "omar", 2 + len(HISTORY))
-        await _writes_done(url)  # ranked once every arm has it (a read in between has the dense arm's word only)
+        # a fact is listed once LanceDB holds it and joins the keyword index a moment later, in the same job:
+        await wait_for_drain(url, within_s=60.0)  # ranked once every arm has it, not on the dense arm's word only
         injected = await _say(client, "Where do I live?", "omar", "later")
     paris = next(m for m in stored if "Paris" in m["text"])
     assert london["id"] in {m["id"] for m in stored}  # both facts stand: the ranking, not a deletion, decides
