@@ -263,6 +263,36 @@ async def test_cache_stays_coherent_with_writes(store: MemoryStore) -> None:
     assert await vector_ids(store, "alice", "swims every morning") == [second.id]
 
 
+async def test_a_cached_user_sees_a_new_record_only_once_both_arms_have_it(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While Tantivy commits a new record, reads of a cached user neither list it nor rank it on the dense arm
+    alone (it would lose to older records the keyword arm finds); once the write is done, both arms have it."""
+    [old] = await store.add([fact("alice", "Alice lives in London")])
+    assert await vector_ids(store, "alice", "lives") == [old.id]  # alice is cached
+    committing, release = asyncio.Event(), asyncio.Event()
+    commit = store._keyword.commit
+
+    async def slow_commit() -> None:
+        committing.set()
+        await release.wait()
+        await commit()
+
+    monkeypatch.setattr(store._keyword, "commit", slow_commit)
+    new = fact("alice", "Alice moved to Lisbon", hours=1)
+    writing = asyncio.create_task(store.add([new]))
+    try:
+        await asyncio.wait_for(committing.wait(), 10)
+        assert await vector_ids(store, "alice", "moved to Lisbon") == [old.id]
+        assert [r.id for r in (await store.list("alice")).data] == [old.id]
+    finally:
+        release.set()
+        await writing
+    assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == new.id
+    assert await keyword_ids(store, "alice", "Lisbon") == [new.id]
+    assert [r.id for r in (await store.list("alice")).data] == [new.id, old.id]
+
+
 async def test_get_many_and_list_answer_alike_from_the_cache_and_from_lancedb(
     store: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

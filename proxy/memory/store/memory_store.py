@@ -4,7 +4,9 @@
 lifecycle and every write; its reads are ``reads.StoreReader``'s. Write order, which keeps both arms
 consistent through crashes:
 
-* add: embed, then one LanceDB ``add`` per batch (durable), then Tantivy add + commit, then return.
+* add: embed, then one LanceDB ``add`` per batch (durable), then Tantivy add + commit, then the vector
+  cache, then return: a cached user's reads and listing show a record once both arms can find it (not
+  ranked on the dense arm alone while Tantivy commits).
 * edit: LanceDB ``merge_insert`` (one commit), then Tantivy re-index + commit.
 * delete / forget: LanceDB first, then Tantivy, so a crash can leave an orphan Tantivy document (removed
   by the repair, and never returned meanwhile: keyword hits are resolved against LanceDB's records) but
@@ -263,7 +265,7 @@ class MemoryStore(StoreReader):
         return vectors
 
     async def _flush(self, batch: list[Submission[MemoryRecord]]) -> list[BaseException | None]:
-        """Write one batch of submissions: LanceDB, then cache, then Tantivy; one commit each."""
+        """Write one batch of submissions: LanceDB, then Tantivy, then the cache; one commit each."""
         unique: dict[str, MemoryRecord] = {}
         for submission in batch:
             for record in submission.items:
@@ -293,8 +295,10 @@ class MemoryStore(StoreReader):
         if self._appends >= self.settings.optimize_after_commits and self._optimizer is not None:
             self._appends = 0
             self._optimizer.wake()
-        self._cache.upsert(records, vectors)
-        await self._index(lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
+        try:
+            await self._index(lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
+        finally:  # reads of a cached user see the records once both arms have them (even if Tantivy failed)
+            self._cache.upsert(records, vectors)
 
     async def _index(self, change: Callable[[], Awaitable[None]]) -> None:
         """Apply a change to Tantivy after LanceDB took it; if Tantivy fails, repair at the next optimize."""
@@ -332,11 +336,13 @@ class MemoryStore(StoreReader):
             vector = np.asarray(current.embedding, dtype=np.float32)
         new = current.replace(**changes, updated_at=utcnow(), embedding=vector)
         await self._lance.replace(user_id, arrow_rows([new], vector[None, :]))
-        self._cache.upsert([new], vector[None, :])
-        if _KEYWORD_FIELDS & set(changes):
-            await self._index(lambda: self._keyword.upsert([KeywordDoc.of(new)]))
-        else:
-            await self._mark_synced()
+        try:
+            if _KEYWORD_FIELDS & set(changes):
+                await self._index(lambda: self._keyword.upsert([KeywordDoc.of(new)]))
+            else:
+                await self._mark_synced()
+        finally:
+            self._cache.upsert([new], vector[None, :])
         return self._touches.touched(new)
 
     async def update_many(self, user_id: str, ids: Sequence[str], **changes: Any) -> builtins.list[MemoryRecord]:
@@ -355,11 +361,13 @@ class MemoryStore(StoreReader):
             now = utcnow()
             new = [r.replace(**changes, updated_at=now, embedding=v) for r, v in zip(found, vectors, strict=True)]
             await self._lance.replace(user_id, arrow_rows(new, vectors))
-            self._cache.upsert(new, vectors)
-            if _KEYWORD_FIELDS & set(changes):
-                await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new]))
-            else:
-                await self._mark_synced()
+            try:
+                if _KEYWORD_FIELDS & set(changes):
+                    await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new]))
+                else:
+                    await self._mark_synced()
+            finally:
+                self._cache.upsert(new, vectors)
         return [self._touches.touched(record) for record in new]
 
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:

@@ -227,7 +227,7 @@ class StoreReader:
 
     async def read_many(self, user_id: str, ids: Sequence[str]) -> builtins.list[MemoryRecord]:
         """``get_many`` for the read path: through the vector cache (loading the user), LanceDB when they do
-        not fit; the cache holds every write once LanceDB has it, so the answer is the same."""
+        not fit; the cache holds every write once LanceDB and Tantivy have it, so the answer is the same."""
         check_user_id(user_id)
         by_id = await self._records_by_id(user_id, ids)
         return [by_id[i] for i in dict.fromkeys(ids) if i in by_id]
