@@ -7,7 +7,7 @@ consistent through crashes:
 * add: embed, then one LanceDB ``add`` per batch (durable), then Tantivy add + commit, then the vector
   cache, then return: a cached user's reads and listing show a record once both arms can find it (not
   ranked on the dense arm alone while Tantivy commits).
-* edit: LanceDB ``merge_insert`` (one commit), then Tantivy re-index + commit.
+* edit: LanceDB ``merge_insert`` (one commit), then Tantivy re-index + commit, then the vector cache.
 * delete / forget: LanceDB first, then Tantivy, so a crash can leave an orphan Tantivy document (removed
   by the repair, and never returned meanwhile: keyword hits are resolved against LanceDB's records) but
   never resurrect a deleted record.
