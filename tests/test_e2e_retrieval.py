@@ -168,7 +168,7 @@ async def test_a_fact_changed_weeks_later_wins_over_the_old_one(
     async with _proxy(_env(upstream, memory_llm, tmp_path)) as (url, client):
         await _say(client, PARIS, "omar", "summer")
         stored = await _facts_stored(url, "omar", 2 + len(HISTORY))
-        # a fact is listed once LanceDB holds it and joins the keyword index a moment later, in the same job:
+        # a user not in the read cache lists a fact once LanceDB holds it, a moment before the keyword index has it:
         await wait_for_drain(url, within_s=60.0)  # ranked once every arm has it, not on the dense arm's word only
         injected = await _say(client, "Where do I live?", "omar", "later")
     paris = next(m for m in stored if "Paris" in m["text"])

@@ -295,9 +295,22 @@ class MemoryStore(StoreReader):
         if self._appends >= self.settings.optimize_after_commits and self._optimizer is not None:
             self._appends = 0
             self._optimizer.wake()
+        await self._publish(records, vectors, lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
+
+    async def _publish(
+        self,
+        records: list[MemoryRecord],
+        vectors: npt.NDArray[np.float32],
+        change: Callable[[], Awaitable[None]] | None,
+    ) -> None:
+        """After LanceDB took ``records``: Tantivy's ``change`` (None: none, only the sync note), then the vector
+        cache, so that a cached user's reads see the records once both arms have them (even if Tantivy failed)."""
         try:
-            await self._index(lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
-        finally:  # reads of a cached user see the records once both arms have them (even if Tantivy failed)
+            if change is None:
+                await self._mark_synced()
+            else:
+                await self._index(change)
+        finally:
             self._cache.upsert(records, vectors)
 
     async def _index(self, change: Callable[[], Awaitable[None]]) -> None:
@@ -336,13 +349,8 @@ class MemoryStore(StoreReader):
             vector = np.asarray(current.embedding, dtype=np.float32)
         new = current.replace(**changes, updated_at=utcnow(), embedding=vector)
         await self._lance.replace(user_id, arrow_rows([new], vector[None, :]))
-        try:
-            if _KEYWORD_FIELDS & set(changes):
-                await self._index(lambda: self._keyword.upsert([KeywordDoc.of(new)]))
-            else:
-                await self._mark_synced()
-        finally:
-            self._cache.upsert([new], vector[None, :])
+        keyword = (lambda: self._keyword.upsert([KeywordDoc.of(new)])) if _KEYWORD_FIELDS & set(changes) else None
+        await self._publish([new], vector[None, :], keyword)
         return self._touches.touched(new)
 
     async def update_many(self, user_id: str, ids: Sequence[str], **changes: Any) -> builtins.list[MemoryRecord]:
@@ -361,13 +369,9 @@ class MemoryStore(StoreReader):
             now = utcnow()
             new = [r.replace(**changes, updated_at=now, embedding=v) for r, v in zip(found, vectors, strict=True)]
             await self._lance.replace(user_id, arrow_rows(new, vectors))
-            try:
-                if _KEYWORD_FIELDS & set(changes):
-                    await self._index(lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new]))
-                else:
-                    await self._mark_synced()
-            finally:
-                self._cache.upsert(new, vectors)
+            reindexed = _KEYWORD_FIELDS & set(changes)
+            keyword = (lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new])) if reindexed else None
+            await self._publish(new, vectors, keyword)
         return [self._touches.touched(record) for record in new]
 
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:
