@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from datetime import UTC, datetime, timedelta
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.store import vector_cache
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.vector_cache import READS_IDLE_S, UserVectors, VectorCache, estimated_bytes
 
 DIM = 16
@@ -47,6 +49,96 @@ def test_search_returns_the_exact_top_k(n: int, k: int, seed: int) -> None:
     got = entry.search(query, k, None, None, None, include_invalid=False)
     expected = np.sort(vectors @ query)[::-1][: min(k, n)]
     assert np.allclose([score for _, score in got], expected, atol=1e-5)
+
+
+def _brute_force(
+    recs: dict[str, tuple[MemoryRecord, np.ndarray]], query: np.ndarray, pool: Pool
+) -> list[tuple[str, float]]:
+    found = [
+        (rid, float(vector @ query))
+        for rid, (record, vector) in recs.items()
+        if (pool.include_invalid or record.valid)
+        and (not pool.kinds or record.kind in pool.kinds)
+        and (pool.since is None or record.created_at >= pool.since)
+        and (pool.until is None or record.created_at <= pool.until)
+    ]
+    return sorted(found, key=lambda p: -p[1])[: pool.k]
+
+
+_KINDS = [Kind.FACT, Kind.TURN, Kind.SUMMARY, Kind.SUBJECT]
+_hours = st.integers(0, 200)
+_pool = st.builds(
+    lambda k, kinds, since, until, invalid: Pool(
+        k,
+        tuple(kinds),
+        None if since is None else T0 + timedelta(hours=since),
+        None if until is None else T0 + timedelta(hours=until),
+        invalid,
+    ),
+    st.integers(1, 30),
+    st.lists(st.sampled_from(_KINDS), max_size=2, unique=True),
+    st.none() | _hours,
+    st.none() | _hours,
+    st.booleans(),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loaded=st.lists(st.tuples(st.sampled_from(_KINDS), _hours, st.booleans()), max_size=120),
+    edits=st.lists(st.tuples(st.integers(0, 140), st.sampled_from(_KINDS), _hours), max_size=40),
+    removed=st.lists(st.integers(0, 140), max_size=100),
+    pools=st.lists(_pool, min_size=1, max_size=3),
+    seed=st.integers(0, 2**16),
+)
+def test_a_loaded_entry_scans_only_its_pools_rows_and_still_finds_the_exact_top_k(
+    loaded: list[tuple[Kind, int, bool]],
+    edits: list[tuple[int, Kind, int]],
+    removed: list[int],
+    pools: list[Pool],
+    seed: int,
+) -> None:
+    """An entry loaded from LanceDB rows in any order (kept by kind and time, so that a search scans only the
+    rows its pools can return), then edited (kinds and times changed, records added) and pruned (compaction
+    included), ranks every pool exactly like a brute-force cosine over the user's current records."""
+    vectors = unit_rows(len(loaded) + len(edits) + 1, seed)
+    recs = [
+        MemoryRecord(
+            user_id="u", kind=kind, text=f"m{i}", id=f"u-{i}", created_at=T0 + timedelta(hours=hour), valid=valid
+        )
+        for i, (kind, hour, valid) in enumerate(loaded)
+    ]
+    entry = UserVectors("u", DIM, arrow_rows(recs, vectors[: len(recs)]) if recs else None)
+    current = {r.id: (r, vectors[i]) for i, r in enumerate(recs)}
+    for j, (i, kind, hour) in enumerate(edits):  # an edit of a loaded record, or a new one past them
+        record = MemoryRecord(user_id="u", kind=kind, text=f"e{j}", id=f"u-{i}", created_at=T0 + timedelta(hours=hour))
+        vector = vectors[len(loaded) + j]
+        entry.upsert(record, vector)
+        current[record.id] = (record, vector)
+    gone = [f"u-{i}" for i in removed]
+    entry.remove(gone)
+    for rid in gone:
+        current.pop(rid, None)
+    query = unit_rows(1, seed + 1)[0]
+    with patch.object(vector_cache, "_RUN_GAP", 0), patch.object(vector_cache, "_FULL_SCAN_SHARE", 2.0):
+        found = entry.search_pools(query, pools)  # runs scanned one by one, however small
+    for pool, got in zip(pools, found, strict=True):
+        expected = _brute_force(current, query, pool)
+        assert np.allclose([score for _, score in got], [score for _, score in expected], atol=1e-5)
+        assert {rid for rid, _ in got} <= set(current)
+
+
+def test_an_edit_that_moves_a_loaded_record_out_of_its_place_is_still_found() -> None:
+    """A loaded fact edited into a turn of a later time leaves the facts' run for the rows scanned always."""
+    recs = [
+        MemoryRecord(user_id="u", kind=Kind.FACT if i < 50 else Kind.TURN, text="m", id=f"u-{i}", created_at=T0)
+        for i in range(100)
+    ]
+    vectors = unit_rows(101)
+    entry = UserVectors("u", DIM, arrow_rows(recs, vectors[:100]))
+    entry.upsert(recs[3].replace(kind=Kind.TURN, created_at=T0 + timedelta(hours=150)), vectors[100])
+    late_turns = Pool(5, (Kind.TURN,), T0 + timedelta(hours=120))
+    assert entry.search_pools(vectors[100], [late_turns]) == [[("u-3", pytest.approx(1.0))]]
 
 
 def test_filters_by_kind_time_and_validity() -> None:

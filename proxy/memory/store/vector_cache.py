@@ -3,7 +3,10 @@
 Exact numpy search over one user's 10k x 384 vectors takes about 0.3 ms, far below LanceDB's
 filtered search, so the store keeps recently searched users here. An entry holds every record of the user
 (history included) as a vector matrix, filter columns (kind, created_at, valid, alive) and the records
-themselves, materialised lazily from the Arrow rows loaded from LanceDB. The store applies every write,
+themselves, materialised lazily from the Arrow rows loaded from LanceDB. A loaded entry keeps its rows ordered
+by (kind, created_at), records added later after them, so that a search scores only the runs of rows its pools
+can return (facts of all time and the window's turns, not years of older turns): the scan is memory-bound,
+and after the pause between two requests it runs from RAM. The store applies every write,
 edit and delete to the cache right after LanceDB commits it; the writes that land while a user is being
 loaded are replayed onto the loaded entry before it is kept (each replaces or deletes whole records by id, so
 replaying one the load already saw changes nothing), so the cache never serves a state older than LanceDB's.
@@ -36,6 +39,8 @@ _PY_ROW_BYTES = 1_000  # the loaded columns as Python objects, per row, text asi
 _MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a handful of memories (64 rows of 384
 # float32 is 96 KB, empty)
 _COMPACT_AFTER = 64  # deleted rows an entry tolerates before it may compact
+_RUN_GAP = 64  # runs of rows to scan this close are scanned as one (a gemv call costs about as much as 64 rows)
+_FULL_SCAN_SHARE = 0.9  # runs covering this share of the rows: one scan of them all
 
 
 def grown(capacity: int) -> int:
@@ -78,6 +83,10 @@ class UserVectors:
         self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
         self._records: list[MemoryRecord | None] = []
         self._materialised = 0
+        # Rows [0, _sorted) are ordered by (kind code, created_at); ``_blocks[code]`` is that kind's (start, end)
+        # among them. Rows after them (added since the load) are in no order: a search always scans them.
+        self._sorted = 0
+        self._blocks: list[tuple[int, int]] = [(0, 0)] * len(KIND_CODES)
         self._alloc(max(_MIN_CAPACITY, rows.num_rows if rows is not None else 0))
         if rows is not None:
             self._load(rows)
@@ -95,18 +104,31 @@ class UserVectors:
         count = rows.num_rows
         if count == 0:
             return
+        created = rows["created_at"].cast(pa.int64()).to_numpy()
+        codes = np.asarray([KIND_CODES[kind] for kind in rows["kind"].to_pylist()], dtype=np.int8)
+        order = np.lexsort((created, codes))  # by kind, then time: see ``_scan_ranges``
         flat = pc.list_flatten(rows["embedding"].combine_chunks()).to_numpy(zero_copy_only=False)
-        self.vectors[:, :count] = flat.reshape(count, self.dim).T
-        self.created[:count] = rows["created_at"].cast(pa.int64()).to_numpy()
-        codes = [KIND_CODES[kind] for kind in rows["kind"].to_pylist()]
-        self.kind[:count] = np.asarray(codes, dtype=np.int8)
-        self.valid[:count] = rows["valid"].to_numpy(zero_copy_only=False)
+        self.vectors[:, :count] = flat.reshape(count, self.dim)[order].T
+        self.created[:count] = created[order]
+        self.kind[:count] = codes[order]
+        self.valid[:count] = rows["valid"].to_numpy(zero_copy_only=False)[order]
         self.alive[:count] = True
-        self.ids = rows["id"].to_pylist()
+        ids = rows["id"].to_pylist()
+        self._base = order.tolist()
+        self.ids = [ids[base] for base in self._base]
         self.index = {record_id: row for row, record_id in enumerate(self.ids)}
-        self._base = list(range(count))
         self._records = [None] * count
         self.n = count
+        self._sorted_prefix(count)
+
+    def _sorted_prefix(self, count: int) -> None:
+        """Note that rows [0, count) are ordered by (kind, created_at) and find each kind's block among them."""
+        codes = self.kind[:count]
+        self._sorted = count
+        self._blocks = [
+            (int(np.searchsorted(codes, code, "left")), int(np.searchsorted(codes, code, "right")))
+            for code in range(len(KIND_CODES))
+        ]
 
     @property
     def live(self) -> int:
@@ -124,13 +146,18 @@ class UserVectors:
     def upsert(self, record: MemoryRecord, vector: npt.NDArray[np.float32]) -> None:
         """Add a record or replace the one with the same id (new text, vector, validity...)."""
         row = self.index.get(record.id)
+        code, created = KIND_CODES[str(record.kind)], micros(record.created_at)
+        if row is not None and row < self._sorted and (self.kind[row] != code or self.created[row] != created):
+            self._forget(row, record.id)  # it would leave its place in the order: it goes after the sorted rows
+            self.dead += 1
+            row = None
         if row is None:
             row = self._append_slot(record.id)
         elif self._base[row] >= 0 and self._records[row] is None:
             self._materialised += 1
         self.vectors[:, row] = vector
-        self.created[row] = micros(record.created_at)
-        self.kind[row] = KIND_CODES[str(record.kind)]
+        self.created[row] = created
+        self.kind[row] = code
         self.valid[row] = record.valid
         self._records[row] = record.replace(embedding=None)
 
@@ -172,22 +199,29 @@ class UserVectors:
         """Forget these records; returns how many were present."""
         removed = 0
         for record_id in ids:
-            row = self.index.pop(record_id, None)
+            row = self.index.get(record_id)
             if row is None:
                 continue
-            self.alive[row] = False
-            if self._records[row] is not None:
-                self._materialised -= 1
-            self._records[row] = None
+            self._forget(row, record_id)
             removed += 1
         self.dead += removed
         if self.dead > _COMPACT_AFTER and self.dead * 2 > self.n:
             self._compact()
         return removed
 
+    def _forget(self, row: int, record_id: str) -> None:
+        """Mark a row deleted (the caller counts it in ``dead``)."""
+        del self.index[record_id]
+        self.alive[row] = False
+        if self._records[row] is not None:
+            self._materialised -= 1
+        self._records[row] = None
+
     def _compact(self) -> None:
-        """Drop deleted rows; new arrays, so a search running on the old ones stays correct."""
-        keep = np.flatnonzero(self.alive[: self.n])
+        """Drop deleted rows and order the others by (kind, created_at) again; new arrays, so a search running
+        on the old ones stays correct."""
+        alive = np.flatnonzero(self.alive[: self.n])
+        keep = alive[np.lexsort((self.created[alive], self.kind[alive]))]
         old = self._arrays()
         ids, base, records = self.ids, self._base, self._records
         self._alloc(grown(len(keep)))
@@ -198,6 +232,7 @@ class UserVectors:
         self._records = [records[row] for row in keep]
         self.index = {record_id: row for row, record_id in enumerate(self.ids)}
         self.n, self.dead = len(keep), 0
+        self._sorted_prefix(self.n)
         self.generation += 1
 
     def search(
@@ -232,10 +267,44 @@ class UserVectors:
             if pool.k <= 0 or rows.size == 0:
                 out.append(([], []))
                 continue
-            if scores is None:  # every row at once: gathering a pool's columns costs more than scoring them all
-                scores = _dot(query, self.vectors[:, :n])
+            if scores is None:  # the pools' runs of rows at once: gathering columns costs more than scoring runs
+                scores = self._scores(query, pools, n)
             out.append(_top_k(scores[rows], rows, pool.k))
         return out
+
+    def _scores(self, query: npt.NDArray[np.float32], pools: Sequence[Pool], n: int) -> npt.NDArray[np.float32]:
+        """The query's cosine with every row the pools can return (NaN for rows no pool can return)."""
+        ranges = self._scan_ranges(pools, n)
+        if sum(hi - lo for lo, hi in ranges) >= _FULL_SCAN_SHARE * n:
+            return _dot(query, self.vectors[:, :n])
+        scores = np.full(n, np.nan, dtype=np.float32)
+        for lo, hi in ranges:
+            scores[lo:hi] = _dot(query, self.vectors[:, lo:hi])
+        return scores
+
+    def _scan_ranges(self, pools: Sequence[Pool], n: int) -> list[tuple[int, int]]:
+        """Sorted, disjoint runs of rows holding every row any of ``pools`` can return: per kind asked, the
+        part of its block inside the pool's time bounds, and the rows added since the load."""
+        runs = [(self._sorted, n)] if self._sorted < n else []
+        created = self.created
+        for pool in pools:
+            codes = [KIND_CODES[str(kind)] for kind in pool.kinds] if pool.kinds else range(len(KIND_CODES))
+            for code in codes:
+                lo, hi = self._blocks[code]
+                if lo < hi and pool.since is not None:
+                    lo += int(np.searchsorted(created[lo:hi], micros(pool.since), "left"))
+                if lo < hi and pool.until is not None:
+                    hi = lo + int(np.searchsorted(created[lo:hi], micros(pool.until), "right"))
+                if lo < hi:
+                    runs.append((lo, hi))
+        runs.sort()
+        merged: list[tuple[int, int]] = []
+        for lo, hi in runs:
+            if merged and lo <= merged[-1][1] + _RUN_GAP:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
 
     def _mask(self, n: int, pool: Pool) -> npt.NDArray[np.bool_]:
         mask = self.alive[:n].copy()
