@@ -293,6 +293,39 @@ async def test_a_cached_user_sees_a_new_record_only_once_both_arms_have_it(
     assert [r.id for r in (await store.list("alice")).data] == [new.id, old.id]
 
 
+@pytest.mark.parametrize("cache_bytes", [None, 0], ids=["loaded-into-the-cache", "searched-in-lancedb"])
+async def test_a_user_read_first_while_a_new_record_awaits_its_keyword_commit_sees_it_only_after(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cache_bytes: int | None
+) -> None:
+    """A user not cached whose first read comes while Tantivy commits a new record: neither the load into the
+    vector cache nor LanceDB's own vector search (a user too big for the cache) shows it on the dense arm
+    alone; once the write is done, both arms have it (the load got it from the write's publish)."""
+    overrides = {} if cache_bytes is None else {"vector_cache_bytes": cache_bytes}
+    async with MemoryStore(settings_for(tmp_path / "data", **overrides), HashingEmbedder()) as store:
+        [old] = await store.add([fact("alice", "Alice lives in London")])
+        store.cache.drop("alice")
+        committing, release = asyncio.Event(), asyncio.Event()
+        commit = store._keyword.commit
+
+        async def slow_commit() -> None:
+            committing.set()
+            await release.wait()
+            await commit()
+
+        monkeypatch.setattr(store._keyword, "commit", slow_commit)
+        new = fact("alice", "Alice moved to Lisbon", hours=1)
+        writing = asyncio.create_task(store.add([new]))
+        try:
+            await asyncio.wait_for(committing.wait(), 10)
+            assert await vector_ids(store, "alice", "moved to Lisbon") == [old.id]
+            assert ("alice" in store.cache) is (cache_bytes is None)
+        finally:
+            release.set()
+            await writing
+        assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == new.id
+        assert await keyword_ids(store, "alice", "Lisbon") == [new.id]
+
+
 async def test_get_many_and_list_answer_alike_from_the_cache_and_from_lancedb(
     store: MemoryStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

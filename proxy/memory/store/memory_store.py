@@ -290,11 +290,17 @@ class MemoryStore(StoreReader):
 
     async def _write_new(self, records: list[MemoryRecord]) -> None:
         vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in records])
-        await self._lance.add(arrow_rows(records, vectors))
-        self._appends += 1
-        if self._appends >= self.settings.optimize_after_commits and self._optimizer is not None:
-            self._appends = 0
-            self._optimizer.wake()
+        for record in records:  # until published: no cache load nor LanceDB vector search shows them
+            self._unpublished.setdefault(record.user_id, set()).add(record.id)
+        try:
+            await self._lance.add(arrow_rows(records, vectors))
+            self._appends += 1
+            if self._appends >= self.settings.optimize_after_commits and self._optimizer is not None:
+                self._appends = 0
+                self._optimizer.wake()
+        except BaseException:
+            self._published(records)
+            raise
         await self._publish(records, vectors, lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
 
     async def _publish(
@@ -312,6 +318,16 @@ class MemoryStore(StoreReader):
                 await self._index(change)
         finally:
             self._cache.upsert(records, vectors)
+            self._published(records)
+
+    def _published(self, records: list[MemoryRecord]) -> None:
+        """Forget that ``records`` await their publish (``_unpublished``)."""
+        for record in records:
+            pending = self._unpublished.get(record.user_id)
+            if pending is not None:
+                pending.discard(record.id)
+                if not pending:
+                    del self._unpublished[record.user_id]
 
     async def _index(self, change: Callable[[], Awaitable[None]]) -> None:
         """Apply a change to Tantivy after LanceDB took it; if Tantivy fails, repair at the next optimize."""

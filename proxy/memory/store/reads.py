@@ -20,6 +20,7 @@ import numpy as np
 import numpy.typing as npt
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from proxy.memory.errors import StoreError
 from proxy.memory.store.cursors import page_keys
@@ -63,6 +64,10 @@ class StoreReader:
         self._cache = cache
         self._touches = touches
         self._dim = dim
+        # New records LanceDB holds and Tantivy does not yet (the write's keyword commit, tens of ms): a user's
+        # load into the vector cache and LanceDB's own vector search leave them out, so that no read ranks them
+        # on the dense arm alone; the write's publish then brings them into the cache (``MemoryStore._publish``).
+        self._unpublished: dict[str, set[str]] = {}
         # Whether a vector search went to LanceDB (its user not in the cache): only then does an ANN index pay
         # for its build (minutes of both cores and GBs of RAM at 100k rows, while the chat waits).
         self.searched_lance = cache.max_bytes == 0
@@ -176,13 +181,16 @@ class StoreReader:
         )
         pairs = await self._lance.vector_search(user_id, vector, pool.k, where)
         touch = self._touches.toucher(user_id)
-        return [Hit(touch(record), score) for record, score in pairs]
+        unpublished = self._unpublished.get(user_id, ())
+        return [Hit(touch(record), score) for record, score in pairs if record.id not in unpublished]
 
     async def _load_user(self, user_id: str) -> UserVectors | None:
         rows = await self._lance.count(user_id)
         if estimated_bytes(rows, self._lance.stored_dim) > self._cache.max_bytes:
             return None
         table = await self._lance.user_rows(user_id)
+        if unpublished := self._unpublished.get(user_id):  # their publish, replayed onto this load, adds them
+            table = table.filter(pc.invert(pc.is_in(table["id"], pa.array(sorted(unpublished), pa.string()))))
         entry = await asyncio.to_thread(UserVectors, user_id, self._lance.stored_dim, table)
         # Access times noted before the load and not yet written: a cached record carries them, so reads from
         # the cache apply no touches (those noted during the load are replayed onto it by the cache).
