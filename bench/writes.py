@@ -13,8 +13,10 @@ messages plus the response schema).
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
   p99, memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
-  5 s of quiet: RSS (``rss_before_mb``). After the load: wait until the queue is empty, RSS again
-  (``rss_after_drain_mb``, the bar's figure) and a minute later (``rss_a_minute_later_mb``: memproxy trims its
+  5 s of quiet: RSS (``rss_before_mb``). After the load: wait until the queue is empty, RSS 5 s later
+  (``rss_at_drain_mb``), again once memproxy's quiet window has passed (``QUIET_WINDOW_S`` after the load's last
+  request: a process the load left grown restarts in place then, ``proxy.recycle``) and it answers /readyz
+  (``rss_after_drain_mb``, the bar's figure), and a minute later (``rss_a_minute_later_mb``: memproxy trims its
   heap once a minute while busy, and within ~5 s of going quiet); and the texts the embedding model took per
   exchange over the run (``texts_embedded_per_exchange``, from /metrics).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
@@ -65,6 +67,7 @@ ADMIN_KEY = "bench-writes-admin-key"
 PROBE_INTERVAL_S = 1.0
 WARM_SETTLE_S = 25.0  # the warm-up's fact windows fire after 20 s ([writer] facts_window_wait_s)
 TRIM_WAIT_S = 65.0  # RSS is read again this long after the drain: a minute of memproxy idle
+QUIET_WINDOW_S = 45.0  # after the load's last request: server.recycle_quiet_s (30 s), two quiet checks, a restart
 
 
 def _tokenizer() -> Any:
@@ -352,16 +355,33 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
                 for _ in range(args.concurrency):
                     group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
                 group.create_task(probe_loop(session, base, minutes, started, end))
+            load_end = time.monotonic()
             drain_s = await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
             texts = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0) - texts_before
             exchanges = (await asyncio.to_thread(queue_counts, data))["exchanges_done"] - before["exchanges_done"]
             await asyncio.sleep(5)
+            rss_at_drain = rss_mb(pid)
+            # memproxy restarts in place once quiet when the load left its heap grown (proxy.recycle): RSS after
+            # the drain is read once its quiet window has passed and it serves again
+            await asyncio.sleep(max(10.0, load_end + QUIET_WINDOW_S - time.monotonic()))  # (and two checks)
+            await wait_ready(session, base)
             rss_after = rss_mb(pid)
             await asyncio.sleep(TRIM_WAIT_S)  # what a minute of quiet adds (proxy.heap)
             rss_settled = rss_mb(pid)
     report = sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
-    return {**report, "rss_a_minute_later_mb": round(rss_settled, 1),
+    return {**report, "rss_at_drain_mb": round(rss_at_drain, 1), "rss_a_minute_later_mb": round(rss_settled, 1),
             "texts_embedded_per_exchange": round(texts / exchanges, 3) if exchanges else None}  # fmt: skip
+
+
+async def wait_ready(session: aiohttp.ClientSession, base: str, limit_s: float = 60.0) -> None:
+    """Until memproxy's /readyz answers 200 (a restart in place takes a few seconds)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+            async with session.get(base.removesuffix("/v1") + "/readyz") as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(0.5)
 
 
 def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, float]], rss_before: float,
@@ -510,7 +530,8 @@ def print_tables(result: Mapping[str, Any]) -> None:
                   f"{row['turn_searchable_p50_s']:16} | {row['turn_searchable_p99_s']:5} | {row['rss_mb']:6} | "
                   f"{row['errors']}")  # fmt: skip
         s = result["sustained"]
-        print(f"RSS before {s['rss_before_mb']} MB, after drain {s['rss_after_drain_mb']} MB "
+        print(f"RSS before {s['rss_before_mb']} MB, at the drain {s.get('rss_at_drain_mb')} MB, after the drain "
+              f"and the quiet window {s['rss_after_drain_mb']} MB "
               f"(drained in {s['drain_after_load_s']} s after the load), a minute later "
               f"{s.get('rss_a_minute_later_mb')} MB; texts embedded per exchange "
               f"{s.get('texts_embedded_per_exchange')}")  # fmt: skip

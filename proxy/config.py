@@ -53,6 +53,11 @@ class ServerSettings(_Frozen):
     body_timeout_s: float = Field(default=60.0, gt=0)  # a body must arrive within this (408 otherwise)
     max_json_depth: int = Field(default=64, ge=2)  # deeper JSON is a 400, checked before parsing
     shutdown_grace_s: float = Field(default=20.0, ge=0)
+    # Restart in place once quiet when RSS grew past this many times its level after start-up (proxy/recycle.py);
+    # 0: never. And by at least recycle_min_growth_mb; quiet: no request for recycle_quiet_s, no job due.
+    recycle_rss_growth: float = Field(default=1.3, ge=0)
+    recycle_min_growth_mb: float = Field(default=64.0, ge=0)
+    recycle_quiet_s: float = Field(default=30.0, ge=0)
     # Serve without client keys on a non-loopback address while holding an upstream key (see proxy/access.py).
     open: bool = False
     # Browser origins (scheme://host[:port]) allowed to call the chat path; others are refused.

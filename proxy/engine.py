@@ -397,6 +397,11 @@ class MemoryEngine:
         with contextlib.suppress(Exception):  # a scrape never fails because the queue is busy
             self._queue_snapshot = await asyncio.wait_for(self.jobs.metrics(), timeout=2.0)
 
+    async def jobs_busy(self) -> bool:
+        """Whether a memory job is due or running now (jobs scheduled for later wait in the queue)."""
+        snap = await self.jobs.metrics()
+        return snap.ready + snap.running > 0
+
     def waiting(self) -> tuple[dict[str, int], dict[str, int]]:
         """Jobs waiting for a key or configuration now, and times jobs started waiting, by reason."""
         snap = self._queue_snapshot

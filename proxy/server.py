@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import functools
 import signal
+import socket
 import sys
 from http import HTTPStatus
 from typing import Any
@@ -27,10 +28,11 @@ from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.service import ReleasesIdle
+from proxy.memory.service import HasJobs, ReleasesIdle
 from proxy.memory.store.background import Ticker
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError
+from proxy.recycle import Activity, Recycler, inherited_sockets, keep_listening, reexec
 from proxy.state import STATE
 
 log = structlog.get_logger("memproxy.server")
@@ -87,9 +89,29 @@ def release_idle(app: web.Application) -> int:
     return memory.release_idle() if isinstance(memory, ReleasesIdle) else 0
 
 
-async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> None:
-    """Serve until a termination signal arrives."""
+async def jobs_busy(app: web.Application) -> bool | None:
+    """Whether a memory job is due or running (None while the memory service is not up, or has no queue)."""
+    state = app.get(STATE)
+    memory = state.memory if state is not None else None
+    if not isinstance(memory, HasJobs) or not memory.ready:
+        return None
+    try:
+        return await asyncio.wait_for(memory.jobs_busy(), timeout=2.0)
+    except Exception:  # a queue too busy to answer is busy
+        return True
+
+
+async def serve(
+    settings: Settings, *, memory_factory: MemoryFactory | None = None, listening: list[socket.socket] | None = None
+) -> list[int]:
+    """Serve until a termination signal arrives (returns []) or the process should restart in place
+    (``proxy.recycle``: returns the listening sockets' descriptors, kept open for the next image).
+
+    ``listening``: sockets to serve on (a previous image's) instead of binding ``server.host``/``port``.
+    """
     app = build_app(settings, memory_factory=memory_factory)
+    activity = Activity()
+    app.middlewares.insert(0, activity.middleware)
     runner = AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
     )
@@ -98,11 +120,29 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    server = settings.server
+    recycler = None
+    if server.recycle_rss_growth > 0:
+        busy = functools.partial(jobs_busy, app)
+        recycler = Recycler(
+            server.recycle_rss_growth, server.recycle_min_growth_mb, server.recycle_quiet_s, activity, busy
+        )
+    recycling: list[str] = []
+    trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
+
+    async def tick() -> None:
+        await trimmer.tick()  # proxy.heap
+        if recycler is not None and not stop.is_set() and (reason := await recycler.due()) is not None:
+            recycling.append(reason)
+            stop.set()
+
+    kept: list[int] = []
     try:
-        trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
-        async with Ticker("heap-trim", QUIET_CHECK_S, trimmer.tick):  # proxy.heap
-            site = web.TCPSite(runner, settings.server.host, settings.server.port, reuse_address=True)
-            await site.start()
+        async with Ticker("heap-trim", QUIET_CHECK_S, tick):
+            sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in listening or ()]
+            sites = sites or [web.TCPSite(runner, server.host, server.port, reuse_address=True)]
+            for site in sites:
+                await site.start()
             addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
             log.info(
                 "server.started",
@@ -110,13 +150,19 @@ async def serve(settings: Settings, *, memory_factory: MemoryFactory | None = No
                 port=runner.addresses[0][1],
                 upstream=settings.upstream.base_url,
                 memory=settings.memory.enabled,
+                restarted_in_place=bool(listening),
             )
             await stop.wait()
-            log.info("server.stopping", grace_s=settings.server.shutdown_grace_s)
+            if recycling:
+                kept = keep_listening(runner)
+                log.info("server.recycling", reason=recycling[0], grace_s=server.shutdown_grace_s)
+            else:
+                log.info("server.stopping", grace_s=server.shutdown_grace_s)
             app[STATE].stopping = True
     finally:
         await runner.cleanup()
         log.info("server.stopped")
+    return kept
 
 
 async def reindex(settings: Settings) -> int:
@@ -153,6 +199,7 @@ def load_or_exit(args: argparse.Namespace) -> Settings:
 
 def run_command(args: argparse.Namespace) -> None:
     """``memproxy serve`` and ``memproxy reindex``."""
+    listening = inherited_sockets() if args.command == "serve" else []  # a restart in place (proxy.recycle)
     settings = load_or_exit(args)
     if args.command == "serve":
         problem = open_relay_problem(settings)
@@ -162,7 +209,9 @@ def run_command(args: argparse.Namespace) -> None:
         configure_logging(settings.logging.level)
         fix_mmap_threshold()
         try:
-            uvloop.run(serve(settings))
+            while kept := uvloop.run(serve(settings, listening=listening)):
+                reexec(kept)  # returns only if the exec failed: serve again from this image
+                listening = [socket.socket(fileno=fd) for fd in kept]
         except SchemaError as exc:  # a store this version cannot serve: say what to do, no traceback
             print(f"memproxy: {exc}", file=sys.stderr)
             raise SystemExit(1) from None

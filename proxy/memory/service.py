@@ -86,6 +86,15 @@ class ReleasesIdle(Protocol):
         ...
 
 
+@runtime_checkable
+class HasJobs(Protocol):
+    """A memory service with a job queue (``proxy.recycle`` restarts only when nothing is due or running)."""
+
+    async def jobs_busy(self) -> bool:
+        """Whether a memory job is due or running now."""
+        ...
+
+
 class RecordPage(Protocol):
     """One page of a user's records, newest first, and the cursor of the next (None at the end)."""
 
