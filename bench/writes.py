@@ -18,7 +18,9 @@ messages plus the response schema).
   request: a process the load left grown restarts in place then, ``proxy.recycle``) and it answers /readyz
   (``rss_after_drain_mb``, the bar's figure), and a minute later (``rss_a_minute_later_mb``: memproxy trims its
   heap once a minute while busy, and within ~5 s of going quiet); and the texts the embedding model took per
-  exchange over the run (``texts_embedded_per_exchange``, from /metrics).
+  exchange over the run (``texts_embedded_per_exchange``, from /metrics). Once memproxy has stopped: the memory
+  table on disk as it left it and after a compaction that keeps no old version, against its live data (the
+  current version's data files), and the whole data directory (``disk``).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
   one exchange from its speaker (the other speaker's next turn is the assistant's reply, a session is a
   conversation). The fake memory-side model stands in for a perfect extractor: it answers an extraction call
@@ -46,9 +48,11 @@ import sqlite3
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -370,7 +374,38 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             rss_settled = rss_mb(pid)
     report = sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
     return {**report, "rss_at_drain_mb": round(rss_at_drain, 1), "rss_a_minute_later_mb": round(rss_settled, 1),
-            "texts_embedded_per_exchange": round(texts / exchanges, 3) if exchanges else None}  # fmt: skip
+            "texts_embedded_per_exchange": round(texts / exchanges, 3) if exchanges else None,
+            "disk": await disk_usage(data)}  # fmt: skip
+
+
+def tree_mb(path: Path) -> float:
+    """Bytes of the files under ``path`` (allocated blocks, as ``du`` counts), in MB."""
+    return sum(f.stat().st_blocks * 512 for f in path.rglob("*") if f.is_file()) / 1e6
+
+
+async def disk_usage(data: Path) -> dict[str, float]:
+    """The memory table on disk against its live data (the current version's data files, LanceDB's
+    ``stats``), as memproxy left it and after a compaction that keeps no old version (``memproxy`` stopped).
+    Also the whole data directory (the keyword index and the job queue with it)."""
+    import lancedb
+
+    from proxy.memory.store.manifest import MANIFEST_KEY
+
+    lance = data / "lance"
+    table_name = json.loads((lance / MANIFEST_KEY).read_text())["table"]
+    db = await lancedb.connect_async(lance)
+    table = await db.open_table(table_name)
+    left = tree_mb(lance / f"{table_name}.lance")
+    live = (await table.stats())["total_bytes"] / 1e6
+    with warnings.catch_warnings():  # "removes every version except the latest": memproxy has stopped
+        warnings.simplefilter("ignore", UserWarning)
+        await table.optimize(cleanup_older_than=timedelta(0), delete_unverified=True)
+    compacted = tree_mb(lance / f"{table_name}.lance")
+    live_after = (await table.stats())["total_bytes"] / 1e6
+    return {"table_live_mb": round(live_after, 1), "table_on_disk_mb": round(left, 1),
+            "table_on_disk_after_compaction_mb": round(compacted, 1),
+            "on_disk_after_compaction_over_live": round(compacted / live_after, 3) if live_after else None,
+            "data_dir_mb": round(tree_mb(data), 1), "table_live_before_compaction_mb": round(live, 1)}  # fmt: skip
 
 
 async def wait_ready(session: aiohttp.ClientSession, base: str, limit_s: float = 60.0) -> None:
@@ -535,6 +570,11 @@ def print_tables(result: Mapping[str, Any]) -> None:
               f"(drained in {s['drain_after_load_s']} s after the load), a minute later "
               f"{s.get('rss_a_minute_later_mb')} MB; texts embedded per exchange "
               f"{s.get('texts_embedded_per_exchange')}")  # fmt: skip
+        if disk := s.get("disk"):
+            print(f"memory table on disk {disk['table_on_disk_mb']} MB as left, "
+                  f"{disk['table_on_disk_after_compaction_mb']} MB after a compaction keeping no old version, live "
+                  f"data {disk['table_live_mb']} MB ({disk['on_disk_after_compaction_over_live']}x); data directory "
+                  f"{disk['data_dir_mb']} MB")  # fmt: skip
     if "replay" in result:
         r = result["replay"]
         print(f"replay: {r['exchanges']} exchanges, {r['calls_per_exchange']} calls and "

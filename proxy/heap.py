@@ -6,7 +6,8 @@ job queue's; up to 8 arenas per core) resident until the top of each heap is fre
 it rarely is. ``bench/writes.py --mode sustained --minutes 3`` (one run each): RSS after the drain 1,744 MB
 without the trim, 1,138 MB with it. Capping the arenas (``MALLOC_ARENA_MAX=2``) kept RSS lower still then, but
 hardly now (``--minutes 2``: 402 MB after the drain against 405-419 MB over four runs uncapped): what stays is
-free chunks of a few KB spread over pages that live allocations share. Elsewhere (musl, macOS) this is a no-op.
+free chunks of a few KB spread over pages that live allocations share; ``proxy.recycle`` hands that back by
+restarting the process in place once it is quiet. Elsewhere (musl, macOS) this is a no-op.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Running the app: bind, serve until SIGTERM/SIGINT, then shut down gracefully.
 
 Shutdown order: stop accepting connections, let in-flight requests (streams included) finish up to
-``server.shutdown_grace_s``, then run the app's cleanup (which drains the background workers).
+``server.shutdown_grace_s``, then run the app's cleanup (which drains the background workers). A restart in
+place (``proxy.recycle``) shuts down the same way, keeping the listening sockets open for the next image.
 """
 
 from __future__ import annotations
