@@ -8,12 +8,12 @@ jemalloc with background purging: 391 MB). Only a new process image returns it a
 
 So once the process has gone quiet (no request but probes and scrapes in flight or within ``quiet_s``, no memory
 job due or running, under 5% of a core over the last check) and its RSS has grown past ``growth`` times its
-level after start-up (and by at least ``min_growth_mb``), the server stops as on SIGTERM (in-flight work
-finishes, the store closes) and re-executes itself: same PID, same command line, same listening sockets
-(inherited through ``MEMPROXY_RESTART_FDS``), so a connection that arrives meanwhile waits in the socket's
-backlog for the new image (~2-3 s) instead of being refused. Everything durable stays where it is (the store,
-the job queue); what is lost is only what any restart loses: caches and counters. uWSGI's ``reload-on-rss``
-does the same for the same reason. ``server.recycle_rss_growth = 0`` turns it off.
+level after start-up (the lowest seen at a check since memory came up) and by at least ``min_growth_mb``, the
+server stops as on SIGTERM (in-flight work finishes, the store closes) and re-executes itself: same PID, same
+command line, same listening sockets (inherited through ``MEMPROXY_RESTART_FDS``), so a connection that arrives
+meanwhile waits in the socket's backlog for the new image (~2-3 s) instead of being refused. Everything durable
+stays where it is (the store, the job queue); what is lost is only what any restart loses: caches and counters.
+uWSGI's ``reload-on-rss`` does the same for the same reason. ``server.recycle_rss_growth = 0`` turns it off.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Recycler:
         self.growth, self.min_growth_mb, self.quiet_s = growth, min_growth_mb, quiet_s
         self._activity, self._busy, self._rss, self._clock, self._cpu = activity, busy, rss, clock, cpu
         self._checked_at, self._checked_cpu = clock(), cpu()
-        self.baseline_mb: float | None = None  # RSS at the first check with memory up (start-up done)
+        self.baseline_mb: float | None = None  # the lowest RSS seen at a check since memory came up
 
     async def due(self) -> str | None:
         """Why the process should restart now (a short reason for the log), or None."""
@@ -100,8 +100,8 @@ class Recycler:
         quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
         self._checked_at, self._checked_cpu = now, cpu
         rss = self._rss()
-        if self.baseline_mb is None:  # the level after start-up: at the first check with memory up
-            if await self._busy() is not None:
+        if self.baseline_mb is None or rss < self.baseline_mb:  # its lowest level since memory came up
+            if self.baseline_mb is not None or await self._busy() is not None:
                 self.baseline_mb = rss
             return None
         if rss < max(self.growth * self.baseline_mb, self.baseline_mb + self.min_growth_mb):
