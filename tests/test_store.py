@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import shutil
 import time
@@ -263,13 +264,12 @@ async def test_cache_stays_coherent_with_writes(store: MemoryStore) -> None:
     assert await vector_ids(store, "alice", "swims every morning") == [second.id]
 
 
-async def test_a_cached_user_sees_a_new_record_only_once_both_arms_have_it(
-    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """While Tantivy commits a new record, reads of a cached user neither list it nor rank it on the dense arm
-    alone (it would lose to older records the keyword arm finds); once the write is done, both arms have it."""
-    [old] = await store.add([fact("alice", "Alice lives in London")])
-    assert await vector_ids(store, "alice", "lives") == [old.id]  # alice is cached
+@contextlib.asynccontextmanager
+async def keyword_commit_held(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch, record: MemoryRecord
+) -> AsyncIterator[None]:
+    """Add ``record`` with its keyword commit held: inside, LanceDB has it and Tantivy has not committed it;
+    on leaving, the commit goes through and the add returns."""
     committing, release = asyncio.Event(), asyncio.Event()
     commit = store._keyword.commit
 
@@ -279,15 +279,26 @@ async def test_a_cached_user_sees_a_new_record_only_once_both_arms_have_it(
         await commit()
 
     monkeypatch.setattr(store._keyword, "commit", slow_commit)
-    new = fact("alice", "Alice moved to Lisbon", hours=1)
-    writing = asyncio.create_task(store.add([new]))
+    writing = asyncio.create_task(store.add([record]))
     try:
         await asyncio.wait_for(committing.wait(), 10)
-        assert await vector_ids(store, "alice", "moved to Lisbon") == [old.id]
-        assert [r.id for r in (await store.list("alice")).data] == [old.id]
+        yield
     finally:
         release.set()
         await writing
+
+
+async def test_a_cached_user_sees_a_new_record_only_once_both_arms_have_it(
+    store: MemoryStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While Tantivy commits a new record, reads of a cached user neither list it nor rank it on the dense arm
+    alone (it would lose to older records the keyword arm finds); once the write is done, both arms have it."""
+    [old] = await store.add([fact("alice", "Alice lives in London")])
+    assert await vector_ids(store, "alice", "lives") == [old.id]  # alice is cached
+    new = fact("alice", "Alice moved to Lisbon", hours=1)
+    async with keyword_commit_held(store, monkeypatch, new):
+        assert await vector_ids(store, "alice", "moved to Lisbon") == [old.id]
+        assert [r.id for r in (await store.list("alice")).data] == [old.id]
     assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == new.id
     assert await keyword_ids(store, "alice", "Lisbon") == [new.id]
     assert [r.id for r in (await store.list("alice")).data] == [new.id, old.id]
@@ -304,24 +315,10 @@ async def test_a_user_read_first_while_a_new_record_awaits_its_keyword_commit_se
     async with MemoryStore(settings_for(tmp_path / "data", **overrides), HashingEmbedder()) as store:
         [old] = await store.add([fact("alice", "Alice lives in London")])
         store.cache.drop("alice")
-        committing, release = asyncio.Event(), asyncio.Event()
-        commit = store._keyword.commit
-
-        async def slow_commit() -> None:
-            committing.set()
-            await release.wait()
-            await commit()
-
-        monkeypatch.setattr(store._keyword, "commit", slow_commit)
         new = fact("alice", "Alice moved to Lisbon", hours=1)
-        writing = asyncio.create_task(store.add([new]))
-        try:
-            await asyncio.wait_for(committing.wait(), 10)
+        async with keyword_commit_held(store, monkeypatch, new):
             assert await vector_ids(store, "alice", "moved to Lisbon") == [old.id]
             assert ("alice" in store.cache) is (cache_bytes is None)
-        finally:
-            release.set()
-            await writing
         assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == new.id
         assert await keyword_ids(store, "alice", "Lisbon") == [new.id]
 
