@@ -91,11 +91,12 @@ class QuietTrimmer:
         self._clock, self._cpu, self._release = clock, cpu, release
         self._checked_at, self._checked_cpu = clock(), cpu()
         self._trimmed_at, self._trimmed_cpu = self._checked_at, self._checked_cpu
+        self.quiet = False  # whether the interval up to the last check was quiet (``proxy.recycle`` asks too)
 
     def due(self) -> bool:
         """Whether to trim now (call every ``QUIET_CHECK_S``)."""
         now, cpu = self._clock(), self._cpu()
-        quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
+        self.quiet = quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
         self._checked_at, self._checked_cpu = now, cpu
         worked = cpu - self._trimmed_cpu
         if quiet and worked < WORK_CPU_S:

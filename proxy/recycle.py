@@ -33,7 +33,6 @@ from proxy.access import PROBE_PATHS
 log = structlog.get_logger("memproxy.recycle")
 
 LISTEN_FDS_ENV = "MEMPROXY_RESTART_FDS"  # listening sockets handed to the re-executed image (fd numbers)
-QUIET_CPU_SHARE = 0.05  # a check interval with less CPU than this share of one core is quiet
 UNWATCHED_PATHS = PROBE_PATHS | {"/metrics"}  # requests that do not count as work (orchestrators, scrapers)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -85,20 +84,16 @@ class Recycler:
         quiet_s: float,
         activity: Activity,
         busy: Callable[[], Awaitable[bool | None]],
+        quiet: Callable[[], bool],
         rss: Callable[[], float] = rss_mb,
-        clock: Callable[[], float] = time.monotonic,
-        cpu: Callable[[], float] = time.process_time,
     ) -> None:
         self.growth, self.min_growth_mb, self.quiet_s = growth, min_growth_mb, quiet_s
-        self._activity, self._busy, self._rss, self._clock, self._cpu = activity, busy, rss, clock, cpu
-        self._checked_at, self._checked_cpu = clock(), cpu()
+        self._activity, self._busy, self._quiet, self._rss = activity, busy, quiet, rss
         self.baseline_mb: float | None = None  # the lowest RSS seen at a check since memory came up
 
     async def due(self) -> str | None:
-        """Why the process should restart now (a short reason for the log), or None."""
-        now, cpu = self._clock(), self._cpu()
-        quiet = cpu - self._checked_cpu <= QUIET_CPU_SHARE * (now - self._checked_at)
-        self._checked_at, self._checked_cpu = now, cpu
+        """Why the process should restart now (a short reason for the log), or None. ``quiet``: whether the
+        last check interval used little CPU (``proxy.heap.QuietTrimmer.quiet``, checked just before)."""
         rss = self._rss()
         if self.baseline_mb is None or rss < self.baseline_mb:  # its lowest level since memory came up
             if self.baseline_mb is not None or await self._busy() is not None:
@@ -106,7 +101,7 @@ class Recycler:
             return None
         if rss < max(self.growth * self.baseline_mb, self.baseline_mb + self.min_growth_mb):
             return None
-        if not quiet or self._activity.idle_s() < self.quiet_s or await self._busy() is not False:
+        if not self._quiet() or self._activity.idle_s() < self.quiet_s or await self._busy() is not False:
             return None
         return f"RSS {rss:.0f} MB, {rss / self.baseline_mb:.2f}x its {self.baseline_mb:.0f} MB after start-up"
 

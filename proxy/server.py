@@ -122,17 +122,22 @@ async def serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     server = settings.server
+    trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
     recycler = None
     if server.recycle_rss_growth > 0:
         busy = functools.partial(jobs_busy, app)
         recycler = Recycler(
-            server.recycle_rss_growth, server.recycle_min_growth_mb, server.recycle_quiet_s, activity, busy
+            server.recycle_rss_growth,
+            server.recycle_min_growth_mb,
+            server.recycle_quiet_s,
+            activity,
+            busy,
+            quiet=lambda: trimmer.quiet,
         )
     recycling: list[str] = []
-    trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
 
     async def tick() -> None:
-        await trimmer.tick()  # proxy.heap
+        await trimmer.tick()  # proxy.heap; its check also says whether the last interval was quiet
         if recycler is not None and not stop.is_set() and (reason := await recycler.due()) is not None:
             recycling.append(reason)
             stop.set()

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import httpx
 
+from proxy.heap import QuietTrimmer
 from proxy.recycle import Activity, Recycler
 from tests.support.processes import fake_upstream_process, memproxy_process
 
@@ -22,11 +23,16 @@ class Clock:
         return self.now
 
 
-def recycler(clock: Clock, activity: Activity, rss: list[float], busy: list[bool | None]) -> Recycler:
+def recycler(
+    clock: Clock, activity: Activity, rss: list[float], busy: list[bool | None]
+) -> tuple[Recycler, QuietTrimmer]:
+    """A recycler whose CPU quiet comes from a heap trimmer on the same clock, checked before it (as serve does)."""
+
     async def jobs() -> bool | None:
         return busy[0]
 
-    return Recycler(1.3, 64.0, 30.0, activity, jobs, rss=lambda: rss[0], clock=clock, cpu=lambda: clock.cpu)
+    trimmer = QuietTrimmer(clock=clock, cpu=lambda: clock.cpu)
+    return Recycler(1.3, 64.0, 30.0, activity, jobs, quiet=lambda: trimmer.quiet, rss=lambda: rss[0]), trimmer
 
 
 async def test_a_quiet_process_grown_past_its_start_up_level_is_due_and_only_then() -> None:
@@ -34,11 +40,12 @@ async def test_a_quiet_process_grown_past_its_start_up_level_is_due_and_only_the
     no job is due or running and the last check used little CPU; not while any of these fails."""
     clock, rss, busy = Clock(), [250.0], [None]
     activity = Activity(clock)
-    r = recycler(clock, activity, rss, busy)
+    r, trimmer = recycler(clock, activity, rss, busy)
 
     async def due_after(seconds: float, cpu: float = 0.0) -> str | None:
         clock.now += seconds
         clock.cpu += cpu
+        trimmer.due()
         return await r.due()
 
     assert await due_after(5) is None
@@ -72,14 +79,17 @@ async def test_a_quiet_process_grown_past_its_start_up_level_is_due_and_only_the
 async def test_small_processes_need_the_absolute_growth_too() -> None:
     """A 100 MB process at 140 MB (1.4x) is not due: growth under ``min_growth_mb`` is not worth a restart."""
     clock, rss, busy = Clock(), [100.0], [False]
-    r = recycler(clock, Activity(clock), rss, busy)
+    r, trimmer = recycler(clock, Activity(clock), rss, busy)
     clock.now += 5
+    trimmer.due()
     await r.due()
     rss[0] = 140.0
     clock.now += 60
+    trimmer.due()
     assert await r.due() is None
     rss[0] = 170.0
     clock.now += 5
+    trimmer.due()
     assert await r.due() is not None
 
 
