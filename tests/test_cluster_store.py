@@ -9,15 +9,18 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import lancedb
 import pytest
 
 from proxy.memory.embedders.base import BaseEmbedder
+from proxy.memory.store import table as table_module
 from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.lease import Lease
+from proxy.memory.store.manifest import Manifest, RemoteManifest
 from proxy.memory.store.memory_store import StoreSettings
 from proxy.memory.store.objectstore import ObjectStore, StorageLocation
-from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord, arrow_schema
 from proxy.memory.store.replicated import ReplicatedStore
 from proxy.memory.store.runtime import ClusterRuntime
 from proxy.memory.write.job_types import JobQueueSettings
@@ -109,9 +112,9 @@ async def test_lease_has_one_holder_and_passes_on(endpoint: str) -> None:
 async def test_replicas_started_together_on_an_empty_bucket_all_open(
     endpoint: str, local: BaseEmbedder, tmp_path: Path
 ) -> None:
-    """Three replicas open their stores at once on a fresh bucket: they race to create the live table, the
-    losers open the winner's, and a write through one is read through another (a CI run saw a replica fail
-    to start on LanceDB's commit conflict)."""
+    """Three replicas open their stores at once on a fresh bucket: one creates the live table, the others open
+    it, and the table has exactly one creation in its history (two creations both commit in LanceDB, the later
+    as an Overwrite: a CI run saw the winner's first append fail on it)."""
     cluster = _cluster(endpoint, bucket_uri())
     async with contextlib.AsyncExitStack() as stack:
         stores = await asyncio.gather(
@@ -124,18 +127,56 @@ async def test_replicas_started_together_on_an_empty_bucket_all_open(
             return await b.get("alice", added.id) is not None
 
         await eventually(b_has_it)
+        assert await a._lance.table.count_rows() == 1  # a later creation would have overwritten it
 
-        # The race itself is rare in one process: LanceDB's answer to the loser, as a replica met it in CI.
-        async def preempted(*args: object, **kwargs: object) -> None:
-            raise RuntimeError(
-                "lance error: Retryable commit conflict for version 2: This Overwrite transaction was preempted"
-                " by concurrent transaction Overwrite at version 2. Please retry."
-            )
 
-        table = b._lance
-        table._db.create_table = preempted
-        reopened = await table._create(table.manifest.table, table.dim)
-        assert await reopened.count_rows() == await a._lance.table.count_rows()
+async def test_a_replica_that_lost_the_claim_opens_the_winners_table(
+    endpoint: str, local: BaseEmbedder, tmp_path: Path
+) -> None:
+    """A replica that finds the manifest claimed but the table not yet there waits for the claimant's table and
+    opens it rather than creating one (which would overwrite what the claimant writes first)."""
+    cluster = _cluster(endpoint, bucket_uri())
+    objects = ObjectStore(cluster.location)
+    await objects.ensure_bucket()
+    assert await RemoteManifest(objects).claim(Manifest("memories_1", local.model_id, local.dim)) is None
+    opening = asyncio.create_task(stack_open(cluster, local, tmp_path / "b", "b"))
+    await asyncio.sleep(1.0)
+    assert not opening.done()
+    lance = await lancedb.connect_async(
+        cluster.location.child("lance"), storage_options=cluster.location.lance_options()
+    )
+    assert list((await lance.list_tables()).tables) == []  # it waits: it created nothing
+    created = await lance.create_table("memories_1", schema=arrow_schema(local.dim))
+    b, stack = await asyncio.wait_for(opening, 30)
+    try:
+        assert await b._lance.table.version() == await created.version() == 1
+    finally:
+        await stack.aclose()
+        objects.close()
+
+
+async def test_a_claimant_that_never_creates_the_table_is_replaced(
+    endpoint: str, local: BaseEmbedder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the replica that claimed the manifest dies before creating the table, another creates it after waiting."""
+    monkeypatch.setattr(table_module, "CREATOR_WAIT_S", 0.5)
+    cluster = _cluster(endpoint, bucket_uri())
+    objects = ObjectStore(cluster.location)
+    await objects.ensure_bucket()
+    assert await RemoteManifest(objects).claim(Manifest("memories_1", local.model_id, local.dim)) is None
+    async with replica(cluster, local, tmp_path / "b", "b") as (b, _):
+        [added] = await b.add([fact("alice", "Alice keeps bees on her roof")])
+        assert await b.get("alice", added.id) is not None
+    objects.close()
+
+
+async def stack_open(
+    cluster: ClusterSettings, local: BaseEmbedder, path: Path, name: str
+) -> tuple[ReplicatedStore, contextlib.AsyncExitStack]:
+    """A replica opened in the background: its store and the stack that closes it."""
+    stack = contextlib.AsyncExitStack()
+    store, _ = await stack.enter_async_context(replica(cluster, local, path, name))
+    return store, stack
 
 
 async def test_a_write_on_one_replica_is_found_on_the_other(endpoint: str, local: BaseEmbedder, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import orjson
 
-from proxy.memory.store.objectstore import ObjectStore
+from proxy.memory.store.objectstore import ObjectStore, PreconditionFailed
 from proxy.memory.store.records import SCHEMA_VERSION
 
 MANIFEST_KEY = "manifest.json"
@@ -75,6 +75,14 @@ class RemoteManifest:
             return None
         data = orjson.loads(found.body)
         return Manifest(data["table"], data["model_id"], int(data["dim"]), int(data["schema_version"]))
+
+    async def claim(self, manifest: Manifest) -> Manifest | None:
+        """Write the first manifest of a fresh store: None if this one landed, else the one that did."""
+        try:
+            await self._objects.put(MANIFEST_KEY, orjson.dumps(manifest.__dict__), if_none_match=True)
+        except PreconditionFailed:
+            return await self.read() or manifest
+        return None
 
     async def write(self, manifest: Manifest) -> None:
         """Replace the manifest (one PUT: atomic on S3)."""

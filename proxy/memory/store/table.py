@@ -9,6 +9,8 @@ writes are batched by ``background.BatchWriter`` and compaction runs on ``backgr
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -35,7 +37,9 @@ log = structlog.get_logger(__name__)
 
 RECORD_COLUMNS = [name for name in arrow_schema(1).names if name != "embedding"]
 _IN_CHUNK = 512
-CREATE_ATTEMPTS = 3  # replicas racing to create the live table on an empty bucket (``MemoryTable._create``)
+# A replica that lost the claim to create the shared table waits this long for the winner's before it creates
+# the table itself (the winner died between its claim and its creation).
+CREATOR_WAIT_S = 30.0
 # HNSW build parameters, cheaper than Lance's defaults (m 20, ef_construction 300): indexing 30k x 384
 # took 44 s instead of 160 s on two busy cores.
 ANN_M = 16
@@ -115,41 +119,48 @@ class MemoryTable:
                 read_consistency_interval=self.shared.read_consistency,
                 session=self.session,
             )
-        manifest = found = await self.manifests.read()
+        manifest = await self.manifests.read()
+        creator = self.shared is None
         if manifest is None:
             manifest = Manifest("memories_1", self.model_id, self.dim)
+            if self.shared is not None:  # replicas: the one whose manifest lands creates the table
+                winner = await self.manifests.claim(manifest)
+                creator = winner is None
+                manifest = winner or manifest
         manifest = replace(manifest, schema_version=check_records_schema(manifest.schema_version, self.path))
         self._check_model(manifest)
         names = await self._table_names()
         if manifest.table in names:
             self._table = await self._db.open_table(manifest.table)
             await self._add_missing_columns()
+        elif creator:
+            self._table = await self._db.create_table(manifest.table, schema=arrow_schema(manifest.dim))
         else:
-            self._table = await self._create(manifest.table, manifest.dim)
-        if found is None or self.shared is None:  # replicas: the first one writes it
+            self._table = await self._creators_table(manifest.table, manifest.dim)
+        if self.shared is None:
             await self.manifests.write(manifest)
         self.manifest = manifest
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
 
-    async def _create(self, name: str, dim: int) -> Any:
-        """Create the live table; on shared storage, open the one another replica created meanwhile.
+    async def _creators_table(self, name: str, dim: int) -> Any:
+        """Open the shared table the replica whose manifest claim won is creating.
 
-        Replicas started together on an empty bucket all see no table and all create it: LanceDB commits one
-        creation and refuses the others with a retryable commit conflict (a replica that raised it failed to
-        start). The winner's table has the same schema (same code, same manifest).
+        Replicas started together on an empty bucket race to create the table; two creations both commit in
+        LanceDB (the later one as an Overwrite of the earlier, which fails or, worse, erases the winner's first
+        appends). So only the replica whose conditional write of the manifest landed creates it; the others wait
+        for it here, and create it themselves only if it never comes (its creator died after its claim).
         """
-        for attempt in range(CREATE_ATTEMPTS):
-            try:
-                return await self._db.create_table(name, schema=arrow_schema(dim), exist_ok=self.shared is not None)
-            except (RuntimeError, OSError, ValueError) as exc:
-                if self.shared is None or "conflict" not in str(exc).lower() or attempt == CREATE_ATTEMPTS - 1:
-                    raise
-                log.info("memory.table_created_elsewhere", table=name)
-                if name in await self._table_names():
-                    return await self._db.open_table(name)
-        raise AssertionError("unreachable")  # the last attempt returns or raises
+        deadline = time.monotonic() + CREATOR_WAIT_S
+        pause = 0.05
+        while time.monotonic() < deadline:
+            await asyncio.sleep(pause)
+            if name in await self._table_names():
+                return await self._db.open_table(name)
+            pause = min(pause * 2, 1.0)
+        log.warning("memory.table_creator_gone", table=name, waited_s=CREATOR_WAIT_S)
+        return await self._db.create_table(name, schema=arrow_schema(dim), exist_ok=True)
 
     async def _add_missing_columns(self) -> None:
         """Give a table written by an older version the nullable columns added since (metadata only)."""
