@@ -218,7 +218,7 @@ class MemoryEngine:
     # ------------------------------------------------------------------------------------------ read path
 
     async def _retrieve(
-        self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]]
+        self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]], *, explain: bool
     ) -> RetrievalResult:
         return await retrieve(
             self.store,
@@ -230,13 +230,14 @@ class MemoryEngine:
             conversation_id=conversation_id,
             names=self.names,
             reranker=self.reranker,
+            explain=explain,
         )
 
     async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
         """Retrieve the user's memories and merge the memory block into the request's messages."""
         started = time.perf_counter()
         messages = body["messages"]
-        result = await self._retrieve(user_id, conversation_id, messages)
+        result = await self._retrieve(user_id, conversation_id, messages, explain=False)
         arms = result.arms
         if not result.items or result.query is None:
             return Injection(arms=arms, degraded=result.degraded, retrieval_ms=(time.perf_counter() - started) * 1000)
@@ -255,7 +256,7 @@ class MemoryEngine:
     async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:
         """Exactly what the proxy would inject for a conversation whose last user message is ``query``."""
         messages = [{"role": "user", "content": query}]
-        result = await self._retrieve(user_id, None, messages)
+        result = await self._retrieve(user_id, None, messages, explain=True)
         block = ""
         if result.items and result.query is not None:
             block = inject_block(messages, result.items, result.query.terms, self.settings.injection).block

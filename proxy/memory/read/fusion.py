@@ -164,12 +164,15 @@ def fuse(
     gated: bool | None = None,
     limit: int | None = None,
     term_vectors: TermVectors | None = None,
+    explain: bool = True,
 ) -> Fusion:
     """Gate, fuse and boost the arms' hits into one candidate list, best first.
 
     ``gated`` is computed here unless the caller already decided it (with ``is_gated``). ``limit``: only the best
     this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
     ``term_vectors``: the embedding model's word piece vectors, for term matching (None: no term matching).
+    ``explain``: each candidate lists the boosts that lifted it (``Candidate.boosts``, for the search preview);
+    the chat path, which never shows them, passes False.
     """
     if gated is None:
         gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
@@ -202,7 +205,7 @@ def fuse(
         add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)
     chosen = order if limit is None else order[:limit]
-    boosts = _boosts_of(chosen, applied)
+    boosts = _boosts_of(chosen, applied) if explain else {}
     built = [
         Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
         if rid in boosts

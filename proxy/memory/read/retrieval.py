@@ -86,12 +86,14 @@ async def retrieve(
     conversation_id: str | None = None,
     names: NameIndex | ReadCache | None = None,
     reranker: Reranker | None = None,
+    explain: bool = True,
 ) -> RetrievalResult:
     """Find, rank and choose the memories of ``user_id`` for a chat request (see the module docstring).
 
     ``names`` is the entity arm's name index: a prebuilt one, a cache, or None to load it from the store.
     ``conversation_id`` keeps this conversation out of "recent activity". ``reranker`` (enabled in its settings)
-    reorders the best fused candidates when the dense and BM25 arms disagree on first place.
+    reorders the best fused candidates when the dense and BM25 arms disagree on first place. ``explain``: the
+    candidates list the boosts that lifted them (the chat path passes False: it never shows them).
     """
     started = time.perf_counter()
     query = build_query(messages, short_words=settings.short_query_words, expand=settings.expand_anaphoric)
@@ -110,6 +112,7 @@ async def retrieve(
         gated=gated,
         limit=settings.max_candidates,
         term_vectors=term_vectors_of(embedder),
+        explain=explain,
     )
     candidates, ran = fused.candidates, list(arms)
     if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):
