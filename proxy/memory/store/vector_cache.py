@@ -149,7 +149,6 @@ class UserVectors:
         code, created = KIND_CODES[str(record.kind)], micros(record.created_at)
         if row is not None and row < self._sorted and (self.kind[row] != code or self.created[row] != created):
             self._forget(row, record.id)  # it would leave its place in the order: it goes after the sorted rows
-            self.dead += 1
             row = None
         if row is None:
             row = self._append_slot(record.id)
@@ -204,13 +203,13 @@ class UserVectors:
                 continue
             self._forget(row, record_id)
             removed += 1
-        self.dead += removed
         if self.dead > _COMPACT_AFTER and self.dead * 2 > self.n:
             self._compact()
         return removed
 
     def _forget(self, row: int, record_id: str) -> None:
-        """Mark a row deleted (the caller counts it in ``dead``)."""
+        """Mark a row deleted (counted in ``dead`` until a compaction drops it)."""
+        self.dead += 1
         del self.index[record_id]
         self.alive[row] = False
         if self._records[row] is not None:
