@@ -19,6 +19,7 @@ from proxy.memory.store.keyword import (
     cjk_runs,
     id_from_halves,
     id_halves,
+    ids_from_halves,
 )
 from proxy.memory.store.records import new_id
 
@@ -199,6 +200,9 @@ async def test_generated_ids_come_back_from_the_fast_id_halves_and_others_from_t
         assert -(2**63) <= high < 2**63
         assert -(2**63) <= low < 2**63
         assert id_from_halves(high, low) == record_id
+    edges = [*generated, "0" * 32, "f" * 32, "8" + "0" * 31, "7" + "f" * 31]
+    halves = [id_halves(record_id) for record_id in edges]
+    assert ids_from_halves([high for _, high, _ in halves], [low for _, _, low in halves]) == edges  # all at once
 
 
 async def test_an_index_of_an_older_schema_is_rebuilt(tmp_path: Path) -> None:

@@ -153,6 +153,25 @@ def test_filters_by_kind_time_and_validity() -> None:
     assert window == {"u-2", "u-3", "u-4"}
 
 
+def test_ids_found_elsewhere_keep_only_live_rows_in_the_pool() -> None:
+    """``rows_in_pool`` (the keyword arm's hits checked against the cache): unknown, deleted and invalid ids,
+    other kinds and times outside the window are left out; the others come back with their place in the ids."""
+    recs = records("u", 10) + records("u", 5, Kind.TURN, start=10)
+    recs[3] = recs[3].replace(valid=False)
+    entry = entry_with("u", recs, unit_rows(15))
+    entry.remove(["u-4"])
+    asked = ["u-1", "nobody", "u-3", "u-4", "u-12", "u-2", "u-14", "u-11"]
+    rows, kept = entry.rows_in_pool(asked, Pool(10, (Kind.FACT,)))
+    assert [asked[i] for i in kept] == ["u-1", "u-2"]
+    assert [entry.ids[row] for row in rows] == ["u-1", "u-2"]
+    window = Pool(10, (Kind.TURN,), since=T0 + timedelta(hours=11), until=T0 + timedelta(hours=12))
+    rows, kept = entry.rows_in_pool(asked, window)
+    assert [asked[i] for i in kept] == ["u-12", "u-11"]
+    rows, kept = entry.rows_in_pool(asked, Pool(10, include_invalid=True))
+    assert [asked[i] for i in kept] == ["u-1", "u-3", "u-12", "u-2", "u-14", "u-11"]
+    assert entry.rows_in_pool([], Pool(10)) == ([], [])
+
+
 def test_edits_and_deletes_are_seen_by_the_next_search() -> None:
     """An edited vector ranks by its new value and a deleted record never comes back."""
     vectors = unit_rows(50)

