@@ -270,6 +270,14 @@ def test_budget_counts_each_line_as_rendered(text: str, label: str) -> None:
     assert line_cost(item) == estimate_tokens(render_item(item))
 
 
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet=st.characters(max_codepoint=127), max_size=200))
+def test_an_ascii_text_is_estimated_as_the_full_passes_would(text: str) -> None:
+    """ASCII texts skip the passes for other scripts: a non-ASCII word after it (one piece of an accented
+    letter run, on the full path) adds exactly its own piece."""
+    assert estimate_tokens(text + " é") == estimate_tokens(text) + 1
+
+
 def test_short_items_are_not_cut() -> None:
     """An item within the limit is injected whole."""
     assert excerpt("Maya is vegetarian", ("pasta",), 40) == "Maya is vegetarian"
