@@ -12,9 +12,12 @@ Then each request is one chat body (a system prompt and one LoCoMo question, nev
 query embedding is never a cache hit) through ``MemoryEngine.inject``: query embedding, the dense, keyword
 and entity arms, insights and recent activity, fusion, scoring, the injection block and the touch of what was
 injected: exactly what the proxy runs before forwarding a chat. Wall time and process CPU time per request,
-p50/p90/p99, sequential requests; a second pass through ``retrieve`` gives the per-stage times, and a third
+p50/p90/p99, sequential requests; a second pass through ``retrieve`` gives the per-stage times, a third
 empties the read cache before each request (a user whose last request is older than the cache's lifetime
-pays for listing their name index, insights and newest turns). Prints a table and writes
+pays for listing their name index, insights and newest turns), and a fourth asks as many new questions,
+every other one after ``--idle-ms`` of sleep (a proxy serving one chat at a time idles while the upstream
+answers, and the read then starts on cold CPU caches: part of what separates ``make bench-load``'s CPU per
+request at c=1 from that at c=16). Prints a table and writes
 ``bench/results/readpath.json``.
 """
 
@@ -180,29 +183,39 @@ def _questions(args: argparse.Namespace) -> list[str]:
 
 
 async def _whole_path(
-    engine: MemoryEngine, user: str, questions: Sequence[str], *, cold: bool = False
+    engine: MemoryEngine, user: str, questions: Sequence[str], *, cold: bool = False, idle_ms: float = 0.0
 ) -> dict[str, Any]:
     """``MemoryEngine.inject`` per question: wall and CPU milliseconds, and how many got a memory block.
 
     ``cold``: the read cache (name index, insights, newest turns) is emptied before each request, as for a
-    user whose previous request is older than the cache's lifetime.
+    user whose previous request is older than the cache's lifetime. ``idle_ms``: every other request comes
+    after that long a sleep, as when a proxy serving one chat at a time waits on the upstream between two
+    reads (the CPU's caches are then no longer warm); those are reported apart (``after_idle``), so both
+    halves see the same warmth of the per-text caches.
     """
-    wall, cpu, injected = [], [], 0
-    for i, question in enumerate(tqdm(questions, desc="engine.inject" + (" cold" if cold else ""), file=sys.stderr)):
+    wall, cpu, idle_wall, idle_cpu, injected = [], [], [], [], 0
+    desc = "engine.inject" + (" cold" if cold else "") + (f" / after {idle_ms:g} ms idle" if idle_ms else "")
+    for i, question in enumerate(tqdm(questions, desc=desc, file=sys.stderr)):
         body = {"messages": [SYSTEM, {"role": "user", "content": question}]}
         if cold:
             engine.names.invalidate(user)
+        idle = bool(idle_ms) and i % 2 == 1
+        if idle:
+            await asyncio.sleep(idle_ms / 1000)
         started, cpu_started = time.perf_counter(), time.process_time()
         result = await engine.inject(user, f"bench-conversation-{i}", body)
-        wall.append((time.perf_counter() - started) * 1000)
-        cpu.append((time.process_time() - cpu_started) * 1000)
+        (idle_wall if idle else wall).append((time.perf_counter() - started) * 1000)
+        (idle_cpu if idle else cpu).append((time.process_time() - cpu_started) * 1000)
         injected += bool(result.injected_ids)
-    return {
+    out = {
         "wall_ms": _percentiles(wall),
         "cpu_ms": _percentiles(cpu),
         "requests": len(questions),
         "with_memory_block": injected,
     }
+    if idle_ms:
+        out["after_idle"] = {"wall_ms": _percentiles(idle_wall), "cpu_ms": _percentiles(idle_cpu)}
+    return out
 
 
 async def _stages(engine: MemoryEngine, user: str, questions: Sequence[str]) -> dict[str, Any]:
@@ -242,17 +255,23 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
             warm, measured = questions[: args.warmup], questions[args.warmup : args.warmup + args.requests]
             staged = questions[args.warmup + args.requests : args.warmup + 2 * args.requests]
             cold = questions[args.warmup + 2 * args.requests : args.warmup + 2 * args.requests + args.cold_requests]
+            rest = questions[args.warmup + 2 * args.requests + args.cold_requests :][: args.requests]
             await _whole_path(engine, user, warm)
             whole = await _whole_path(engine, user, measured)
             stages = await _stages(engine, user, staged or measured)
             cold_path = await _whole_path(engine, user, cold or measured[: args.cold_requests], cold=True)
+            after_idle = (
+                await _whole_path(engine, user, rest or measured, idle_ms=args.idle_ms) if args.idle_ms else None
+            )
     return {
         "whole_read_path": whole,
+        "whole_read_path_after_idle": after_idle,
         "stages_ms": stages,
         "whole_read_path_cold_cache": cold_path,
         "meta": {
             "user_memories": count,
             "background_users": args.background_users,
+            "idle_ms": args.idle_ms,
             "memories_per_background_user": count,
             "retrieval_overrides": retrieval,
             "embedder_overrides": embedder,
@@ -284,6 +303,13 @@ def _print(document: dict[str, Any]) -> None:
         f"  cold read cache ({cold['requests']} requests): wall p50 {cold['wall_ms']['p50']:.2f}  "
         f"p99 {cold['wall_ms']['p99']:.2f}  cpu p50 {cold['cpu_ms']['p50']:.2f}"
     )
+    if (pair := document["whole_read_path_after_idle"]) is not None:
+        idle = pair["after_idle"]
+        print(
+            f"  {pair['requests']} new questions, every other one after {document['meta']['idle_ms']:g} ms idle: "
+            f"cpu p50 {pair['cpu_ms']['p50']:.2f} back to back, {idle['cpu_ms']['p50']:.2f} after idle "
+            f"(p90 {pair['cpu_ms']['p90']:.2f} / {idle['cpu_ms']['p90']:.2f})"
+        )
     print("stages (retrieve + inject, wall ms):")
     for name, row in document["stages_ms"].items():
         print(f"  {name:<12} p50 {row['p50']:>8.2f}  p90 {row['p90']:>8.2f}  p99 {row['p99']:>8.2f}")
@@ -300,6 +326,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="measured requests")
     parser.add_argument("--warmup", type=int, default=30, help="requests before measuring")
     parser.add_argument("--cold-requests", type=int, default=50, help="requests with an emptied read cache")
+    parser.add_argument(
+        "--idle-ms",
+        type=float,
+        default=10.0,
+        help="sleep before every other request of the last pass (0: no such pass)",
+    )
     parser.add_argument("--cache", type=Path, default=CACHE, help="directory of the embedding cache")
     parser.add_argument("--no-cache", action="store_true", help="embed everything afresh, store nothing")
     parser.add_argument(
