@@ -226,7 +226,7 @@ class StoreReader:
         if entry is not None:  # the filter columns say which hits are live and in their pool (records carry touches)
             return [_cached_hits(entry, pool, scored) for pool, scored in zip(pools, found, strict=True)]
         ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
-        by_id = await self._records_by_id(user_id, ids)
+        by_id = await self._lance_records_by_id(user_id, ids)
         return [
             [
                 _hit((record, score))
@@ -267,6 +267,10 @@ class StoreReader:
         entry = await self._read_entry(user_id)
         if entry is not None:
             return {r.id: r for r in entry.records(ids) if r is not None}
+        return await self._lance_records_by_id(user_id, ids)
+
+    async def _lance_records_by_id(self, user_id: str, ids: Sequence[str]) -> dict[str, MemoryRecord]:
+        """``_records_by_id`` for a user the cache does not hold: from LanceDB, pending access times applied."""
         touch = self._touches.toucher(user_id)
         return {r.id: touch(r) for r in await self._lance.records(user_id, ids, embedding=False)}
 
