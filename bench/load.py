@@ -93,11 +93,14 @@ async def _seed(path: Path, count: int) -> None:
             _progress(f"seeded {min(start + 500, count)}/{count} memories")
 
 
+SEED_FORMAT = 2  # bumped when the store writes rows differently (2: word pieces), so that a cached seed is redone
+
+
 def seeded_store(count: int) -> Path:
     """A data dir holding ``count`` memories of USER, cached under bench/.cache/ by count."""
     path = CACHE / f"memories-{count}"
     done = path / ".seeded"
-    if done.exists():
+    if done.exists() and done.read_text() == f"{count} {SEED_FORMAT}\n":
         return path
     if path.exists():
         import shutil
@@ -106,7 +109,7 @@ def seeded_store(count: int) -> Path:
     path.mkdir(parents=True)
     started = time.perf_counter()
     asyncio.run(_seed(path, count))
-    done.write_text(f"{count}\n")
+    done.write_text(f"{count} {SEED_FORMAT}\n")
     _progress(f"seeded {count} memories in {time.perf_counter() - started:.0f} s")
     return path
 

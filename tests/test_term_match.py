@@ -9,13 +9,13 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from proxy.memory.pieces import MAX_TEXT_TERMS
 from proxy.memory.read.candidates import BM25, DENSE, ArmHit, Candidate
 from proxy.memory.read.fusion import fuse
 from proxy.memory.read.query import build_query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.term_match import (
     MATCH_FLOOR,
-    MAX_TEXT_TERMS,
     soft_coverage,
     term_match_lifts,
     term_vectors_of,

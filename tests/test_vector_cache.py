@@ -372,3 +372,29 @@ def test_an_entry_holds_little_more_room_than_its_records(n: int) -> None:
     capacity = entry.vectors.shape[1]
     assert n <= capacity <= max(8, 1.5 * n + 1)  # a one-memory user no longer pins 64 rows of vectors
     assert entry.search(unit_rows(1, seed=9)[0], n, None, None, None, False)[0][0] in entry.index
+
+
+def test_word_pieces_load_with_the_rows_and_follow_writes_and_compaction() -> None:
+    """Loaded rows' pieces come from the ``pieces`` column (a null row has none); a rewrite replaces them, a
+    record written after the load brings its own, a delete drops them, a compaction keeps the others'."""
+    recs = records("u", 4)
+    kept = [np.array([1, 2]), None, np.array([7]), np.array([], dtype=np.int64)]
+    entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(4), kept))
+    got = entry.pieces_of([r.id for r in recs] + ["u-unknown"])
+    assert [None if p is None else p.tolist() for p in got] == [[1, 2], None, [7], [], None]
+    entry.upsert(recs[0].replace(text="new"), unit_rows(1)[0], np.array([9]))
+    entry.upsert(recs[2].replace(text="edited without pieces"), unit_rows(1)[0])
+    [late] = records("u", 1, start=10)
+    entry.upsert(late, unit_rows(1)[0], np.array([5, 6]))
+    assert [None if p is None else p.tolist() for p in entry.pieces_of([recs[0].id, recs[2].id, late.id])] == [
+        [9],
+        None,
+        [5, 6],
+    ]
+    bytes_before = entry.nbytes
+    entry.remove([late.id])
+    assert entry.pieces_of([late.id]) == [None]
+    assert entry.nbytes < bytes_before
+    entry._compact()
+    assert [None if p is None else p.tolist() for p in entry.pieces_of([r.id for r in recs])] == [[9], None, None, []]
+    assert UserVectors("u", DIM, arrow_rows(recs, unit_rows(4))).pieces_of([recs[0].id]) == [None]  # none written

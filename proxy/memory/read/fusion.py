@@ -20,7 +20,7 @@ from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neig
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.read.term_match import TermVectors, term_match_lifts
+from proxy.memory.read.term_match import StoredPieces, TermVectors, term_match_lifts
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.words import stem, stems
 
@@ -164,13 +164,15 @@ def fuse(
     gated: bool | None = None,
     limit: int | None = None,
     term_vectors: TermVectors | None = None,
+    stored_pieces: StoredPieces | None = None,
     explain: bool = True,
 ) -> Fusion:
     """Gate, fuse and boost the arms' hits into one candidate list, best first.
 
     ``gated`` is computed here unless the caller already decided it (with ``is_gated``). ``limit``: only the best
     this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
-    ``term_vectors``: the embedding model's word piece vectors, for term matching (None: no term matching).
+    ``term_vectors``: the embedding model's word piece vectors, for term matching (None: no term matching);
+    ``stored_pieces``: the memories' pieces the store keeps (``term_match_lifts``).
     ``explain``: each candidate lists the boosts that lifted it (``Candidate.boosts``, for the search preview);
     the chat path, which never shows them, passes False.
     """
@@ -196,7 +198,8 @@ def fuse(
         add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
     if settings.term_match_weight > 0 and term_vectors is not None:
         depth = settings.max_candidates
-        add("terms", term_match_lifts(candidates, fused, query.terms, term_vectors, settings.term_match_weight, depth))
+        weight = settings.term_match_weight
+        add("terms", term_match_lifts(candidates, fused, query.terms, term_vectors, weight, depth, stored_pieces))
     if settings.neighbour_weight > 0:
         add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
     if settings.conversation_weight > 0:

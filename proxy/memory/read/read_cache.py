@@ -24,6 +24,7 @@ from typing import Any, Protocol, TypeVar, cast
 import numpy as np
 import numpy.typing as npt
 
+from proxy.memory.pieces import IntArray, TermVectors
 from proxy.memory.read.candidates import ScoredRecord
 from proxy.memory.read.names import NameIndex
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, newest_generation
@@ -45,6 +46,8 @@ class RetrievalStore(Protocol):
     async def read_many(self, user_id: str, ids: Sequence[str]) -> list[MemoryRecord]: ...
 
     async def newest(self, user_id: str, kinds: Sequence[Kind], limit: int) -> list[MemoryRecord]: ...
+
+    def term_pieces(self, user_id: str, ids: Sequence[str], vectors: TermVectors) -> Sequence[IntArray | None]: ...
 
 
 async def load_name_index(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> NameIndex:

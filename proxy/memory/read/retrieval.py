@@ -13,6 +13,7 @@ restarts their recency clock.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,6 +105,7 @@ async def retrieve(
     fusing = time.perf_counter()
     arms, gated = _arm_hits(found, query, settings)
     subjects = found.dense.subjects if found.dense else ()
+    vectors = term_vectors_of(embedder)
     fused = fuse(
         arms,
         query,
@@ -111,7 +113,8 @@ async def retrieve(
         subject_hits=subjects,
         gated=gated,
         limit=settings.max_candidates,
-        term_vectors=term_vectors_of(embedder),
+        term_vectors=vectors,
+        stored_pieces=None if vectors is None else functools.partial(store.term_pieces, user_id, vectors=vectors),
         explain=explain,
     )
     candidates, ran = fused.candidates, list(arms)

@@ -14,52 +14,27 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
+from proxy.memory.pieces import (
+    FloatArray,
+    HasTermVectors,
+    IntArray,
+    TermVectors,
+    memory_pieces,
+    term_vectors_of,
+)
 from proxy.memory.read.boosts import Fused, Lifts
 from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
-from proxy.memory.words import terms
 
-IntArray = npt.NDArray[np.int64]
-FloatArray = npt.NDArray[np.float32]
+__all__ = ["HasTermVectors", "TermVectors", "soft_coverage", "term_match_lifts", "term_vectors_of", "text_pieces"]
 
 # Cosines below this count as no match (LoCoMo tune split: 0.2, 0.3 and 0.4 within 0.004 R@10 of each other).
 MATCH_FLOOR = 0.3
 CACHED_BYTES = 16 * MIB  # memories' piece sets kept (a few hundred bytes each, and their texts): candidates recur
-MAX_TEXT_TERMS = 128  # a memory's first content words that count (of its first 16 x this many characters): bounds the
-# cost of a long pasted turn; the static model's own vector reads no more than its first 256 tokens either
-
-
-class TermVectors(Protocol):
-    """Word piece vectors of a static embedding model (``StaticModel`` has this shape; hashable, since memories'
-    piece sets are cached per model)."""
-
-    def __hash__(self) -> int: ...
-
-    def pieces(self, words: Sequence[str]) -> IntArray:
-        """The distinct token ids of ``words``, sorted."""
-        ...
-
-    def cosines(self, first: IntArray, second: IntArray) -> FloatArray:
-        """The cosine of every token of ``first`` with every token of ``second`` (shape ``(len(first),
-        len(second))``)."""
-        ...
-
-
-@runtime_checkable
-class HasTermVectors(Protocol):
-    """An embedder that can lend its static model's word piece vectors (the static default, or a static query
-    side); others have none and the read path goes without term matching."""
-
-    def term_vectors(self) -> TermVectors | None: ...
-
-
-def term_vectors_of(embedder: object) -> TermVectors | None:
-    """The word piece vectors ``embedder`` lends (None when it has none, or has not loaded them yet)."""
-    return embedder.term_vectors() if isinstance(embedder, HasTermVectors) else None
+StoredPieces = Callable[[Sequence[str]], Sequence[IntArray | None]]  # memory ids -> the pieces the store keeps
 
 
 def soft_coverage(
@@ -97,22 +72,26 @@ def term_match_lifts(
     vectors: TermVectors,
     weight: float,
     depth: int,
+    stored: StoredPieces | None = None,
 ) -> Lifts:
     """``weight`` x the soft coverage of the query's content words (``Query.terms``), for the ``depth`` best
-    candidates by ``fused`` (the others get nothing)."""
+    candidates by ``fused`` (the others get nothing). ``stored``: the memories' pieces as the store wrote them
+    (by ``vectors``' model; None where it has none), else they are computed from the texts (``text_pieces``)."""
     query = vectors.pieces(query_terms)
     if not len(query) or weight <= 0:
         return {}
     pool = heapq.nlargest(depth, candidates, key=lambda c: fused[c.id])
-    scores = soft_coverage(query, [text_pieces[vectors, c.record.text] for c in pool], vectors.cosines)
+    known = stored([c.id for c in pool]) if stored is not None else [None] * len(pool)
+    docs = [text_pieces[vectors, c.record.text] if k is None else k for c, k in zip(pool, known, strict=True)]
+    scores = soft_coverage(query, docs, vectors.cosines)
     return {c.id: weight * float(s) for c, s in zip(pool, scores, strict=True) if s > 0.0}
 
 
 @byte_cache(CACHED_BYTES, lambda key, pieces: text_bytes(key[1]) + pieces.nbytes)
 def text_pieces(key: tuple[TermVectors, str]) -> IntArray:
-    """The distinct token ids of a text's first ``MAX_TEXT_TERMS`` content words (``words.terms``) by a model's
-    vectors, for a (vectors, text) key; cached (read-only)."""
+    """A memory's pieces (``memory_pieces``) by a model's vectors, for a (vectors, text) key; cached (read-only):
+    for memories the store wrote without them."""
     vectors, text = key
-    pieces = vectors.pieces(terms(text[: 16 * MAX_TEXT_TERMS])[:MAX_TEXT_TERMS])
+    pieces = memory_pieces(vectors, text)
     pieces.setflags(write=False)
     return pieces

@@ -40,6 +40,7 @@ import structlog
 from pydantic import BaseModel, ConfigDict, Field
 
 from proxy.memory.errors import EmbedderError, EmbedderMismatch, StoreError
+from proxy.memory.pieces import TermVectors, memory_pieces, term_vectors_of
 from proxy.memory.store.background import BatchWriter, Submission, Ticker
 from proxy.memory.store.consistency import repair_keyword_index, table_keyword_docs
 from proxy.memory.store.datadir import DataDir
@@ -288,12 +289,28 @@ class MemoryStore(StoreReader):
             return ids
         return sorted(self._keyword.holding(ids))
 
+    def _pieces(self, texts: Sequence[str]) -> list[npt.NDArray[np.int64]] | None:
+        """The texts' word pieces by this store's model (``memory.pieces``; None: the model has no term
+        vectors). On the event loop, as the read path's term matching: the model's word cache is not shared
+        with threads."""
+        vectors = term_vectors_of(self._embedder)
+        return None if vectors is None else [memory_pieces(vectors, text) for text in texts]
+
+    def term_pieces(self, user_id: str, ids: Sequence[str], vectors: TermVectors) -> list[npt.NDArray[np.int64] | None]:
+        """The word pieces kept for these records of the user, where the vector cache holds them (None where it
+        does not, and for all of them when ``vectors`` are not this store's model's)."""
+        entry = self._cache.peek(user_id)
+        if entry is None or vectors is not term_vectors_of(self._embedder):
+            return [None] * len(ids)
+        return entry.pieces_of(ids)
+
     async def _write_new(self, records: list[MemoryRecord]) -> None:
         vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in records])
+        pieces = self._pieces([record.text for record in records])
         for record in records:  # until published: no cache load nor LanceDB vector search shows them
             self._unpublished.setdefault(record.user_id, set()).add(record.id)
         try:
-            await self._lance.add(arrow_rows(records, vectors))
+            await self._lance.add(arrow_rows(records, vectors, pieces))
             self._appends += 1
             if self._appends >= self.settings.optimize_after_commits and self._optimizer is not None:
                 self._appends = 0
@@ -301,12 +318,15 @@ class MemoryStore(StoreReader):
         except BaseException:
             self._published(records)
             raise
-        await self._publish(records, vectors, lambda: self._keyword.add([KeywordDoc.of(record) for record in records]))
+        await self._publish(
+            records, vectors, pieces, lambda: self._keyword.add([KeywordDoc.of(record) for record in records])
+        )
 
     async def _publish(
         self,
         records: list[MemoryRecord],
         vectors: npt.NDArray[np.float32],
+        pieces: list[npt.NDArray[np.int64]] | None,
         change: Callable[[], Awaitable[None]] | None,
     ) -> None:
         """After LanceDB took ``records``: Tantivy's ``change`` (None: none, only the sync note), then the vector
@@ -317,7 +337,7 @@ class MemoryStore(StoreReader):
             else:
                 await self._index(change)
         finally:
-            self._cache.upsert(records, vectors)
+            self._cache.upsert(records, vectors, pieces)
             self._published(records)
 
     def _published(self, records: list[MemoryRecord]) -> None:
@@ -364,9 +384,10 @@ class MemoryStore(StoreReader):
         if vector is None:
             vector = np.asarray(current.embedding, dtype=np.float32)
         new = current.replace(**changes, updated_at=utcnow(), embedding=vector)
-        await self._lance.replace(user_id, arrow_rows([new], vector[None, :]))
+        pieces = self._pieces([new.text])
+        await self._lance.replace(user_id, arrow_rows([new], vector[None, :], pieces))
         keyword = (lambda: self._keyword.upsert([KeywordDoc.of(new)])) if _KEYWORD_FIELDS & set(changes) else None
-        await self._publish([new], vector[None, :], keyword)
+        await self._publish([new], vector[None, :], pieces, keyword)
         return self._touches.touched(new)
 
     async def update_many(self, user_id: str, ids: Sequence[str], **changes: Any) -> builtins.list[MemoryRecord]:
@@ -384,10 +405,11 @@ class MemoryStore(StoreReader):
             vectors = np.stack([np.asarray(record.embedding, dtype=np.float32) for record in found])
             now = utcnow()
             new = [r.replace(**changes, updated_at=now, embedding=v) for r, v in zip(found, vectors, strict=True)]
-            await self._lance.replace(user_id, arrow_rows(new, vectors))
+            pieces = self._pieces([record.text for record in new])
+            await self._lance.replace(user_id, arrow_rows(new, vectors, pieces))
             reindexed = _KEYWORD_FIELDS & set(changes)
             keyword = (lambda: self._keyword.upsert([KeywordDoc.of(record) for record in new])) if reindexed else None
-            await self._publish(new, vectors, keyword)
+            await self._publish(new, vectors, pieces, keyword)
         return [self._touches.touched(record) for record in new]
 
     async def supersede(self, user_id: str, old_id: str, new: MemoryRecord) -> MemoryRecord:
@@ -533,7 +555,7 @@ class MemoryStore(StoreReader):
         """Re-embed every record with this store's embedder into a fresh table and swap it in."""
         await self._flush_touches()
         async with self._lock:
-            done = await self._lance.reindex(self._embed, progress)
+            done = await self._lance.reindex(self._embed, progress, pieces=self._pieces)
             self._cache.clear()
             await self._mark_synced()
         log.info("memory.reindexed", records=done, model=self._embedder.model_id)

@@ -125,6 +125,22 @@ class MemoryRecord:
         return out
 
 
+PIECES = "pieces"
+PIECES_TYPE = pa.list_(pa.int32())
+
+
+def pieces_array(pieces: Sequence[npt.NDArray[np.int64] | None] | None, count: int) -> pa.Array:
+    """The ``pieces`` column of ``count`` rows (all null without pieces; a None entry is a null row)."""
+    if pieces is None:
+        return pa.nulls(count, PIECES_TYPE)
+    lengths = np.array([0 if p is None else len(p) for p in pieces], dtype=np.int32)
+    offsets = pa.array(np.concatenate(([0], np.cumsum(lengths, dtype=np.int32))), pa.int32())
+    held = [p for p in pieces if p is not None]
+    values = pa.array(np.concatenate(held).astype(np.int32) if held else np.zeros(0, np.int32), pa.int32())
+    mask = pa.array([p is None for p in pieces], pa.bool_())
+    return pa.ListArray.from_arrays(offsets, values, mask=mask)
+
+
 def _ts() -> pa.DataType:
     return pa.timestamp("us", tz="UTC")
 
@@ -158,17 +174,21 @@ def arrow_schema(dim: int) -> pa.Schema:
         pa.field("generation_id", pa.string()),
         pa.field("subject_kind", pa.string()),
         pa.field("meta", pa.string()),
-        pa.field("flagged", pa.string()),  # last: added to older tables by ``MemoryTable.open``
+        pa.field("flagged", pa.string()),  # added to older tables by ``MemoryTable.open``
+        # The text's word pieces by the model's term vectors (``memory.pieces``): no record field, the
+        # store's own; null in rows written before it (added to older tables by ``MemoryTable.open``).
+        pa.field(PIECES, PIECES_TYPE),
     ]
     return pa.schema(fields, metadata={"memproxy.schema_version": str(SCHEMA_VERSION)})
 
 
 def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
-    """Records (already embedded) as a table in ``arrow_schema(dim)``."""
+    """Records (already embedded) as a table in ``arrow_schema(dim)`` (no pieces)."""
     schema = arrow_schema(dim)
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
+    columns[PIECES] = [None] * len(records)
     for record in records:
-        for name in schema.names:
+        for name in schema.names[:-1]:
             value = getattr(record, name)
             if name == "kind":
                 value = str(value)
@@ -178,12 +198,20 @@ def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
     return pa.Table.from_pydict(columns, schema=schema)
 
 
-def arrow_rows(records: Sequence[MemoryRecord], vectors: npt.NDArray[np.float32]) -> pa.Table:
-    """Records as LanceDB rows, column by column, the vectors from one matrix (no per-float conversion)."""
+def arrow_rows(
+    records: Sequence[MemoryRecord],
+    vectors: npt.NDArray[np.float32],
+    pieces: Sequence[npt.NDArray[np.int64] | None] | None = None,
+) -> pa.Table:
+    """Records as LanceDB rows, column by column, the vectors from one matrix (no per-float conversion), with
+    each one's ``pieces`` (None: null)."""
     dim = vectors.shape[1]
     schema = arrow_schema(dim)
     columns = []
     for field in schema:
+        if field.name == PIECES:
+            columns.append(pieces_array(pieces, len(records)))
+            continue
         if field.name == "embedding":
             flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
             columns.append(pa.FixedSizeListArray.from_arrays(flat, dim))

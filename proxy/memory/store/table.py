@@ -31,11 +31,11 @@ from proxy.memory.store.gate import ReadGate
 from proxy.memory.store.ids import check_user_id, valid_record_id
 from proxy.memory.store.manifest import LocalManifest, Manifest
 from proxy.memory.store.migrations import check_records_schema
-from proxy.memory.store.records import Kind, MemoryRecord, arrow_schema, from_row
+from proxy.memory.store.records import PIECES, Kind, MemoryRecord, arrow_schema, from_row, pieces_array
 
 log = structlog.get_logger(__name__)
 
-RECORD_COLUMNS = [name for name in arrow_schema(1).names if name != "embedding"]
+RECORD_COLUMNS = [name for name in arrow_schema(1).names if name not in ("embedding", PIECES)]
 _IN_CHUNK = 512
 # A replica that lost the claim to create the shared table waits this long for the winner's before it creates
 # the table itself (the winner died between its claim and its creation).
@@ -372,8 +372,10 @@ class MemoryTable:
         embed: Callable[[list[str]], Awaitable[npt.NDArray[np.float32]]],
         progress: Callable[[int, int], None] | None = None,
         batch_rows: int = 256,
+        pieces: Callable[[list[str]], list[npt.NDArray[np.int64]] | None] = lambda _: None,
     ) -> int:
-        """Re-embed every row with ``embed`` into a fresh table, then swap it in; returns rows done."""
+        """Re-embed every row with ``embed`` (and its ``pieces``) into a fresh table, then swap it in; returns
+        rows done."""
         total = await self.count()
         name = _next_table_name(self.manifest.table if self.manifest else "memories_0")
         if name in await self._table_names():
@@ -382,8 +384,9 @@ class MemoryTable:
         done = 0
         pending: list[pa.Table] = []
         async for batch in _rebatch(self.batches(RECORD_COLUMNS), batch_rows):
-            vectors = await embed(batch["text"].to_pylist())
-            pending.append(self._with_vectors(batch, vectors))
+            texts = batch["text"].to_pylist()
+            vectors = await embed(texts)
+            pending.append(self._with_vectors(batch, vectors, pieces(texts)))
             done += batch.num_rows
             if sum(t.num_rows for t in pending) >= 4096:
                 await fresh.add(pa.concat_tables(pending))
@@ -395,12 +398,15 @@ class MemoryTable:
         await self._swap(fresh, name)
         return done
 
-    def _with_vectors(self, batch: pa.Table, vectors: npt.NDArray[np.float32]) -> pa.Table:
+    def _with_vectors(
+        self, batch: pa.Table, vectors: npt.NDArray[np.float32], pieces: list[npt.NDArray[np.int64]] | None
+    ) -> pa.Table:
         schema = arrow_schema(self.dim)
         flat = pa.array(np.ascontiguousarray(vectors, dtype=np.float32).reshape(-1))
         columns = {name: batch[name] for name in RECORD_COLUMNS}
         columns["embedding"] = pa.FixedSizeListArray.from_arrays(flat, self.dim)
         columns["model_id"] = pa.array([self.model_id] * batch.num_rows, pa.string())
+        columns[PIECES] = pieces_array(pieces, batch.num_rows)
         return pa.table([columns[name] for name in schema.names], schema=schema)
 
     async def _swap(self, fresh: Any, name: str) -> None:

@@ -30,7 +30,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import threadpoolctl
 
-from proxy.memory.store.records import Kind, MemoryRecord, Pool, from_row
+from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, from_row
 
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
@@ -77,9 +77,16 @@ class UserVectors:
         self.generation = 0
         # Columns as Python lists: a hit becomes a record in microseconds (Arrow's take + to_pylist of a
         # few rows costs about a millisecond). Costs memory: counted in ``nbytes``.
-        scalars = rows.drop_columns(["embedding"]) if rows is not None else None
+        vectors_only = ("embedding", PIECES)
+        scalars = None if rows is None else rows.drop_columns([c for c in vectors_only if c in rows.column_names])
         self._columns: dict[str, list[Any]] = scalars.to_pydict() if scalars is not None else {}
         self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
+        # Each loaded row's word pieces (``memory.pieces``) as Arrow holds them: row ``base``'s are
+        # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]``. Records
+        # written since the load keep theirs in ``_fresh_pieces`` (None: none), by id.
+        self._piece_values, self._piece_offsets, self._piece_held = _pieces_columns(rows)
+        self._fresh_pieces: dict[str, npt.NDArray[np.int64] | None] = {}
+        self._fresh_bytes = 0
         self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
         self._records: list[MemoryRecord | None] = []
         self._materialised = 0
@@ -139,12 +146,17 @@ class UserVectors:
     def nbytes(self) -> int:
         """Approximate memory held by the entry."""
         arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
+        arrays += self._piece_values.nbytes + self._piece_offsets.nbytes + self._piece_held.nbytes
+        arrays += self._fresh_bytes
         rows = self._columns_bytes
         extra = self._materialised * _RECORD_OVERHEAD_BYTES + len(self.ids) * _ID_OVERHEAD_BYTES
         return arrays + rows + extra
 
-    def upsert(self, record: MemoryRecord, vector: npt.NDArray[np.float32]) -> None:
-        """Add a record or replace the one with the same id (new text, vector, validity...)."""
+    def upsert(
+        self, record: MemoryRecord, vector: npt.NDArray[np.float32], pieces: npt.NDArray[np.int64] | None = None
+    ) -> None:
+        """Add a record or replace the one with the same id (new text, vector, validity...), with its word pieces
+        (None: none kept)."""
         row = self.index.get(record.id)
         code, created = KIND_CODES[str(record.kind)], micros(record.created_at)
         if row is not None and row < self._sorted and (self.kind[row] != code or self.created[row] != created):
@@ -159,6 +171,9 @@ class UserVectors:
         self.kind[row] = code
         self.valid[row] = record.valid
         self._records[row] = record.replace(embedding=None)
+        self._drop_fresh_pieces(record.id)
+        self._fresh_pieces[record.id] = pieces
+        self._fresh_bytes += _pieces_bytes(pieces)
 
     def _append_slot(self, record_id: str) -> int:
         if self.n == self.vectors.shape[1]:
@@ -211,6 +226,7 @@ class UserVectors:
         """Mark a row deleted (counted in ``dead`` until a compaction drops it)."""
         self.dead += 1
         del self.index[record_id]
+        self._drop_fresh_pieces(record_id)
         self.alive[row] = False
         if self._records[row] is not None:
             self._materialised -= 1
@@ -331,6 +347,24 @@ class UserVectors:
         kept = held[self._mask_at(rows[held], pool)]
         return rows[kept].tolist(), kept.tolist()
 
+    def _drop_fresh_pieces(self, record_id: str) -> None:
+        if record_id in self._fresh_pieces:
+            self._fresh_bytes -= _pieces_bytes(self._fresh_pieces.pop(record_id))
+
+    def pieces_of(self, ids: Sequence[str]) -> list[npt.NDArray[np.int64] | None]:
+        """The word pieces kept for these records (None where none are: unknown ids, rows written without)."""
+        fresh, index, base, held = self._fresh_pieces, self.index, self._base, self._piece_held
+        values, offsets = self._piece_values, self._piece_offsets
+        out: list[npt.NDArray[np.int64] | None] = []
+        for record_id in ids:
+            if record_id in fresh:
+                out.append(fresh[record_id])
+                continue
+            row = index.get(record_id)
+            at = -1 if row is None else base[row]
+            out.append(values[offsets[at] : offsets[at + 1]] if at >= 0 and held[at] else None)
+        return out
+
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
         rows = [self.index.get(record_id) for record_id in ids]
@@ -367,6 +401,25 @@ class UserVectors:
         rows = self._live_rows(kinds, include_invalid)
         rows_sorted = sorted(rows.tolist(), key=lambda row: (int(self.created[row]), self.ids[row]), reverse=True)
         return [self.ids[row] for row in rows_sorted]
+
+
+def _pieces_bytes(pieces: npt.NDArray[np.int64] | None) -> int:
+    return 100 + (0 if pieces is None else pieces.nbytes)  # the array, or None, and its dict entry
+
+
+def _pieces_columns(
+    rows: pa.Table | None,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """The loaded rows' ``pieces`` column as (values, offsets, held): three arrays, not one per row. A table
+    without the column (older, or a test's) holds none."""
+    count = rows.num_rows if rows is not None else 0
+    if rows is None or PIECES not in rows.column_names or count == 0:
+        return np.zeros(0, np.int64), np.zeros(count + 1, np.int64), np.zeros(count, np.bool_)
+    column = rows[PIECES].combine_chunks()
+    values = column.values.to_numpy(zero_copy_only=False).astype(np.int64)  # term matching's dtype
+    offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
+    held = column.is_valid().to_numpy(zero_copy_only=False)
+    return values, offsets, held
 
 
 @functools.lru_cache(maxsize=64)
@@ -511,17 +564,23 @@ class VectorCache:
         while self._total > self.max_bytes:
             self.drop(next(iter(self._entries)))
 
-    def upsert(self, records: Sequence[MemoryRecord], vectors: npt.NDArray[np.float32]) -> None:
-        """Apply added or changed records (already durable in LanceDB) to cached users."""
+    def upsert(
+        self,
+        records: Sequence[MemoryRecord],
+        vectors: npt.NDArray[np.float32],
+        pieces: Sequence[npt.NDArray[np.int64] | None] | None = None,
+    ) -> None:
+        """Apply added or changed records (already durable in LanceDB) to cached users, with their word pieces
+        (None: none kept)."""
         touched: set[str] = set()
-        for record, vector in zip(records, vectors, strict=True):
+        for i, (record, vector) in enumerate(zip(records, vectors, strict=True)):
+            held = None if pieces is None else pieces[i]
             if self._loading.get(record.user_id) is not None:
-                self._note_write(
-                    record.user_id, functools.partial(UserVectors.upsert, record=record, vector=vector.copy())
-                )
+                write = functools.partial(UserVectors.upsert, record=record, vector=vector.copy(), pieces=held)
+                self._note_write(record.user_id, write)
             entry = self._entries.get(record.user_id)
             if entry is not None:
-                entry.upsert(record, vector)
+                entry.upsert(record, vector, held)
                 touched.add(record.user_id)
         for user_id in touched:
             if user_id in self._entries:

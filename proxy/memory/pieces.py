@@ -1,0 +1,58 @@
+"""Word pieces of memories: the token ids term matching compares (``read.term_match``), made once per memory.
+
+A static embedding model's token rows are word vectors (``TermVectors``). Term matching scores a memory by the
+pieces of its first ``MAX_TEXT_TERMS`` content words (``memory_pieces``). The store computes them when it writes
+a memory, beside its vector, and keeps them in the table (``pieces`` column), so that no request pays for them
+(~30 us a memory, for each of the dozens of memories first seen as candidates) and a user loaded again after
+idling has them at once; the read path computes (and caches) them only for memories written without them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from proxy.memory.words import terms
+
+IntArray = npt.NDArray[np.int64]
+FloatArray = npt.NDArray[np.float32]
+
+MAX_TEXT_TERMS = 128  # a memory's first content words that count (of its first 16 x this many characters): bounds the
+# cost of a long pasted turn; the static model's own vector reads no more than its first 256 tokens either
+
+
+class TermVectors(Protocol):
+    """Word piece vectors of a static embedding model (``StaticModel`` has this shape; hashable, since memories'
+    piece sets are cached per model)."""
+
+    def __hash__(self) -> int: ...
+
+    def pieces(self, words: Sequence[str]) -> IntArray:
+        """The distinct token ids of ``words``, sorted."""
+        ...
+
+    def cosines(self, first: IntArray, second: IntArray) -> FloatArray:
+        """The cosine of every token of ``first`` with every token of ``second`` (shape ``(len(first),
+        len(second))``)."""
+        ...
+
+
+@runtime_checkable
+class HasTermVectors(Protocol):
+    """An embedder that can lend its static model's word piece vectors (the static default, or a static query
+    side); others have none and the read path goes without term matching."""
+
+    def term_vectors(self) -> TermVectors | None: ...
+
+
+def term_vectors_of(embedder: object) -> TermVectors | None:
+    """The word piece vectors ``embedder`` lends (None when it has none, or has not loaded them yet)."""
+    return embedder.term_vectors() if isinstance(embedder, HasTermVectors) else None
+
+
+def memory_pieces(vectors: TermVectors, text: str) -> IntArray:
+    """The distinct token ids of a memory's first ``MAX_TEXT_TERMS`` content words (``words.terms``), sorted."""
+    return vectors.pieces(terms(text[: 16 * MAX_TEXT_TERMS])[:MAX_TEXT_TERMS])
