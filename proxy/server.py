@@ -26,7 +26,7 @@ from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
-from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold
+from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold, freeze_startup_objects
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.service import HasJobs, ReleasesIdle
@@ -117,6 +117,7 @@ async def serve(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
     )
     await runner.setup()
+    freeze_startup_objects()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

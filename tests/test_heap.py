@@ -121,3 +121,13 @@ async def test_every_check_asks_for_idle_caches_to_go_and_trims_when_any_went(
     await trimmer.tick()
     assert len(calls) == 4
     assert len(trims) == 2
+
+
+def test_start_up_objects_are_frozen_out_of_the_collectors_walks() -> None:
+    import gc
+
+    try:
+        heap.freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()

@@ -398,3 +398,15 @@ def test_word_pieces_load_with_the_rows_and_follow_writes_and_compaction() -> No
     entry._compact()
     assert [None if p is None else p.tolist() for p in entry.pieces_of([r.id for r in recs])] == [[9], None, None, []]
     assert UserVectors("u", DIM, arrow_rows(recs, unit_rows(4))).pieces_of([recs[0].id]) == [None]  # none written
+
+
+def test_loaded_list_columns_are_tuples_the_collector_can_drop() -> None:
+    """A loaded row's entities come back as the record's tuple; the loaded values are tuples, which the cyclic
+    collector stops walking after one pass (lists it walks at every full collection)."""
+    import gc
+
+    recs = [r.replace(entities=("Ana", "Lisbon"), source_ids=()) for r in records("u", 3)]
+    entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(3)))
+    assert [r.entities for r in entry.records([r.id for r in recs]) if r is not None] == [("Ana", "Lisbon")] * 3
+    gc.collect()
+    assert not any(gc.is_tracked(value) for value in entry._columns["entities"])
