@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
 import numpy as np
 import numpy.typing as npt
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from proxy.memory.pieces import MAX_TEXT_TERMS
 from proxy.memory.read.candidates import BM25, DENSE, ArmHit, Candidate
@@ -57,6 +60,31 @@ def test_soft_coverage_is_one_for_every_piece_and_zero_for_none() -> None:
     query = _ids("research", "adoption")
     scores = soft_coverage(query, [_ids("research", "adoption", "painting"), _ids("weather"), _ids()], toy.cosines)
     assert scores.tolist() == pytest.approx([1.0, 0.0, 0.0])
+
+
+def _coverage_by_definition(query: list[int], docs: list[list[int]], toy: ToyVectors) -> list[float]:
+    """``soft_coverage`` as its docstring defines it, one doc and one query piece at a time."""
+    idf = [math.log1p(len(docs) / max(1, sum(q in d for d in docs))) for q in query]
+    out = []
+    for doc in docs:
+        if not doc:
+            out.append(0.0)
+            continue
+        best = [max(min(max((float(toy.cosines(np.array([q]), np.array([p]))[0, 0]) - MATCH_FLOOR)
+                               / (1 - MATCH_FLOOR), 0.0), 1.0) for p in doc) for q in query]  # fmt: skip
+        out.append(sum(w * b for w, b in zip(idf, best, strict=True)) / sum(idf))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    query=st.lists(st.integers(0, len(WORDS) - 1), min_size=1, max_size=4, unique=True),
+    docs=st.lists(st.lists(st.integers(0, len(WORDS) - 1), max_size=5, unique=True), min_size=1, max_size=8),
+)
+def test_soft_coverage_is_its_definition(query: list[int], docs: list[list[int]]) -> None:
+    toy = ToyVectors()
+    got = soft_coverage(np.array(sorted(query)), [np.array(sorted(d), dtype=np.int64) for d in docs], toy.cosines)
+    assert np.allclose(got, _coverage_by_definition(sorted(query), [sorted(d) for d in docs], toy), atol=1e-6)
 
 
 def test_a_near_form_counts_partly_and_a_far_word_not_at_all() -> None:

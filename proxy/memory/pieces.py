@@ -36,7 +36,7 @@ class TermVectors(Protocol):
 
     def cosines(self, first: IntArray, second: IntArray) -> FloatArray:
         """The cosine of every token of ``first`` with every token of ``second`` (shape ``(len(first),
-        len(second))``)."""
+        len(second))``): a new array, the caller's to change."""
         ...
 
 

@@ -35,6 +35,7 @@ from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, from_ro
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
 _ID_OVERHEAD_BYTES = 120
+_LIST_INT_BYTES = 40  # an int in a Python list (the object and its slot), with its row's flag
 _PY_ROW_BYTES = 1_000  # the loaded columns as Python objects, per row, text aside (measured ~750 B)
 _MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a handful of memories (64 rows of 384
 # float32 is 96 KB, empty)
@@ -82,7 +83,8 @@ class UserVectors:
         self._columns: dict[str, list[Any]] = _python_columns(scalars) if scalars is not None else {}
         self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
         # Each loaded row's word pieces (``memory.pieces``) as Arrow holds them: row ``base``'s are
-        # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]``. Records
+        # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]`` (Python
+        # lists: a lookup of numpy scalars costs ~10x as much, for the 60 memories term matching scores). Records
         # written since the load keep theirs in ``_fresh_pieces`` (None: none), by id.
         self._piece_values, self._piece_offsets, self._piece_held = _pieces_columns(rows)
         self._fresh_pieces: dict[str, npt.NDArray[np.int64] | None] = {}
@@ -146,7 +148,7 @@ class UserVectors:
     def nbytes(self) -> int:
         """Approximate memory held by the entry."""
         arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
-        arrays += self._piece_values.nbytes + self._piece_offsets.nbytes + self._piece_held.nbytes
+        arrays += self._piece_values.nbytes + len(self._piece_offsets) * _LIST_INT_BYTES
         arrays += self._fresh_bytes
         rows = self._columns_bytes
         extra = self._materialised * _RECORD_OVERHEAD_BYTES + len(self.ids) * _ID_OVERHEAD_BYTES
@@ -418,18 +420,16 @@ def _pieces_bytes(pieces: npt.NDArray[np.int64] | None) -> int:
     return 100 + (0 if pieces is None else pieces.nbytes)  # the array, or None, and its dict entry
 
 
-def _pieces_columns(
-    rows: pa.Table | None,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
-    """The loaded rows' ``pieces`` column as (values, offsets, held): three arrays, not one per row. A table
-    without the column (older, or a test's) holds none."""
+def _pieces_columns(rows: pa.Table | None) -> tuple[npt.NDArray[np.int64], list[int], list[bool]]:
+    """The loaded rows' ``pieces`` column as (values, offsets, held): one array and two lists, not an array per
+    row. A table without the column (older, or a test's) holds none."""
     count = rows.num_rows if rows is not None else 0
     if rows is None or PIECES not in rows.column_names or count == 0:
-        return np.zeros(0, np.int64), np.zeros(count + 1, np.int64), np.zeros(count, np.bool_)
+        return np.zeros(0, np.int64), [0] * (count + 1), [False] * count
     column = rows[PIECES].combine_chunks()
     values = column.values.to_numpy(zero_copy_only=False).astype(np.int64)  # term matching's dtype
-    offsets = column.offsets.to_numpy(zero_copy_only=False).astype(np.int64)
-    held = column.is_valid().to_numpy(zero_copy_only=False)
+    offsets: list[int] = column.offsets.to_pylist()
+    held: list[bool] = column.is_valid().to_pylist()
     return values, offsets, held
 
 
