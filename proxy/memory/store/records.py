@@ -188,7 +188,9 @@ def to_arrow(records: Sequence[MemoryRecord], dim: int) -> pa.Table:
     columns: dict[str, list[Any]] = {name: [] for name in schema.names}
     columns[PIECES] = [None] * len(records)
     for record in records:
-        for name in schema.names[:-1]:
+        for name in schema.names:
+            if name == PIECES:
+                continue
             value = getattr(record, name)
             if name == "kind":
                 value = str(value)
