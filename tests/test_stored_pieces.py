@@ -3,7 +3,6 @@ the same as the read path would compute from the text, and ranking exactly as th
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -11,8 +10,6 @@ import numpy as np
 import pytest
 
 from proxy.memory.embedders.base import BaseEmbedder
-from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.pieces import MAX_TEXT_TERMS, TermVectors, memory_pieces, term_vectors_of
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import RetrievalSettings
@@ -32,10 +29,7 @@ TEXTS = [
 QUESTIONS = ["What did Melanie research about adoption?", "When did Caroline go to the support group?", "passport"]
 
 
-@pytest.fixture
-async def embedder() -> AsyncIterator[BaseEmbedder]:
-    async with build_embedder(EmbedderSettings()) as opened:
-        yield opened
+pytestmark = pytest.mark.asyncio(loop_scope="module")  # the shipped embedder (``local``) is loaded once
 
 
 def memories(user: str) -> list[MemoryRecord]:
@@ -56,11 +50,11 @@ async def load(store: MemoryStore, user: str) -> None:
     await store.vector_search(user, await store.embedder.embed_query("anything"), 1)
 
 
-async def test_each_memory_keeps_the_pieces_the_read_path_would_compute(embedder: BaseEmbedder, tmp_path: Path) -> None:
+async def test_each_memory_keeps_the_pieces_the_read_path_would_compute(local: BaseEmbedder, tmp_path: Path) -> None:
     """Loaded with the user: the same ids as ``memory_pieces`` of the text; none for an unknown id, nor for
     another model's vectors."""
-    vectors = vectors_of(embedder)
-    async with MemoryStore(StoreSettings(path=tmp_path / "data"), embedder) as store:
+    vectors = vectors_of(local)
+    async with MemoryStore(StoreSettings(path=tmp_path / "data"), local) as store:
         records = await store.add(memories("maya"))
         await load(store, "maya")
         ids = [r.id for r in records]
@@ -73,11 +67,9 @@ async def test_each_memory_keeps_the_pieces_the_read_path_would_compute(embedder
         assert store.term_pieces("bob", ids, vectors) == [None] * len(ids)  # another user's: never
 
 
-async def test_an_edit_and_a_memory_written_after_the_load_keep_their_own(
-    embedder: BaseEmbedder, tmp_path: Path
-) -> None:
-    vectors = vectors_of(embedder)
-    async with MemoryStore(StoreSettings(path=tmp_path / "data"), embedder) as store:
+async def test_an_edit_and_a_memory_written_after_the_load_keep_their_own(local: BaseEmbedder, tmp_path: Path) -> None:
+    vectors = vectors_of(local)
+    async with MemoryStore(StoreSettings(path=tmp_path / "data"), local) as store:
         first, *_ = await store.add(memories("maya"))
         await load(store, "maya")
         await store.update("maya", first.id, text="Caroline adopted a puppy called Oscar")
@@ -86,7 +78,7 @@ async def test_an_edit_and_a_memory_written_after_the_load_keep_their_own(
             [pieces] = store.term_pieces("maya", [record_id], vectors)
             assert pieces is not None
             assert pieces.tolist() == memory_pieces(vectors, text).tolist()
-    async with MemoryStore(StoreSettings(path=tmp_path / "data"), embedder) as store:  # and from disk again
+    async with MemoryStore(StoreSettings(path=tmp_path / "data"), local) as store:  # and from disk again
         await load(store, "maya")
         [pieces] = store.term_pieces("maya", [first.id], vectors)
         assert pieces is not None
@@ -94,24 +86,24 @@ async def test_an_edit_and_a_memory_written_after_the_load_keep_their_own(
 
 
 async def test_ranking_is_the_same_with_kept_pieces_and_without(
-    embedder: BaseEmbedder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    local: BaseEmbedder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A store whose rows have no pieces (written before they were kept) ranks the same: the read path computes
     them from the texts."""
     settings = RetrievalSettings()
     now = T0 + timedelta(days=1)
-    async with MemoryStore(StoreSettings(path=tmp_path / "kept"), embedder) as kept:
+    async with MemoryStore(StoreSettings(path=tmp_path / "kept"), local) as kept:
         await kept.add(memories("maya"))
-        with_kept = [await retrieve(kept, embedder, [{"role": "user", "content": q}], "maya", settings, now)
+        with_kept = [await retrieve(kept, local, [{"role": "user", "content": q}], "maya", settings, now)
                      for q in QUESTIONS]  # fmt: skip
-        assert any(kept.term_pieces("maya", [c.record.id], vectors_of(embedder))[0] is not None
+        assert any(kept.term_pieces("maya", [c.record.id], vectors_of(local))[0] is not None
                    for result in with_kept for c in result.candidates)  # fmt: skip
     monkeypatch.setattr(MemoryStore, "_pieces", lambda self, texts: None)
-    async with MemoryStore(StoreSettings(path=tmp_path / "bare"), embedder) as bare:
+    async with MemoryStore(StoreSettings(path=tmp_path / "bare"), local) as bare:
         await bare.add(memories("maya"))
-        without = [await retrieve(bare, embedder, [{"role": "user", "content": q}], "maya", settings, now)
+        without = [await retrieve(bare, local, [{"role": "user", "content": q}], "maya", settings, now)
                    for q in QUESTIONS]  # fmt: skip
-        assert bare.term_pieces("maya", [c.record.id for c in without[0].candidates], vectors_of(embedder)) == [
+        assert bare.term_pieces("maya", [c.record.id for c in without[0].candidates], vectors_of(local)) == [
             None
         ] * len(without[0].candidates)
     assert any("terms" in c.boosts for result in with_kept for c in result.candidates)  # term matching ran
