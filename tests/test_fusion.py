@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, conversation_lifts, smooth_neighbours
-from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate, min_max
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, min_max
 from proxy.memory.read.fusion import fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
 from proxy.memory.read.names import (
     NameIndex,
@@ -315,10 +315,10 @@ def test_conversation_lifts_follow_each_conversations_best_match() -> None:
     """Every candidate of a conversation is lifted by ``weight`` x that conversation's best fused score (its own
     included); memories without a conversation get nothing."""
     turns = [
-        Candidate(_rec(f"turn {rid}", rid, kind=Kind.TURN, conversation_id=conversation), {})
+        _rec(f"turn {rid}", rid, kind=Kind.TURN, conversation_id=conversation)
         for rid, conversation in (("a1", "a"), ("a2", "a"), ("b1", "b"))
     ]
-    fact = Candidate(_rec("a fact", "f"), {})
+    fact = _rec("a fact", "f")
     fused = {"a1": 0.9, "a2": 0.2, "b1": 0.5, "f": 1.0}
     lifts = conversation_lifts([*turns, fact], fused, 0.5)
     assert lifts == pytest.approx({"a1": 0.45, "a2": 0.45, "b1": 0.25})

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.memory.pieces import MAX_TEXT_TERMS
-from proxy.memory.read.candidates import BM25, DENSE, ArmHit, Candidate
+from proxy.memory.read.candidates import BM25, DENSE, ArmHit
 from proxy.memory.read.fusion import fuse
 from proxy.memory.read.query import build_query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
@@ -114,10 +114,10 @@ def test_a_query_without_pieces_scores_nothing() -> None:
 
 
 def test_lifts_go_to_the_best_candidates_only() -> None:
-    """Only the ``depth`` best candidates by fused score are scored; a candidate without a match gets no lift."""
+    """Only the ``depth`` best fused memories by fused score are scored; a candidate without a match gets no lift."""
     toy = ToyVectors()
-    good, other, deep = (Candidate(_rec(t, rid), {}) for t, rid in (("Caroline: researching adoption", "a"),
-                                                                      ("weather", "b"), ("adoption", "c")))  # fmt: skip
+    good, other, deep = (_rec(t, rid) for t, rid in (("Caroline: researching adoption", "a"), ("weather", "b"),
+                                                      ("adoption", "c")))  # fmt: skip
     fused = {"a": 1.0, "b": 0.9, "c": 0.1}
     lifts = term_match_lifts([good, other, deep], fused, ("research", "adoption"), toy, 0.5, depth=2)
     assert set(lifts) == {"a"}

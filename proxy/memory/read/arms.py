@@ -13,6 +13,8 @@ newest turns are not listed from the store on every request.
 from __future__ import annotations
 
 import asyncio
+import itertools
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -45,8 +47,11 @@ def _pools(k: int, since: datetime | None) -> list[Pool]:
 
 
 def _by_score(found: Sequence[Sequence[ScoredRecord]]) -> list[ScoredRecord]:
-    """The hits of several pools as one list, best first."""
-    return sorted((hit for hits in found for hit in hits), key=lambda h: -h.score)
+    """The hits of several pools as one list, best first (ties in the pools' order: a reversed sort is stable)."""
+    return sorted(itertools.chain.from_iterable(found), key=_SCORE, reverse=True)
+
+
+_SCORE = operator.attrgetter("score")
 
 
 @dataclass(frozen=True, slots=True)

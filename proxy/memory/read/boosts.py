@@ -12,7 +12,6 @@ import itertools
 import operator
 from collections.abc import Mapping, Sequence
 from datetime import date, timedelta
-from typing import Protocol
 
 from proxy.memory.read.candidates import Candidate, ScoredRecord
 from proxy.memory.read.dates import query_dates, query_days
@@ -21,55 +20,56 @@ from proxy.memory.store.records import Kind, MemoryRecord
 Lifts = dict[str, float]  # memory id -> amount added to its fused score
 
 
-class Fused(Protocol):
-    """What a boost looks at: a fused memory's id and record (a ``Candidate`` has this shape)."""
-
-    @property
-    def id(self) -> str: ...
-
-    @property
-    def record(self) -> MemoryRecord: ...
-
-
-def subject_lifts(candidates: Sequence[Fused], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
-    """``weight * max cos(q, s)`` over each candidate's subjects among ``subject_hits``."""
+def subject_lifts(records: Sequence[MemoryRecord], subject_hits: Sequence[ScoredRecord], weight: float) -> Lifts:
+    """``weight * max cos(q, s)`` over each fused memory's subjects among ``subject_hits``."""
     best: dict[str, float] = {}
     for hit in subject_hits:
         for rid in hit.record.source_ids:
             best[rid] = max(best.get(rid, 0.0), float(hit.score))
-    return {c.id: weight * best[c.id] for c in candidates if c.id in best}
+    return {r.id: weight * best[r.id] for r in records if r.id in best}
 
 
-def neighbour_lifts(candidates: Sequence[Fused], fused: Mapping[str, float], weight: float, window_s: float) -> Lifts:
-    """``weight`` x the best ``fused`` score of each candidate turn's adjacent turns (same conversation)."""
-    by_conversation: dict[str, list[Fused]] = {}
-    for c in candidates:
-        if c.record.kind is Kind.TURN and c.record.conversation_id is not None:
-            by_conversation.setdefault(c.record.conversation_id, []).append(c)
+def neighbour_lifts(
+    records: Sequence[MemoryRecord], fused: Mapping[str, float], weight: float, window_s: float
+) -> Lifts:
+    """``weight`` x the best ``fused`` score of each fused turn's adjacent turns (same conversation)."""
+    by_conversation: dict[str, list[MemoryRecord]] = {}
+    turn = Kind.TURN
+    for r in records:
+        if r.kind is turn and r.conversation_id is not None:
+            by_conversation.setdefault(r.conversation_id, []).append(r)
+    window = timedelta(seconds=window_s)
     lift: dict[str, float] = {}
+    get = lift.get
     for turns in by_conversation.values():
         if len(turns) < 2:
             continue
         turns.sort(key=_TURN_ORDER)
         for left, right in itertools.pairwise(turns):
-            if (right.record.created_at - left.record.created_at).total_seconds() <= window_s:
-                lift[left.id] = max(lift.get(left.id, 0.0), fused[right.id])
-                lift[right.id] = max(lift.get(right.id, 0.0), fused[left.id])
+            if right.created_at - left.created_at <= window:
+                left_id, right_id = left.id, right.id
+                if (value := fused[right_id]) > get(left_id, 0.0):
+                    lift[left_id] = value
+                if (value := fused[left_id]) > get(right_id, 0.0):
+                    lift[right_id] = value
     return {rid: weight * value for rid, value in lift.items()}
 
 
-_TURN_ORDER = operator.attrgetter("record.created_at", "record.id")
+_TURN_ORDER = operator.attrgetter("created_at", "id")
 
 
-def conversation_lifts(candidates: Sequence[Fused], fused: Mapping[str, float], weight: float) -> Lifts:
-    """``weight`` x the best ``fused`` score among the candidates of each candidate's conversation (itself
+def conversation_lifts(records: Sequence[MemoryRecord], fused: Mapping[str, float], weight: float) -> Lifts:
+    """``weight`` x the best ``fused`` score among the fused memories of each one's conversation (itself
     included): the conversation where the best match lies is where its context is."""
     best: dict[str, float] = {}
-    for c in candidates:
-        conversation = c.record.conversation_id
-        if conversation is not None:
-            best[conversation] = max(best.get(conversation, 0.0), fused[c.id])
-    return {c.id: weight * best[c.record.conversation_id] for c in candidates if c.record.conversation_id is not None}
+    get = best.get
+    members: list[tuple[str, str]] = []
+    for r in records:
+        if (conversation := r.conversation_id) is not None:
+            members.append((r.id, conversation))
+            if (value := fused[r.id]) > get(conversation, 0.0):
+                best[conversation] = value
+    return {rid: weight * get(conversation, 0.0) for rid, conversation in members}
 
 
 def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:
@@ -89,7 +89,7 @@ def _on_named_day(record: MemoryRecord, days: Sequence[date]) -> bool:
 _ONE_DAY = timedelta(days=1)
 
 
-def date_lifts(candidates: Sequence[Fused], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
+def date_lifts(records: Sequence[MemoryRecord], query_text: str, weight: float, day_weight: float = 0.0) -> Lifts:
     """``weight`` for memories dated in a month or year the query names, and ``day_weight`` more for those
     dated within a day of a whole day it names ("on May 3, 2023")."""
     wanted = query_dates(query_text)
@@ -107,7 +107,11 @@ def date_lifts(candidates: Sequence[Fused], query_text: str, weight: float, day_
     def lift(record: MemoryRecord) -> float:
         return (weight if matches(record) else 0.0) + (day_weight if days and _on_named_day(record, days) else 0.0)
 
-    return {c.id: lift(c.record) for c in candidates}
+    return {r.id: lift(r) for r in records}
+
+
+def _records(candidates: Sequence[Candidate]) -> list[MemoryRecord]:
+    return [c.record for c in candidates]
 
 
 def _boosted(candidates: Sequence[Candidate], name: str, lifts: Lifts) -> list[Candidate]:
@@ -118,13 +122,13 @@ def apply_subject_boost(
     candidates: Sequence[Candidate], subject_hits: Sequence[ScoredRecord], weight: float
 ) -> list[Candidate]:
     """Add ``weight * max cos(q, s)`` over each memory's subjects among ``subject_hits`` (never negative)."""
-    return _boosted(candidates, "subject", subject_lifts(candidates, subject_hits, weight))
+    return _boosted(candidates, "subject", subject_lifts(_records(candidates), subject_hits, weight))
 
 
 def smooth_neighbours(candidates: Sequence[Candidate], weight: float, window_s: float) -> list[Candidate]:
     """Add ``weight`` x the best fused score of a candidate turn's adjacent turns (same conversation)."""
     fused = {c.id: c.fused for c in candidates}
-    return _boosted(candidates, "neighbour", neighbour_lifts(candidates, fused, weight, window_s))
+    return _boosted(candidates, "neighbour", neighbour_lifts(_records(candidates), fused, weight, window_s))
 
 
 def apply_date_boost(
@@ -132,4 +136,4 @@ def apply_date_boost(
 ) -> list[Candidate]:
     """Add ``weight`` to memories dated in a month or year the query names, and ``day_weight`` more to those
     dated within a day of a whole day it names ("on May 3, 2023")."""
-    return _boosted(candidates, "date", date_lifts(candidates, query_text, weight, day_weight))
+    return _boosted(candidates, "date", date_lifts(_records(candidates), query_text, weight, day_weight))

@@ -39,7 +39,7 @@ class ArmHit:
     score: float
 
 
-_NO_BOOSTS: Mapping[str, float] = MappingProxyType({})
+NO_BOOSTS: Mapping[str, float] = MappingProxyType({})  # a candidate no boost lifted
 
 
 class Candidate(NamedTuple):
@@ -53,7 +53,7 @@ class Candidate(NamedTuple):
     arm_scores: Mapping[str, float]
     fused: float = 0.0
     final: float = 0.0
-    boosts: Mapping[str, float] = _NO_BOOSTS
+    boosts: Mapping[str, float] = NO_BOOSTS
 
     @property
     def id(self) -> str:

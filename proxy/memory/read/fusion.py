@@ -14,10 +14,9 @@ import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neighbour_lifts, subject_lifts
-from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord, min_max
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, NO_BOOSTS, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.term_match import StoredPieces, TermVectors, term_match_lifts
@@ -37,31 +36,36 @@ class Fusion:
 
 @dataclass(frozen=True, slots=True)
 class _Union:
-    """The union of the arms: each record, its raw score in every arm that found it, and each arm's scores."""
+    """The union of the arms: each record (in the order the arms first found them) and each arm's best score
+    per record."""
 
     records: dict[str, MemoryRecord]
-    scores: dict[str, dict[str, float]]
     per_arm: dict[str, dict[str, float]]
+
+    def scores(self, rid: str) -> dict[str, float]:
+        """The record's raw score in every arm that found it (made only for the candidates kept)."""
+        return {arm: best[rid] for arm, best in self.per_arm.items() if rid in best}
 
 
 def _union(arms: Mapping[str, Sequence[ScoredRecord]]) -> _Union:
     """One pass over the arms' hits (a record's best hit per arm counts)."""
     records: dict[str, MemoryRecord] = {}
-    scores: dict[str, dict[str, float]] = {}
     per_arm: dict[str, dict[str, float]] = {}
     for arm, hits in arms.items():
         best: dict[str, float] = {}
+        get = best.get
         for hit in hits:
-            rid, score = hit.record.id, float(hit.score)
-            if rid not in best or score > best[rid]:
+            record = hit.record
+            rid, score = record.id, float(hit.score)
+            known = get(rid)
+            if known is None:
                 best[rid] = score
                 if rid not in records:
-                    records[rid] = hit.record
-                    scores[rid] = {}
-        for rid, score in best.items():
-            scores[rid][arm] = score
+                    records[rid] = record
+            elif score > known:
+                best[rid] = score
         per_arm[arm] = best
-    return _Union(records, scores, per_arm)
+    return _Union(records, per_arm)
 
 
 def _ranked(candidates: Iterable[Candidate]) -> list[Candidate]:
@@ -80,17 +84,15 @@ _CREATED = operator.attrgetter("record.created_at")
 _FUSED = operator.attrgetter("fused")
 
 
-def _built(
-    records: Mapping[str, MemoryRecord], scores: Mapping[str, dict[str, float]], fused: Mapping[str, float]
-) -> list[Candidate]:
+def _built(union: _Union, fused: Mapping[str, float]) -> list[Candidate]:
     """Candidates from the union and their fused scores, best first."""
-    return _ranked(Candidate(record=records[rid], arm_scores=scores[rid], fused=fused[rid]) for rid in records)
+    return _ranked(Candidate(record, union.scores(rid), fused[rid]) for rid, record in union.records.items())
 
 
 def weighted_fusion(arms: Mapping[str, Sequence[ScoredRecord]], weights: Mapping[str, float]) -> list[Candidate]:
     """Weighted sum of per-arm min-max normalised scores (raw for ``RAW_SCORE_ARMS``), best first."""
     union = _union(arms)
-    return _built(union.records, union.scores, _weighted_scores(union, weights))
+    return _built(union, _weighted_scores(union, weights))
 
 
 def _weighted_scores(union: _Union, weights: Mapping[str, float]) -> dict[str, float]:
@@ -111,7 +113,7 @@ def reciprocal_rank_fusion(arms: Mapping[str, Sequence[ScoredRecord]], k: int = 
     its ties say nothing about order and a common name should count for less.
     """
     union = _union(arms)
-    return _built(union.records, union.scores, _rrf_scores(union, k))
+    return _built(union, _rrf_scores(union, k))
 
 
 def _rrf_scores(union: _Union, k: int) -> dict[str, float]:
@@ -185,7 +187,7 @@ def fuse(
     else:
         weights = {DENSE: settings.dense_weight, BM25: settings.bm25_weight, ENTITY: settings.entity_weight}
         fused = _weighted_scores(union, weights)
-    candidates = [_Found(rid, record) for rid, record in union.records.items()]  # what the boosts look at
+    records = list(union.records.values())  # what the boosts look at
     applied: list[tuple[str, Lifts]] = []  # each boost's lifts, in order (only the kept candidates list them)
 
     def add(name: str, lifts: Lifts) -> None:  # in order: a later boost sees the earlier ones in ``fused``
@@ -195,25 +197,22 @@ def fuse(
         applied.append((name, lifts))
 
     if settings.subject_weight > 0 and subject_hits:
-        add("subject", subject_lifts(candidates, subject_hits, settings.subject_weight))
+        add("subject", subject_lifts(records, subject_hits, settings.subject_weight))
     if settings.term_match_weight > 0 and term_vectors is not None:
         depth = settings.max_candidates
         weight = settings.term_match_weight
-        add("terms", term_match_lifts(candidates, fused, query.terms, term_vectors, weight, depth, stored_pieces))
+        add("terms", term_match_lifts(records, fused, query.terms, term_vectors, weight, depth, stored_pieces))
     if settings.neighbour_weight > 0:
-        add("neighbour", neighbour_lifts(candidates, fused, settings.neighbour_weight, settings.neighbour_window_s))
+        add("neighbour", neighbour_lifts(records, fused, settings.neighbour_weight, settings.neighbour_window_s))
     if settings.conversation_weight > 0:
-        add("conversation", conversation_lifts(candidates, fused, settings.conversation_weight))
+        add("conversation", conversation_lifts(records, fused, settings.conversation_weight))
     if settings.date_weight > 0 or settings.day_weight > 0:
-        add("date", date_lifts(candidates, query.text, settings.date_weight, settings.day_weight))
+        add("date", date_lifts(records, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)
     chosen = order if limit is None else order[:limit]
     boosts = _boosts_of(chosen, applied) if explain else {}
     built = [
-        Candidate(union.records[rid], union.scores[rid], fused[rid], 0.0, boosts[rid])
-        if rid in boosts
-        else Candidate(union.records[rid], union.scores[rid], fused[rid])
-        for rid in chosen
+        Candidate(union.records[rid], union.scores(rid), fused[rid], 0.0, boosts.get(rid, NO_BOOSTS)) for rid in chosen
     ]
     return Fusion(candidates=built, gated=gated)
 
@@ -230,15 +229,11 @@ def _boosts_of(chosen: Sequence[str], applied: Sequence[tuple[str, Lifts]]) -> d
     return out
 
 
-class _Found(NamedTuple):
-    """A fused memory as the boosts see it (cheaper than a ``Candidate``, which only the kept ones become)."""
-
-    id: str
-    record: MemoryRecord
-
-
 def _ranked_ids(records: Mapping[str, MemoryRecord], fused: Mapping[str, float]) -> list[str]:
     """Ids by fused score, best first, ties newer first, then by id: ``_ranked``'s order, on C-level keys."""
+    order = sorted(records, key=fused.__getitem__, reverse=True)
+    if len(set(fused.values())) == len(order):  # no tied scores: the order is settled (the usual case)
+        return order
     created = {rid: record.created_at for rid, record in records.items()}
     order = sorted(records)
     order.sort(key=created.__getitem__, reverse=True)

@@ -28,6 +28,7 @@ call it directly; ``score_candidates`` adapts ``Candidate`` lists to it.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -156,4 +157,7 @@ def score_candidates(candidates: Sequence[Candidate], now: datetime, settings: R
             [c.record.kind is Kind.FACT for c in candidates],
         ).tolist()
     scored = [c.scored(total) for c, total in zip(candidates, totals, strict=True)]
-    return sorted(scored, key=lambda c: -c.final)
+    return sorted(scored, key=_FINAL, reverse=True)  # a reversed sort is stable too
+
+
+_FINAL = operator.attrgetter("final")

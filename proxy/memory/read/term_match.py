@@ -25,8 +25,9 @@ from proxy.memory.pieces import (
     memory_pieces,
     term_vectors_of,
 )
-from proxy.memory.read.boosts import Fused, Lifts
+from proxy.memory.read.boosts import Lifts
 from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
+from proxy.memory.store.records import MemoryRecord
 
 __all__ = ["HasTermVectors", "TermVectors", "soft_coverage", "term_match_lifts", "term_vectors_of", "text_pieces"]
 
@@ -46,7 +47,8 @@ def soft_coverage(
 
     A piece's match is its highest cosine to any of the doc's pieces, mapped from ``[floor, 1]`` onto
     ``[0, 1]`` (1: the piece itself). Its weight is ``log(1 + n / df)``, ``df`` the number of the ``n`` docs
-    that hold the piece itself (at least 1). A doc without pieces scores 0.
+    that hold the piece itself (at least 1). A doc without pieces scores 0. Each doc's pieces are distinct, as
+    ``TermVectors.pieces`` gives them.
     """
     out = np.zeros(len(docs), dtype=np.float64)
     lengths = np.fromiter(map(len, docs), dtype=np.intp, count=len(docs))
@@ -64,14 +66,21 @@ def soft_coverage(
     starts = np.zeros(held.size, dtype=np.intp)
     np.cumsum(lengths[held][:-1], out=starts[1:])
     best = np.maximum.reduceat(matches, starts, axis=1)  # query pieces x docs
-    holds = np.logical_or.reduceat(pieces[None, :] == query[:, None], starts, axis=1)
-    idf = np.log1p(len(docs) / np.maximum(holds.sum(axis=1), 1))
+    idf = np.log1p(len(docs) / np.maximum(_doc_counts(query, vocab, column), 1))
     out[held] = idf @ best / idf.sum()
     return out
 
 
+def _doc_counts(query: IntArray, vocab: IntArray, column: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+    """How many docs hold each query piece: its occurrences among the docs' pieces (``vocab[column]``), since
+    no doc holds a piece twice."""
+    counts = np.bincount(column, minlength=len(vocab))
+    at = np.minimum(np.searchsorted(vocab, query), len(vocab) - 1)
+    return np.where(vocab[at] == query, counts[at], 0)
+
+
 def term_match_lifts(
-    candidates: Sequence[Fused],
+    records: Sequence[MemoryRecord],
     fused: Mapping[str, float],
     query_terms: Sequence[str],
     vectors: TermVectors,
@@ -80,17 +89,19 @@ def term_match_lifts(
     stored: StoredPieces | None = None,
 ) -> Lifts:
     """``weight`` x the soft coverage of the query's content words (``Query.terms``), for the ``depth`` best
-    candidates by ``fused`` (the others get nothing). ``stored``: the memories' pieces as the store wrote them
-    (by ``vectors``' model; None where it has none), else they are computed from the texts (``text_pieces``)."""
+    fused memories by ``fused`` (the others get nothing). ``stored``: the memories' pieces as the store wrote
+    them (by ``vectors``' model; None where it has none), else they are computed from the texts
+    (``text_pieces``)."""
     query = vectors.pieces(query_terms)
     if not len(query) or weight <= 0:
         return {}
-    scores = [fused[c.id] for c in candidates]
-    pool = [candidates[i] for i in sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:depth]]
-    known = stored([c.id for c in pool]) if stored is not None else [None] * len(pool)
-    docs = [text_pieces[vectors, c.record.text] if k is None else k for c, k in zip(pool, known, strict=True)]
-    coverage = soft_coverage(query, docs, vectors.cosines)
-    return {c.id: weight * float(s) for c, s in zip(pool, coverage, strict=True) if s > 0.0}
+    scores = [fused[r.id] for r in records]
+    pool = [records[i] for i in sorted(range(len(scores)), key=scores.__getitem__, reverse=True)[:depth]]
+    ids = [r.id for r in pool]
+    known = stored(ids) if stored is not None else [None] * len(pool)
+    docs = [text_pieces[vectors, r.text] if k is None else k for r, k in zip(pool, known, strict=True)]
+    coverage = soft_coverage(query, docs, vectors.cosines).tolist()
+    return {rid: weight * s for rid, s in zip(ids, coverage, strict=True) if s > 0.0}
 
 
 @byte_cache(CACHED_BYTES, lambda key, pieces: text_bytes(key[1]) + pieces.nbytes)

@@ -402,7 +402,8 @@ class KeywordIndex:
     ) -> list[list[tuple[str, float]]]:
         """Top (id, BM25 score) in each (k, filter) pool of the user's documents, in one trip to the worker."""
         gen = self._g
-        queries = [(self.build_query(gen.schema, user_id, text, where), k) for k, where in pools]
+        matching = self._matching(gen.schema, text)
+        queries = [(_scoped(gen.schema, user_id, matching, where), k) for k, where in pools]
         if all(query is None or k <= 0 for query, k in queries):
             return [[] for _ in pools]
         # On the loop: a filtered top-k is well under a millisecond, less than the hop to a worker thread costs
@@ -422,8 +423,9 @@ class KeywordIndex:
             out.append([(record_id, float(score)) for record_id, (score, _) in zip(ids, hits, strict=True)])
         return out
 
-    def build_query(self, schema: tantivy.Schema, user_id: str, text: str, where: KeywordFilter) -> Query | None:
-        """The query for ``text`` within one user's documents, or None when the text has no terms."""
+    def _matching(self, schema: tantivy.Schema, text: str) -> Query | None:
+        """Documents holding any of the text's terms (None: it has none), scored by BM25; one per search, since
+        the pools' queries share it."""
         words = _unique(self._stems.analyze(text), MAX_QUERY_TERMS)
         bigrams = _unique(cjk_bigrams(text), MAX_QUERY_TERMS)
         should = [(Occur.Should, Query.term_query(schema, "text_stem", word)) for word in words]
@@ -431,13 +433,7 @@ class KeywordIndex:
         if not should:  # only stop words ("to be or not to be"): match them as plain words
             plain = _unique(self._words.analyze(text), MAX_QUERY_TERMS)
             should = [(Occur.Should, Query.term_query(schema, "text", word)) for word in plain]
-        if not should:
-            return None
-        must = [
-            (Occur.Must, Query.term_query(schema, "user_id", user_id)),
-            (Occur.Must, Query.boolean_query(should)),
-        ]
-        return Query.boolean_query(must + _filter_clauses(schema, where))
+        return Query.boolean_query(should) if should else None
 
     def holding(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` the index holds, any user's (term lookups: well under a millisecond, on the loop)."""
@@ -467,6 +463,14 @@ class KeywordIndex:
     async def count(self) -> int:
         """Documents visible to searches."""
         return await self._run(lambda: int(self._g.index.searcher().num_docs))
+
+
+def _scoped(schema: tantivy.Schema, user_id: str, matching: Query | None, where: KeywordFilter) -> Query | None:
+    """``matching`` within one user's documents that pass ``where`` (None when ``matching`` is)."""
+    if matching is None:
+        return None
+    must = [(Occur.Must, Query.term_query(schema, "user_id", user_id)), (Occur.Must, matching)]
+    return Query.boolean_query(must + _filter_clauses(schema, where))
 
 
 def _filter_clauses(schema: tantivy.Schema, where: KeywordFilter) -> list[tuple[Occur, Query]]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -344,7 +345,7 @@ class UserVectors:
         may be older than the cache), and each one's position in ``ids``; checked on the filter columns at
         once, for ``records_at``."""
         index = self.index
-        rows = np.fromiter((index.get(record_id, -1) for record_id in ids), dtype=np.intp, count=len(ids))
+        rows = np.fromiter(map(index.get, ids, itertools.repeat(-1)), dtype=np.intp, count=len(ids))
         held = np.flatnonzero(rows >= 0)
         kept = held[self._mask_at(rows[held], pool)]
         return rows[kept].tolist(), kept.tolist()
