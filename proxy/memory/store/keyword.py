@@ -413,15 +413,9 @@ class KeywordIndex:
     @staticmethod
     def _search_pools(gen: _Generation, queries: Sequence[tuple[Query | None, int]]) -> list[list[tuple[str, float]]]:
         searcher = gen.index.searcher()
-        out: list[list[tuple[str, float]]] = []
-        for query, k in queries:
-            if query is None or k <= 0:
-                out.append([])
-                continue
-            hits = searcher.search(query, k, count=False).hits
-            ids = _hit_ids(searcher, [address for _, address in hits])
-            out.append([(record_id, float(score)) for record_id, (score, _) in zip(ids, hits, strict=True)])
-        return out
+        found = [[] if query is None or k <= 0 else searcher.search(query, k, count=False).hits for query, k in queries]
+        ids = iter(_hit_ids(searcher, [address for hits in found for _, address in hits]))  # all pools' at once
+        return [[(next(ids), float(score)) for score, _ in hits] for hits in found]
 
     def _matching(self, schema: tantivy.Schema, text: str) -> Query | None:
         """Documents holding any of the text's terms (None: it has none), scored by BM25; one per search, since
