@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -230,6 +231,16 @@ def test_neighbour_smoothing_lifts_the_turn_next_to_a_strong_one() -> None:
     assert smoothed["q"].fused == pytest.approx(1.0 + 0.5 * 0.25)
     assert smoothed["f"].fused == pytest.approx(0.25)
     assert smoothed["o"].fused == 0.0
+
+
+def test_an_endless_neighbour_window_makes_every_turn_of_a_conversation_adjacent() -> None:
+    """A window longer than any time span (an infinite setting) counts every gap, years apart included."""
+    first = _rec("first", "a", kind=Kind.TURN, conversation_id="c")
+    later = _rec("later", "b", kind=Kind.TURN, conversation_id="c", created_at=T0 + timedelta(days=4000))
+    fused = weighted_fusion({DENSE: _hits((first, 0.9), (later, 0.1))}, {DENSE: 1.0})
+    for window_s in (math.inf, 1e300):
+        smoothed = {c.id: c.fused for c in smooth_neighbours(fused, 0.5, window_s=window_s)}
+        assert smoothed == pytest.approx({"a": 1.0, "b": 0.5})
 
 
 def test_date_boost_lifts_memories_from_the_named_month() -> None:

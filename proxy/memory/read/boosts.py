@@ -38,7 +38,7 @@ def neighbour_lifts(
     for r in records:
         if r.kind is turn and r.conversation_id is not None:
             by_conversation.setdefault(r.conversation_id, []).append(r)
-    window = timedelta(seconds=window_s)
+    window = timedelta(seconds=window_s) if window_s < _LONGEST_S else timedelta.max  # compared as timedeltas
     lift: dict[str, float] = {}
     get = lift.get
     for turns in by_conversation.values():
@@ -56,6 +56,7 @@ def neighbour_lifts(
 
 
 _TURN_ORDER = operator.attrgetter("created_at", "id")
+_LONGEST_S = timedelta.max.total_seconds()  # a longer window (a huge or infinite setting) is every gap
 
 
 def conversation_lifts(records: Sequence[MemoryRecord], fused: Mapping[str, float], weight: float) -> Lifts:
