@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, conversation_lifts, smooth_neighbours
-from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, min_max
-from proxy.memory.read.fusion import fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
+from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate, min_max
+from proxy.memory.read.fusion import _ranked, _ranked_ids, fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
 from proxy.memory.read.names import (
     NameIndex,
     entity_scores,
@@ -231,6 +231,18 @@ def test_neighbour_smoothing_lifts_the_turn_next_to_a_strong_one() -> None:
     assert smoothed["q"].fused == pytest.approx(1.0 + 0.5 * 0.25)
     assert smoothed["f"].fused == pytest.approx(0.25)
     assert smoothed["o"].fused == 0.0
+
+
+@given(st.lists(st.tuples(st.sampled_from([0.0, 0.25, 0.5, 1.0]), st.integers(0, 3)), max_size=30))
+def test_fusion_ranks_ties_newer_first_then_by_id(scores_and_ages: list[tuple[float, int]]) -> None:
+    """Tied fused scores (common: arms give equal texts equal scores) rank newer first, then by id, as
+    ``weighted_fusion``'s candidates do."""
+    records = [
+        _rec(f"m{i}", f"m{i:02d}", created_at=T0 + timedelta(days=age)) for i, (_, age) in enumerate(scores_and_ages)
+    ]
+    fused = {r.id: score for r, (score, _) in zip(records, scores_and_ages, strict=True)}
+    ranked = [c.id for c in _ranked(Candidate(r, {}, fused[r.id]) for r in records)]
+    assert _ranked_ids({r.id: r for r in records}, fused) == ranked
 
 
 def test_an_endless_neighbour_window_makes_every_turn_of_a_conversation_adjacent() -> None:

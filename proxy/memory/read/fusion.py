@@ -230,12 +230,16 @@ def _boosts_of(chosen: Sequence[str], applied: Sequence[tuple[str, Lifts]]) -> d
 
 
 def _ranked_ids(records: Mapping[str, MemoryRecord], fused: Mapping[str, float]) -> list[str]:
-    """Ids by fused score, best first, ties newer first, then by id: ``_ranked``'s order, on C-level keys."""
+    """Ids by fused score, best first, ties newer first, then by id: ``_ranked``'s order, on C-level keys (only
+    runs of tied scores are sorted again)."""
     order = sorted(records, key=fused.__getitem__, reverse=True)
-    if len(set(fused.values())) == len(order):  # no tied scores: the order is settled (the usual case)
-        return order
-    created = {rid: record.created_at for rid, record in records.items()}
-    order = sorted(records)
-    order.sort(key=created.__getitem__, reverse=True)
-    order.sort(key=fused.__getitem__, reverse=True)
+    scores = [fused[rid] for rid in order]
+    start = 0
+    for end in range(1, len(order) + 1):
+        if end == len(order) or scores[end] != scores[start]:
+            if end - start > 1:
+                tied = sorted(order[start:end])
+                tied.sort(key=lambda rid: records[rid].created_at, reverse=True)
+                order[start:end] = tied
+            start = end
     return order
