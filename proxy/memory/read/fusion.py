@@ -43,7 +43,7 @@ class _Union:
     per_arm: dict[str, dict[str, float]]
 
     def scores(self, rid: str) -> dict[str, float]:
-        """The record's raw score in every arm that found it (made only for the candidates kept)."""
+        """The record's raw score in every arm that found it (made per candidate: fuse keeps the best few)."""
         return {arm: best[rid] for arm, best in self.per_arm.items() if rid in best}
 
 
