@@ -74,11 +74,11 @@ from proxy.evaluation import dia_ids, question_metrics, session_date
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.protocol import Embedder, Vectors
 from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.pieces import TermVectors, term_vectors_of
 from proxy.memory.read.injection import inject
 from proxy.memory.read.read_cache import ReadCache
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.read.term_match import TermVectors, term_vectors_of
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.settings import WriterSettings

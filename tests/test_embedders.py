@@ -26,7 +26,7 @@ from proxy.memory.embedders.remote import LiteLLMEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.embedders.static import StaticEmbedder, unit_int8
 from proxy.memory.errors import EmbedderError
-from proxy.memory.read.term_match import term_vectors_of
+from proxy.memory.pieces import term_vectors_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.pieces import MAX_TEXT_TERMS
+from proxy.memory.pieces import MAX_TEXT_TERMS, term_vectors_of
 from proxy.memory.read.candidates import BM25, DENSE, ArmHit
 from proxy.memory.read.fusion import fuse
 from proxy.memory.read.query import build_query
@@ -21,7 +21,6 @@ from proxy.memory.read.term_match import (
     MATCH_FLOOR,
     soft_coverage,
     term_match_lifts,
-    term_vectors_of,
     text_pieces,
 )
 from proxy.memory.store.records import Kind, MemoryRecord

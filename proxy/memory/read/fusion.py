@@ -15,11 +15,12 @@ import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
+from proxy.memory.pieces import TermVectors
 from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neighbour_lifts, subject_lifts
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, NO_BOOSTS, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.read.term_match import StoredPieces, TermVectors, term_match_lifts
+from proxy.memory.read.term_match import StoredPieces, term_match_lifts
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.words import stem, stems
 

@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any
 
 from proxy.memory.embedders.protocol import Embedder
+from proxy.memory.pieces import term_vectors_of
 from proxy.memory.read.arms import Found, entity_hits, run_arms
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord
 from proxy.memory.read.fusion import fuse, is_gated
@@ -34,7 +35,6 @@ from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.scoring import score_candidates
 from proxy.memory.read.selection import plan_items
 from proxy.memory.read.steps import Report
-from proxy.memory.read.term_match import term_vectors_of
 
 GATED = "gated"  # listed among the arms when keyword gating left BM25 out
 

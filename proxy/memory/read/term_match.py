@@ -17,19 +17,10 @@ from collections.abc import Callable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from proxy.memory.pieces import (
-    FloatArray,
-    HasTermVectors,
-    IntArray,
-    TermVectors,
-    memory_pieces,
-    term_vectors_of,
-)
+from proxy.memory.pieces import FloatArray, IntArray, TermVectors, memory_pieces
 from proxy.memory.read.boosts import Lifts
 from proxy.memory.read.byte_cache import MIB, byte_cache, text_bytes
 from proxy.memory.store.records import MemoryRecord
-
-__all__ = ["HasTermVectors", "TermVectors", "soft_coverage", "term_match_lifts", "term_vectors_of", "text_pieces"]
 
 # Cosines below this count as no match (LoCoMo tune split: 0.2, 0.3 and 0.4 within 0.004 R@10 of each other).
 MATCH_FLOOR = 0.3
