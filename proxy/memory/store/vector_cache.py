@@ -281,7 +281,7 @@ class UserVectors:
         scores: npt.NDArray[np.float32] | None = None
         out: list[tuple[list[int], list[float]]] = []
         for pool in pools:
-            rows = np.flatnonzero(self._mask(n, pool))
+            rows = self._pool_rows(pool, n)
             if pool.k <= 0 or rows.size == 0:
                 out.append(([], []))
                 continue
@@ -304,17 +304,8 @@ class UserVectors:
         """Sorted, disjoint runs of rows holding every row any of ``pools`` can return: per kind asked, the
         part of its block inside the pool's time bounds, and the rows added since the load."""
         runs = [(self._sorted, n)] if self._sorted < n else []
-        created = self.created
         for pool in pools:
-            codes = [KIND_CODES[str(kind)] for kind in pool.kinds] if pool.kinds else range(len(KIND_CODES))
-            for code in codes:
-                lo, hi = self._blocks[code]
-                if lo < hi and pool.since is not None:
-                    lo += int(np.searchsorted(created[lo:hi], micros(pool.since), "left"))
-                if lo < hi and pool.until is not None:
-                    hi = lo + int(np.searchsorted(created[lo:hi], micros(pool.until), "right"))
-                if lo < hi:
-                    runs.append((lo, hi))
+            runs += self._pool_runs(pool)
         runs.sort()
         merged: list[tuple[int, int]] = []
         for lo, hi in runs:
@@ -324,8 +315,34 @@ class UserVectors:
                 merged.append((lo, hi))
         return merged
 
-    def _mask(self, n: int, pool: Pool) -> npt.NDArray[np.bool_]:
-        return self._mask_at(slice(0, n), pool)
+    def _pool_runs(self, pool: Pool) -> list[tuple[int, int]]:
+        """Runs of the sorted rows (ascending) holding the pool's kinds within its time bounds: each kind's
+        block, cut to the bounds by the block's order by time."""
+        codes = sorted({KIND_CODES[str(kind)] for kind in pool.kinds}) if pool.kinds else range(len(KIND_CODES))
+        created = self.created
+        runs: list[tuple[int, int]] = []
+        for code in codes:
+            lo, hi = self._blocks[code]
+            if lo < hi and pool.since is not None:
+                lo += int(np.searchsorted(created[lo:hi], micros(pool.since), "left"))
+            if lo < hi and pool.until is not None:
+                hi = lo + int(np.searchsorted(created[lo:hi], micros(pool.until), "right"))
+            if lo < hi:
+                runs.append((lo, hi))
+        return runs
+
+    def _pool_rows(self, pool: Pool, n: int) -> npt.NDArray[np.intp]:
+        """Rows of live records in the pool, ascending: within its runs of sorted rows only liveness and
+        validity are left to check; the rows added since the load are checked on every filter. (One mask over
+        all rows per pool cost 3-4x as much: the read path searches three pools.)"""
+        alive, valid = self.alive, self.valid
+        parts = [
+            lo + np.flatnonzero(alive[lo:hi] if pool.include_invalid else alive[lo:hi] & valid[lo:hi])
+            for lo, hi in self._pool_runs(pool)
+        ]
+        if self._sorted < n:
+            parts.append(self._sorted + np.flatnonzero(self._mask_at(slice(self._sorted, n), pool)))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
 
     def _mask_at(self, at: slice | npt.NDArray[np.intp], pool: Pool) -> npt.NDArray[np.bool_]:
         """Whether each row of ``at`` (rows [0, n) or some of them) is live and in the pool."""
@@ -392,7 +409,7 @@ class UserVectors:
 
     def _live_rows(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> npt.NDArray[np.intp]:
         """Rows of live records of ``kinds`` (all kinds when empty), invalid ones only if ``include_invalid``."""
-        return np.flatnonzero(self._mask(self.n, Pool(0, tuple(kinds or ()), include_invalid=include_invalid)))
+        return self._pool_rows(Pool(0, tuple(kinds or ()), include_invalid=include_invalid), self.n)
 
     def keys(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> pa.Table:
         """(id, created_at in microseconds) of live records matching the filters, as ``MemoryTable.keys``."""
