@@ -39,7 +39,7 @@ class ArmHit:
     score: float
 
 
-NO_BOOSTS: Mapping[str, float] = MappingProxyType({})  # a candidate no boost lifted
+NO_BOOSTS: Mapping[str, float] = MappingProxyType({})  # a candidate no boost lifted (or, unexplained, no arm score)
 
 
 class Candidate(NamedTuple):

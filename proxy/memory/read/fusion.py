@@ -176,8 +176,9 @@ def fuse(
     this many become ``Candidate`` objects (the read path scores no more than ``max_candidates``).
     ``term_vectors``: the embedding model's word piece vectors, for term matching (None: no term matching);
     ``stored_pieces``: the memories' pieces the store keeps (``term_match_lifts``).
-    ``explain``: each candidate lists the boosts that lifted it (``Candidate.boosts``, for the search preview);
-    the chat path, which never shows them, passes False.
+    ``explain``: each candidate lists the boosts that lifted it and its score in each arm that found it
+    (``Candidate.boosts``, ``Candidate.arm_scores``, for the search preview); the chat path, which never shows
+    them, passes False and gets neither.
     """
     if gated is None:
         gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
@@ -211,7 +212,9 @@ def fuse(
         add("date", date_lifts(records, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)
     chosen = order if limit is None else order[:limit]
-    boosts = _boosts_of(chosen, applied) if explain else {}
+    if not explain:  # the chat path: neither the boosts nor the arms' own scores are shown
+        return Fusion(candidates=[Candidate(union.records[rid], NO_BOOSTS, fused[rid]) for rid in chosen], gated=gated)
+    boosts = _boosts_of(chosen, applied)
     built = [
         Candidate(union.records[rid], union.scores(rid), fused[rid], 0.0, boosts.get(rid, NO_BOOSTS)) for rid in chosen
     ]

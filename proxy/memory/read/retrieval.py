@@ -94,7 +94,8 @@ async def retrieve(
     ``names`` is the entity arm's name index: a prebuilt one, a cache, or None to load it from the store.
     ``conversation_id`` keeps this conversation out of "recent activity". ``reranker`` (enabled in its settings)
     reorders the best fused candidates when the dense and BM25 arms disagree on first place. ``explain``: the
-    candidates list the boosts that lifted them (the chat path passes False: it never shows them).
+    candidates list the boosts that lifted them and their arm scores (the chat path passes False: it never
+    shows them).
     """
     started = time.perf_counter()
     query = build_query(messages, short_words=settings.short_query_words, expand=settings.expand_anaphoric)
