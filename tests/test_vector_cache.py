@@ -410,3 +410,13 @@ def test_loaded_list_columns_are_tuples_the_collector_can_drop() -> None:
     assert [r.entities for r in entry.records([r.id for r in recs]) if r is not None] == [("Ana", "Lisbon")] * 3
     gc.collect()
     assert not any(gc.is_tracked(value) for value in entry._columns["entities"])
+
+
+def test_top_k_takes_equal_scores_in_row_order() -> None:
+    """Among equal scores at the cut, the earlier rows come in, and the best come first."""
+    scores = np.array([0.5, 0.9, 0.5, 0.1, 0.5, 0.9], dtype=np.float32)
+    rows = np.array([10, 11, 12, 13, 14, 15])
+    assert vector_cache._top_k(scores, rows, 3) == ([11, 15, 10], pytest.approx([0.9, 0.9, 0.5]))
+    assert vector_cache._top_k(scores, rows, 4) == ([11, 15, 10, 12], pytest.approx([0.9, 0.9, 0.5, 0.5]))
+    assert vector_cache._top_k(scores, rows, 9)[0] == [11, 15, 10, 12, 14, 13]
+    assert vector_cache._top_k(scores[:0], rows[:0], 3) == ([], [])

@@ -473,10 +473,20 @@ def single_thread_blas() -> None:
 
 
 def _top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) -> tuple[list[int], list[float]]:
-    """The ``k`` best (rows, scores), best first; ``scores[i]`` belongs to row ``rows[i]``."""
+    """The ``k`` best (rows, scores), best first, equal scores in row order; ``scores[i]`` (finite) belongs to row
+    ``rows[i]``.
+
+    Chosen by value: the k-th best score from a partition of the scores, then the rows scoring at least that. An
+    argpartition of the negated scores cost 2.5x as much (125-140 against 52 us for 60 of 7,500 rows), and left
+    which of several equal scores at the cut came in to its selection algorithm.
+    """
     take = min(k, rows.size)
-    top = np.argpartition(-scores, take - 1)[:take]
-    top = top[np.argsort(-scores[top], kind="stable")]
+    if take <= 0:
+        return [], []
+    cut = scores.size - take
+    kth = np.partition(scores, cut)[cut]
+    held = np.flatnonzero(scores >= kth)  # the best ``take``, and any more equal to the k-th
+    top = held[np.argsort(-scores[held], kind="stable")[:take]]
     return rows[top].tolist(), scores[top].tolist()
 
 
