@@ -615,3 +615,33 @@ async def test_a_user_released_while_idle_is_reloaded_with_everything_written_me
     assert (await vector_ids(store, "alice", "moved to Lisbon"))[0] == second.id
     assert first.id in await vector_ids(store, "alice", "golden retriever")
     assert store.cached_users == 1
+
+
+@pytest.mark.parametrize("indexed", [False, True])
+async def test_flushed_access_times_change_only_the_owners_records_and_that_column(
+    tmp_path: Path, indexed: bool
+) -> None:
+    """Access times reach LanceDB, with or without the id index (with it, as one column merged on id): every
+    other field and the vector stay as they were, and an id passed under a user who does not own it is left
+    alone."""
+    at = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        mine = await store.add([fact("alice", f"Alice fact {i}", hours=i) for i in range(5)])
+        [theirs] = await store.add([fact("bob", "Bob drinks tea")])
+        if indexed:
+            await store._lance.ensure_scalar_indexes()
+        assert (("id",) in await store._lance._indexed_columns()) is indexed
+        before = {r.id: await store.get(r.user_id, r.id) for r in [*mine, theirs]}
+        await store._lance.touch({"alice": [mine[0].id, mine[2].id, theirs.id], "bob": []}, at)
+        store.cache.drop("alice")
+        store.cache.drop("bob")
+        for record in [*mine, theirs]:
+            now = await store.get(record.user_id, record.id)
+            touched = record.id in (mine[0].id, mine[2].id)
+            assert now.last_accessed_at == (at if touched else before[record.id].last_accessed_at)
+            assert now.replace(last_accessed_at=None, embedding=None) == before[record.id].replace(
+                last_accessed_at=None, embedding=None
+            )
+            assert np.allclose(now.embedding, before[record.id].embedding)
+        assert await store.count("alice") == 5
+        assert await store.count("bob") == 1

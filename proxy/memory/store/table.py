@@ -36,6 +36,7 @@ from proxy.memory.store.records import PIECES, Kind, MemoryRecord, arrow_schema,
 log = structlog.get_logger(__name__)
 
 RECORD_COLUMNS = [name for name in arrow_schema(1).names if name not in ("embedding", PIECES)]
+_ACCESS_TIME = arrow_schema(1).field("last_accessed_at").type
 _IN_CHUNK = 512
 # A replica that lost the claim to create the shared table waits this long for the winner's before it creates
 # the table itself (the winner died between its claim and its creation).
@@ -108,7 +109,8 @@ class MemoryTable:
         return self.manifest.dim if self.manifest else self.dim
 
     async def open(self) -> None:
-        """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
+        """Connect, check the embedding model, open (or create) the live table, drop leftovers, and give a table
+        with rows its scalar indexes if it lacks them (the access times' writes need the id's, ``touch``)."""
         self.path.mkdir(parents=True, exist_ok=True)
         if self.shared is None:
             self._db = await lancedb.connect_async(self.path, session=self.session)
@@ -143,6 +145,8 @@ class MemoryTable:
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
+        if self.shared is None:  # a table with rows and no scalar indexes (replicas: the maintenance rounds')
+            await self.ensure_scalar_indexes()  # ~0.05 s at 10k rows, seconds at 1M, once
 
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.
@@ -210,11 +214,32 @@ class MemoryTable:
         await self.table.merge_insert("id").when_matched_update_all(where=owner).execute(rows)
 
     async def touch(self, ids_by_user: dict[str, list[str]], at: datetime) -> None:
-        """Set ``last_accessed_at`` on these records, in one commit."""
-        clauses = [record_filter(user_id, ids=ids) for user_id, ids in ids_by_user.items() if ids]
-        if clauses:
-            where = " OR ".join(f"({clause})" for clause in clauses)
+        """Set ``last_accessed_at`` on these records, in one commit.
+
+        With the id's BTree index (``ensure_scalar_indexes``), a merge on id that carries this one column, which
+        Lance writes as new values of the column in the records' fragments, not as whole new rows (vectors and
+        texts included): 0.016-0.018 against 0.14-0.32 s of CPU for 1,000 records of a 10k-row table. A merge
+        on id cannot name the owner, so the ids are first narrowed to each owner's own by a scoped read (~10 ms
+        for 1,000 with the indexes). Without the index (a table no maintenance round has indexed yet), one
+        update of the whole rows, scoped by its filter.
+        """
+        ids_by_user = {user_id: ids for user_id, ids in ids_by_user.items() if ids}
+        if not ids_by_user:
+            return
+        if ("id",) not in await self._indexed_columns():
+            where = " OR ".join(f"({record_filter(user_id, ids=ids)})" for user_id, ids in ids_by_user.items())
             await self.table.update(updates={"last_accessed_at": at}, where=where)
+            return
+        owned: list[str] = []
+        for user_id, ids in ids_by_user.items():
+            for chunk in _chunks(ids):
+                rows = await self.table.query().select(["id"]).where(record_filter(user_id, ids=chunk)).to_arrow()
+                owned += rows["id"].to_pylist()
+        if owned:
+            times = pa.table(
+                {"id": pa.array(owned, pa.string()), "last_accessed_at": pa.array([at] * len(owned), _ACCESS_TIME)}
+            )
+            await self.table.merge_insert("id").when_matched_update_all().execute(times)
 
     async def delete(self, user_id: str, ids: Sequence[str] | None = None) -> None:
         """Delete the user's records with these ids (all of them when ``ids`` is None)."""
