@@ -146,7 +146,10 @@ class MemoryTable:
             if name != manifest.table:
                 await self._db.drop_table(name)
         if self.shared is None:  # a table with rows and no scalar indexes (replicas: the maintenance rounds')
-            await self.ensure_scalar_indexes()  # ~0.05 s at 10k rows, seconds at 1M, once
+            try:
+                await self.ensure_scalar_indexes()  # ~0.05 s at 10k rows, seconds at 1M, once
+            except Exception as exc:  # the store works without them (slower filters); each round tries again
+                log.warning("memory.scalar_index_failed", error=type(exc).__name__, detail=str(exc)[:200])
 
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.
