@@ -12,6 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
@@ -645,3 +646,26 @@ async def test_flushed_access_times_change_only_the_owners_records_and_that_colu
             assert np.allclose(now.embedding, before[record.id].embedding)
         assert await store.count("alice") == 5
         assert await store.count("bob") == 1
+
+
+async def test_flushed_access_times_skip_a_row_of_another_user_that_shares_the_id(tmp_path: Path) -> None:
+    """Two replicas writing at once could leave one id on rows of two users, or twice on one user's: the
+    owner's rows get the time, the other user's row keeps its own (the merge on id takes only ids no other
+    user holds; the others go through the update scoped by owner)."""
+    at = datetime(2025, 6, 1, 12, tzinfo=UTC)
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        shared, alone = await store.add([fact("alice", "Alice sails"), fact("alice", "Alice rows")])
+        table = store._lance.table
+        row = await table.query().where(f"id = '{shared.id}'").to_arrow()
+        owner = row.schema.get_field_index("user_id")
+        await table.add(row.set_column(owner, "user_id", pa.array(["bob"], row.schema.field("user_id").type)))
+        await table.add(row)  # and the same id twice for alice
+        await store._lance.ensure_scalar_indexes()
+        await store._lance.touch({"alice": [shared.id, alone.id, shared.id]}, at)
+        rows = (await table.query().select(["id", "user_id", "last_accessed_at"]).to_arrow()).to_pylist()
+    assert sorted((r["user_id"], r["id"] == shared.id, r["last_accessed_at"]) for r in rows) == [
+        ("alice", False, at),
+        ("alice", True, at),
+        ("alice", True, at),
+        ("bob", True, None),
+    ]

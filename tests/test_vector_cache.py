@@ -420,3 +420,13 @@ def test_top_k_takes_equal_scores_in_row_order() -> None:
     assert vector_cache._top_k(scores, rows, 4) == ([11, 15, 10, 12], pytest.approx([0.9, 0.9, 0.5, 0.5]))
     assert vector_cache._top_k(scores, rows, 9)[0] == [11, 15, 10, 12, 14, 13]
     assert vector_cache._top_k(scores[:0], rows[:0], 3) == ([], [])
+
+
+def test_top_k_ranks_nan_scores_last() -> None:
+    """A NaN score (a stored vector of NaNs) takes no place from a number, and fills in only after them."""
+    scores = np.array([0.5, np.nan, 0.3, np.nan], dtype=np.float32)
+    rows = np.array([10, 11, 12, 13])
+    assert vector_cache._top_k(scores, rows, 2) == ([10, 12], pytest.approx([0.5, 0.3]))
+    found, values = vector_cache._top_k(scores, rows, 3)
+    assert found == [10, 12, 11]
+    assert np.isnan(values[2])

@@ -473,8 +473,8 @@ def single_thread_blas() -> None:
 
 
 def _top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) -> tuple[list[int], list[float]]:
-    """The ``k`` best (rows, scores), best first, equal scores in row order; ``scores[i]`` (finite) belongs to row
-    ``rows[i]``.
+    """The ``k`` best (rows, scores), best first, equal scores in row order; ``scores[i]`` belongs to row
+    ``rows[i]``. NaN scores (a stored vector of NaNs) rank last.
 
     Chosen by value: the k-th best score from a partition of the scores, then the rows scoring at least that. An
     argpartition of the negated scores cost 2.5x as much (125-140 against 52 us for 60 of 7,500 rows), and left
@@ -484,9 +484,12 @@ def _top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) 
     if take <= 0:
         return [], []
     cut = scores.size - take
-    kth = np.partition(scores, cut)[cut]
+    kth = np.partition(scores, cut)[cut]  # NaNs sort last: with any among the best ``take``, none compare
     held = np.flatnonzero(scores >= kth)  # the best ``take``, and any more equal to the k-th
-    top = held[np.argsort(-scores[held], kind="stable")[:take]]
+    if held.size < take:  # NaNs took places: a full sort, with them below every number
+        top = np.argsort(np.where(np.isnan(scores), np.inf, -scores), kind="stable")[:take]
+    else:
+        top = held[np.argsort(-scores[held], kind="stable")[:take]]
     return rows[top].tolist(), scores[top].tolist()
 
 
