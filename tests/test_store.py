@@ -622,9 +622,8 @@ async def test_a_user_released_while_idle_is_reloaded_with_everything_written_me
 async def test_flushed_access_times_change_only_the_owners_records_and_that_column(
     tmp_path: Path, indexed: bool
 ) -> None:
-    """Access times reach LanceDB, with or without the id index (with it, as one column merged on id): every
-    other field and the vector stay as they were, and an id passed under a user who does not own it is left
-    alone."""
+    """Access times reach LanceDB, with or without the scalar indexes: every other field and the vector stay as
+    they were, and an id passed under a user who does not own it is left alone."""
     at = datetime(2025, 6, 1, 12, tzinfo=UTC)
     async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
         mine = await store.add([fact("alice", f"Alice fact {i}", hours=i) for i in range(5)])
@@ -650,8 +649,7 @@ async def test_flushed_access_times_change_only_the_owners_records_and_that_colu
 
 async def test_flushed_access_times_skip_a_row_of_another_user_that_shares_the_id(tmp_path: Path) -> None:
     """Two replicas writing at once could leave one id on rows of two users, or twice on one user's: the
-    owner's rows get the time, the other user's row keeps its own (the merge on id takes only ids no other
-    user holds; the others go through the update scoped by owner)."""
+    owner's rows get the time, the other user's row keeps its own."""
     at = datetime(2025, 6, 1, 12, tzinfo=UTC)
     async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
         shared, alone = await store.add([fact("alice", "Alice sails"), fact("alice", "Alice rows")])

@@ -36,7 +36,6 @@ from proxy.memory.store.records import PIECES, Kind, MemoryRecord, arrow_schema,
 log = structlog.get_logger(__name__)
 
 RECORD_COLUMNS = [name for name in arrow_schema(1).names if name not in ("embedding", PIECES)]
-_ACCESS_TIME = arrow_schema(1).field("last_accessed_at").type
 _IN_CHUNK = 512
 # A replica that lost the claim to create the shared table waits this long for the winner's before it creates
 # the table itself (the winner died between its claim and its creation).
@@ -109,8 +108,7 @@ class MemoryTable:
         return self.manifest.dim if self.manifest else self.dim
 
     async def open(self) -> None:
-        """Connect, check the embedding model, open (or create) the live table, drop leftovers, and give a table
-        with rows its scalar indexes if it lacks them (the access times' writes need the id's, ``touch``)."""
+        """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
         self.path.mkdir(parents=True, exist_ok=True)
         if self.shared is None:
             self._db = await lancedb.connect_async(self.path, session=self.session)
@@ -145,11 +143,6 @@ class MemoryTable:
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
-        if self.shared is None:  # a table with rows and no scalar indexes (replicas: the maintenance rounds')
-            try:
-                await self.ensure_scalar_indexes()  # ~0.05 s at 10k rows, seconds at 1M, once
-            except Exception as exc:  # the store works without them (slower filters); each round tries again
-                log.warning("memory.scalar_index_failed", error=type(exc).__name__, detail=str(exc)[:200])
 
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.
@@ -217,47 +210,11 @@ class MemoryTable:
         await self.table.merge_insert("id").when_matched_update_all(where=owner).execute(rows)
 
     async def touch(self, ids_by_user: dict[str, list[str]], at: datetime) -> None:
-        """Set ``last_accessed_at`` on these records of each user.
-
-        With the id's BTree index (``ensure_scalar_indexes``), a merge on id that carries this one column, which
-        Lance writes as new values of the column in the records' fragments, not as whole new rows (vectors and
-        texts included): 0.016-0.018 against 0.14-0.32 s of CPU for 1,000 records of a 10k-row table. A merge
-        on id cannot name the owner, so it takes only the ids whose every row is the user's (their owners read
-        first, ~10 ms for 1,000 with the indexes); an id another user's row shares too (two replicas writing at
-        once could make one) goes through the update scoped by owner, as every id does without the index (a
-        table no maintenance round has indexed yet).
-        """
-        ids_by_user = {user_id: ids for user_id, ids in ids_by_user.items() if ids}
-        if not ids_by_user:
-            return
-        scoped = ids_by_user
-        if ("id",) in await self._indexed_columns():
-            merged: dict[str, None] = {}  # each id once: a merge with two source rows for one target row fails
-            scoped = {}
-            for user_id, ids in ids_by_user.items():
-                owners = await self._owners(ids)
-                for record_id in ids:
-                    held = owners.get(record_id, set())
-                    if held == {user_id}:
-                        merged[record_id] = None
-                    elif user_id in held:
-                        scoped.setdefault(user_id, []).append(record_id)
-            if merged:
-                column = pa.array([at] * len(merged), _ACCESS_TIME)
-                source = pa.table({"id": pa.array(list(merged), pa.string()), "last_accessed_at": column})
-                await self.table.merge_insert("id").when_matched_update_all().execute(source)
-        if scoped:
-            where = " OR ".join(f"({record_filter(user_id, ids=ids)})" for user_id, ids in scoped.items())
+        """Set ``last_accessed_at`` on these records, in one commit."""
+        clauses = [record_filter(user_id, ids=ids) for user_id, ids in ids_by_user.items() if ids]
+        if clauses:
+            where = " OR ".join(f"({clause})" for clause in clauses)
             await self.table.update(updates={"last_accessed_at": at}, where=where)
-
-    async def _owners(self, ids: Sequence[str]) -> dict[str, set[str]]:
-        """The users holding a row of each of ``ids`` (a write-path check; returns no content)."""
-        out: dict[str, set[str]] = {}
-        for chunk in _chunks(ids):
-            rows = await self.table.query().select(["id", "user_id"]).where(sql_in("id", chunk)).to_arrow()
-            for record_id, user_id in zip(rows["id"].to_pylist(), rows["user_id"].to_pylist(), strict=True):
-                out.setdefault(record_id, set()).add(user_id)
-        return out
 
     async def delete(self, user_id: str, ids: Sequence[str] | None = None) -> None:
         """Delete the user's records with these ids (all of them when ``ids`` is None)."""
