@@ -278,21 +278,24 @@ class UserVectors:
         """``search_pools`` as (rows, cosines) per pool, best first: rows of live records, for ``records_at``
         (no id per hit to make and look up again). Valid until the entry next changes."""
         n = self.n
+        runs = [self._pool_runs(pool) for pool in pools]
         scores: npt.NDArray[np.float32] | None = None
         out: list[tuple[list[int], list[float]]] = []
-        for pool in pools:
-            rows = self._pool_rows(pool, n)
+        for pool, pool_runs in zip(pools, runs, strict=True):
+            rows = self._pool_rows(pool, n, pool_runs)
             if pool.k <= 0 or rows.size == 0:
                 out.append(([], []))
                 continue
             if scores is None:  # the pools' runs of rows at once: gathering columns costs more than scoring runs
-                scores = self._scores(query, pools, n)
+                scores = self._scores(query, runs, n)
             out.append(_top_k(scores[rows], rows, pool.k))
         return out
 
-    def _scores(self, query: npt.NDArray[np.float32], pools: Sequence[Pool], n: int) -> npt.NDArray[np.float32]:
-        """The query's cosine with every row the pools can return (NaN for rows no pool can return)."""
-        ranges = self._scan_ranges(pools, n)
+    def _scores(
+        self, query: npt.NDArray[np.float32], runs: Sequence[list[tuple[int, int]]], n: int
+    ) -> npt.NDArray[np.float32]:
+        """The query's cosine with every row the pools (their ``_pool_runs``) can return (NaN for the others)."""
+        ranges = self._scan_ranges(runs, n)
         if sum(hi - lo for lo, hi in ranges) >= _FULL_SCAN_SHARE * n:
             return _dot(query, self.vectors[:, :n])
         scores = np.full(n, np.nan, dtype=np.float32)
@@ -300,15 +303,15 @@ class UserVectors:
             scores[lo:hi] = _dot(query, self.vectors[:, lo:hi])
         return scores
 
-    def _scan_ranges(self, pools: Sequence[Pool], n: int) -> list[tuple[int, int]]:
-        """Sorted, disjoint runs of rows holding every row any of ``pools`` can return: per kind asked, the
-        part of its block inside the pool's time bounds, and the rows added since the load."""
-        runs = [(self._sorted, n)] if self._sorted < n else []
-        for pool in pools:
-            runs += self._pool_runs(pool)
-        runs.sort()
+    def _scan_ranges(self, runs: Sequence[list[tuple[int, int]]], n: int) -> list[tuple[int, int]]:
+        """Sorted, disjoint runs of rows holding every row any of the pools can return: their ``_pool_runs``
+        (per kind asked, the part of its block inside the pool's time bounds) and the rows added since the load."""
+        every = [(self._sorted, n)] if self._sorted < n else []
+        for pool_runs in runs:
+            every += pool_runs
+        every.sort()
         merged: list[tuple[int, int]] = []
-        for lo, hi in runs:
+        for lo, hi in every:
             if merged and lo <= merged[-1][1] + _RUN_GAP:
                 merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
             else:
@@ -331,14 +334,14 @@ class UserVectors:
                 runs.append((lo, hi))
         return runs
 
-    def _pool_rows(self, pool: Pool, n: int) -> npt.NDArray[np.intp]:
-        """Rows of live records in the pool, ascending: within its runs of sorted rows only liveness and
-        validity are left to check; the rows added since the load are checked on every filter. (One mask over
-        all rows per pool cost 3-4x as much: the read path searches three pools.)"""
+    def _pool_rows(self, pool: Pool, n: int, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.intp]:
+        """Rows of live records in the pool, ascending: within its runs of sorted rows (``_pool_runs``) only
+        liveness and validity are left to check; the rows added since the load are checked on every filter.
+        (One mask over all rows per pool cost 3-4x as much: the read path searches three pools.)"""
         alive, valid = self.alive, self.valid
         parts = [
             lo + np.flatnonzero(alive[lo:hi] if pool.include_invalid else alive[lo:hi] & valid[lo:hi])
-            for lo, hi in self._pool_runs(pool)
+            for lo, hi in runs
         ]
         if self._sorted < n:
             parts.append(self._sorted + np.flatnonzero(self._mask_at(slice(self._sorted, n), pool)))
@@ -409,7 +412,8 @@ class UserVectors:
 
     def _live_rows(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> npt.NDArray[np.intp]:
         """Rows of live records of ``kinds`` (all kinds when empty), invalid ones only if ``include_invalid``."""
-        return self._pool_rows(Pool(0, tuple(kinds or ()), include_invalid=include_invalid), self.n)
+        pool = Pool(0, tuple(kinds or ()), include_invalid=include_invalid)
+        return self._pool_rows(pool, self.n, self._pool_runs(pool))
 
     def keys(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> pa.Table:
         """(id, created_at in microseconds) of live records matching the filters, as ``MemoryTable.keys``."""
