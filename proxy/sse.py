@@ -6,22 +6,13 @@ the complete assistant reply of a streamed answer.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 
-_SEPARATORS = (b"\r\n\r\n", b"\n\n", b"\r\r")
-
-
-def _split_event(buffer: bytes) -> tuple[bytes, bytes] | None:
-    best: tuple[int, int] | None = None
-    for sep in _SEPARATORS:
-        index = buffer.find(sep)
-        if index != -1 and (best is None or index < best[0]):
-            best = (index, len(sep))
-    if best is None:
-        return None
-    return buffer[: best[0]], buffer[best[0] + best[1] :]
+# The end of an event: a blank line, whichever line ending the server uses (the earliest one ends the event).
+_EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
 def _event_data(event: bytes) -> bytes | None:
@@ -44,12 +35,14 @@ class ReplyAssembler:
 
     def feed(self, chunk: bytes) -> None:
         """Consume bytes as they arrive from the upstream."""
-        self._buffer += chunk
-        while (split := _split_event(self._buffer)) is not None:
-            event, self._buffer = split
-            data = _event_data(event)
+        buffer = self._buffer + chunk if self._buffer else chunk
+        start = 0
+        for end in _EVENT_END.finditer(buffer):  # one pass over the bytes, however many events they hold
+            data = _event_data(buffer[start : end.start()])
             if data is not None:
                 self._consume(data)
+            start = end.end()
+        self._buffer = buffer[start:]
 
     def _consume(self, data: bytes) -> None:
         if data.strip() == b"[DONE]":
