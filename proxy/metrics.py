@@ -149,6 +149,8 @@ class Metrics:
             "memproxy_memory_llm_calls", "Memory-side LLM calls answered", ["call", "model"], registry=self.registry
         )
         self._models: set[str] = set()
+        # (histogram, route, model) -> its child: ``labels()`` takes a lock and builds its key on every call
+        self._routed: dict[tuple[Histogram, str, str], Histogram] = {}
 
     def add_gauges(self, prefix: str, source: GaugeSource, refresh: Refresh | None = None) -> None:
         """Expose the numbers ``source`` returns at every scrape as ``<prefix>_<name>`` gauges.
@@ -178,13 +180,20 @@ class Metrics:
             return name
         return "other"
 
+    def _by_route(self, histogram: Histogram, route: str, model: object) -> Histogram:
+        key = (histogram, route or "none", self.model_label(model))
+        child = self._routed.get(key)
+        if child is None:
+            child = self._routed[key] = histogram.labels(key[1], key[2])
+        return child
+
     def observe_chat(self, route: str, model: object, seconds: float) -> None:
         """One chat request's total duration."""
-        self.chat_seconds.labels(route or "none", self.model_label(model)).observe(seconds)
+        self._by_route(self.chat_seconds, route, model).observe(seconds)
 
     def observe_upstream(self, route: str, model: object, seconds: float) -> None:
         """The upstream's time to first byte; also the ``upstream_ttfb`` stage."""
-        self.upstream_seconds.labels(route or "none", self.model_label(model)).observe(seconds)
+        self._by_route(self.upstream_seconds, route, model).observe(seconds)
         self.observe("upstream_ttfb", seconds)
 
     def observe_llm_usage(self, call: str, model: str, usage: Mapping[str, object]) -> None:

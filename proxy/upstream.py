@@ -76,6 +76,8 @@ RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-rateli
 # ``X-Request-Id`` on memproxy's answer is memproxy's own id (the one in its log lines); the upstream's id for the
 # same exchange, which a provider's support asks for, is relayed under this name instead.
 UPSTREAM_REQUEST_ID = "X-Upstream-Request-Id"
+_RELAYED_NAMES = frozenset(h for h in RELAYED_RESPONSE_HEADERS if not h.endswith("-"))
+_RELAYED_PREFIXES = tuple(h for h in RELAYED_RESPONSE_HEADERS if h.endswith("-"))
 
 
 @contextlib.contextmanager
@@ -100,7 +102,7 @@ def relayed_headers(headers: Mapping[str, str]) -> dict[str, str]:
     out = {}
     for name, value in headers.items():
         lower = name.lower()
-        if any(lower == h or (h.endswith("-") and lower.startswith(h)) for h in RELAYED_RESPONSE_HEADERS):
+        if lower in _RELAYED_NAMES or lower.startswith(_RELAYED_PREFIXES):
             out[UPSTREAM_REQUEST_ID if lower == "x-request-id" else name] = value
     return out
 
