@@ -207,8 +207,8 @@ class ChatCall:
             self.partial = True
             await self._record_stream(body, identity, assembler, partial=True)
             raise
-        # before the error event or the end of the body (a complete stream was committed before its last event)
-        await self._record_stream(body, identity, assembler, partial=assembler is not None and not assembler.complete)
+        if assembler is not None:  # before the error event or the end of the body (a complete stream is committed)
+            await self._record_stream(body, identity, assembler, partial=not assembler.complete)
         if failure is not None:
             await response.write(sse_error_event(failure))
         await response.write_eof()
