@@ -130,13 +130,13 @@ class MemoryTable:
         manifest = replace(manifest, schema_version=check_records_schema(manifest.schema_version, self.path))
         self._check_model(manifest)
         names = await self._table_names()
-        if manifest.table in names:
-            self._table = await self._db.open_table(manifest.table)
-            await self._add_missing_columns()
-        elif creator:
+        if creator and manifest.table not in names:
             self._table = await self._db.create_table(manifest.table, schema=arrow_schema(manifest.dim))
         else:
-            self._table = await self._creators_table(manifest.table, manifest.dim)
+            self._table = await (
+                self._db.open_table(manifest.table) if creator else self._creators_table(manifest.table, manifest.dim)
+            )
+            await self._add_missing_columns()
         if self.shared is None:
             await self.manifests.write(manifest)
         self.manifest = manifest
@@ -150,14 +150,21 @@ class MemoryTable:
         Replicas started together on an empty bucket race to create the table; two creations both commit in
         LanceDB (the later one as an Overwrite of the earlier, which fails or, worse, erases the winner's first
         appends). So only the replica whose conditional write of the manifest landed creates it; the others wait
-        for it here, and create it themselves only if it never comes (its creator died after its claim).
+        for it here, and create it themselves only if it never comes (its creator died after its claim). The
+        table's directory is listed before its first version is committed: opening it fails until then (a CI
+        run saw "Table 'memories_1' was not found" for a name just listed), so that counts as not there yet.
         """
         deadline = time.monotonic() + CREATOR_WAIT_S
         pause = 0.05
-        while time.monotonic() < deadline:
-            await asyncio.sleep(pause)
+        while True:
             if name in await self._table_names():
-                return await self._db.open_table(name)
+                try:
+                    return await self._db.open_table(name)
+                except ValueError:  # listed, its first version not committed yet
+                    pass
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(pause)
             pause = min(pause * 2, 1.0)
         log.warning("memory.table_creator_gone", table=name, waited_s=CREATOR_WAIT_S)
         return await self._db.create_table(name, schema=arrow_schema(dim), exist_ok=True)
