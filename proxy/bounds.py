@@ -93,11 +93,9 @@ def body_deadline_middleware(timeout_s: float, max_bytes: int) -> Callable[..., 
     async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.body_exists:
             try:
-                if request.content.is_eof():  # all of it came with the headers: no wait, no timer to arm
-                    await request.read()
-                else:
-                    async with asyncio.timeout(timeout_s):
-                        await request.read()  # kept by aiohttp: the handler's own read returns it at once
+                # no timer armed when all of it came with the headers (nothing to wait for)
+                async with asyncio.timeout(None if request.content.is_eof() else timeout_s):
+                    await request.read()  # kept by aiohttp: the handler's own read returns it at once
             except TimeoutError:
                 raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
             except web.HTTPRequestEntityTooLarge:
