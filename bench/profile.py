@@ -78,8 +78,10 @@ def _kind(frames: list[str]) -> str:
     return "event loop / other" if "asyncio" in leaf or "runners.py" in leaf else "other"
 
 
-async def _drive(url: str, headers: dict[str, str], concurrency: int, requests: int, texts: list[str]) -> None:
-    await run(url, concurrency=concurrency, requests=requests, stream=False, headers=headers, texts=texts)
+async def _drive(
+    url: str, headers: dict[str, str], concurrency: int, requests: int, texts: list[str], stream: bool = False
+) -> None:
+    await run(url, concurrency=concurrency, requests=requests, stream=stream, headers=headers, texts=texts)
 
 
 def main() -> None:
@@ -87,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", choices=("off", "read"), default="read")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--stream", action="store_true", help="streamed requests (the load bench's other half)")
     parser.add_argument("--seconds", type=int, default=20, help="how long py-spy records")
     parser.add_argument("--memories", type=int, default=10_000, help="memories of the read-mode user")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "memproxy-profile.txt")
@@ -108,7 +111,8 @@ def main() -> None:
         }
         with memproxy_process(env, timeout=180.0) as (proc, proxy):
             url = f"{proxy}/chat/completions"
-            asyncio.run(_drive(url, headers, args.concurrency, 100, texts[:100]))  # warm: the user's caches load
+            # warm: the user's caches load
+            asyncio.run(_drive(url, headers, args.concurrency, 100, texts[:100], args.stream))
             spy = subprocess.Popen(
                 [
                     str(PY_SPY),
@@ -132,12 +136,12 @@ def main() -> None:
             size, requests, started = 10 * args.concurrency, 0, time.perf_counter()
             while spy.poll() is None:  # keep the load on for as long as py-spy records
                 batch = [texts[(100 + requests + i) % len(texts)] for i in range(size)]
-                asyncio.run(_drive(url, headers, args.concurrency, size, batch))
+                asyncio.run(_drive(url, headers, args.concurrency, size, batch, args.stream))
                 requests += size
             rate = requests / (time.perf_counter() - started)
     if spy.returncode != 0 or not args.out.exists():
         sys.exit(f"py-spy failed (exit {spy.returncode}); it needs ptrace rights over the memproxy process")
-    print(f"mode {args.mode}, concurrency {args.concurrency}: {rate:.1f} req/s")
+    print(f"mode {args.mode}, concurrency {args.concurrency}, stream {args.stream}: {rate:.1f} req/s")
     print(summary(args.out.read_text().splitlines(), args.seconds, round(rate * args.seconds)))
     print(f"raw py-spy output: {args.out}")
 

@@ -7,6 +7,7 @@ import json
 import re
 from datetime import UTC, datetime
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -18,6 +19,7 @@ from proxy.memory.read.injection import (
     Section,
     _best_window,
     _chunked,
+    _held,
     estimate_tokens,
     excerpt,
     inject,
@@ -349,3 +351,16 @@ def test_best_window_is_the_earliest_window_holding_most_query_terms(
         if end > start and sum(hits[start:end]) > best_held:
             best, best_held = (start, end), sum(hits[start:end])
     assert _best_window(costs, hits, limit) == best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(st.integers(-(2**63), 2**63 - 1), max_size=60),
+    wanted=st.sets(st.integers(-(2**63), 2**63 - 1), max_size=8),
+    shared=st.integers(0, 8),
+)
+def test_held_is_isin_for_a_sorted_set(values: list[int], wanted: set[int], shared: int) -> None:
+    """The excerpt's membership test (a binary search per stem hash) says what np.isin says."""
+    query = np.array(sorted(wanted | set(values[:shared])), dtype=np.int64)
+    stems = np.array(values, dtype=np.int64)
+    assert _held(stems, query).tolist() == np.isin(stems, query).tolist()

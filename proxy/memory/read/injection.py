@@ -272,6 +272,16 @@ def _query_stems(query_terms: tuple[str, ...]) -> npt.NDArray[np.int64]:
     return np.array(sorted({hash(stem) for stem in stems(" ".join(query_terms))}), dtype=np.int64)
 
 
+def _held(values: npt.NDArray[np.int64], wanted: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """``np.isin(values, wanted)`` for a sorted ``wanted``: one binary search per value (np.isin sorts both
+    sides: ~120 against ~10 us for a long turn's few hundred stems and a query's handful)."""
+    if not len(wanted):
+        return np.zeros(len(values), dtype=np.bool_)
+    at = np.minimum(np.searchsorted(wanted, values), len(wanted) - 1)
+    held: npt.NDArray[np.bool_] = wanted[at] == values
+    return held
+
+
 def _best_window(
     costs: Sequence[int] | npt.NDArray[np.int32], hits: Sequence[int] | npt.NDArray[np.int64], limit: int
 ) -> tuple[int, int]:
@@ -304,7 +314,7 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
     if _cost[text] <= max_tokens:
         return text
     spans, costs, stem_hashes, stem_chunks = _chunked[text]
-    held = stem_chunks[np.isin(stem_hashes, _query_stems(tuple(query_terms)))]
+    held = stem_chunks[_held(stem_hashes, _query_stems(tuple(query_terms)))]
     hits = np.bincount(held, minlength=len(costs))  # per chunk, how many of the query's stems it holds
     start, end = _best_window(costs, hits, max(1, max_tokens - 4))  # the quotes and two "…"
     if end <= start:
