@@ -19,6 +19,7 @@ from proxy.memory.read.query import build_query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.term_match import (
     MATCH_FLOOR,
+    _distinct,
     soft_coverage,
     term_match_lifts,
     text_pieces,
@@ -157,3 +158,15 @@ def test_only_a_long_memorys_first_words_count() -> None:
     long_text = " ".join(["weather"] * MAX_TEXT_TERMS + [f"w{i}" for i in range(MAX_TEXT_TERMS)] + ["adoption"])
     assert text_pieces[toy, "Caroline: adoption weather"].tolist() == _ids("caroline", "adoption", "weather").tolist()
     assert text_pieces[toy, long_text].tolist() == _ids("weather").tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 30_521), min_size=1, max_size=300))
+def test_distinct_pieces_are_numpys_unique_with_inverse(pieces: list[int]) -> None:
+    """Term matching's table-based distinct pieces equal np.unique's (sorted vocabulary, inverse)."""
+    array = np.array(pieces, dtype=np.int64)
+    vocab, column = _distinct(array)
+    want_vocab, want_column = np.unique(array, return_inverse=True)
+    assert vocab.tolist() == want_vocab.tolist()
+    assert vocab.dtype == array.dtype
+    assert column.tolist() == want_column.tolist()

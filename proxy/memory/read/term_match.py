@@ -47,7 +47,7 @@ def soft_coverage(
     if not len(query) or not held.size:
         return out
     pieces = np.concatenate(docs)  # the docs' pieces, one doc after another (empty docs add nothing)
-    vocab, column = np.unique(pieces, return_inverse=True)
+    vocab, column = _distinct(pieces)
     scaled = cosines(query, vocab)  # mapped from [floor, 1] onto [0, 1] in place (np.clip costs more at this size)
     scaled -= floor
     scaled *= 1.0 / (1.0 - floor)
@@ -62,7 +62,20 @@ def soft_coverage(
     return out
 
 
-def _doc_counts(query: IntArray, vocab: IntArray, column: npt.NDArray[np.intp]) -> npt.NDArray[np.intp]:
+def _distinct(pieces: IntArray) -> tuple[IntArray, npt.NDArray[np.int32]]:
+    """``np.unique(pieces, return_inverse=True)`` for piece ids (small non-negative integers: rows of the
+    model's table) through a table as long as the largest id, not a sort: ~20 against ~45 us for 1,200 pieces
+    (int32 slots: 30,522 of them stay below the 128 KiB past which the server maps an allocation)."""
+    size = int(pieces.max()) + 1
+    seen = np.zeros(size, dtype=np.bool_)
+    seen[pieces] = True
+    vocab = np.flatnonzero(seen)
+    slot = np.empty(size, dtype=np.int32)
+    slot[vocab] = np.arange(len(vocab), dtype=np.int32)
+    return vocab.astype(pieces.dtype, copy=False), slot[pieces]
+
+
+def _doc_counts(query: IntArray, vocab: IntArray, column: npt.NDArray[np.int32]) -> npt.NDArray[np.intp]:
     """How many docs hold each query piece: its occurrences among the docs' pieces (``vocab[column]``), since
     no doc holds a piece twice."""
     counts = np.bincount(column, minlength=len(vocab))

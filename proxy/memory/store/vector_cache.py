@@ -4,9 +4,11 @@ Exact numpy search over one user's 10k x 384 vectors takes about 0.3 ms, far bel
 filtered search, so the store keeps recently searched users here. A user of thousands of memories is scanned
 in a sketch (their vectors' coordinates in the 128 directions that hold most of their energy, fitted at the
 load) and each pool's best 4 x k rows by it are rescored exactly: after the pause between two requests the scan
-runs from RAM, and a third of the bytes is a third of the time (``UserVectors._fit_sketch``). An entry holds every record of the user
-(history included) as a vector matrix, filter columns (kind, created_at, valid, alive) and the records
-themselves, materialised lazily from the Arrow rows loaded from LanceDB. A loaded entry keeps its rows ordered
+runs from RAM, and a third of the bytes is a third of the time (``UserVectors._fit_sketch``).
+
+An entry holds every record of the user (history included) as a vector matrix, filter columns (kind,
+created_at, valid, alive) and the records themselves, materialised lazily from the Arrow rows loaded from
+LanceDB. A loaded entry keeps its rows ordered
 by (kind, created_at), records added later after them, so that a search scores only the runs of rows its pools
 can return (facts of all time and the window's turns, not years of older turns): the scan is memory-bound,
 and after the pause between two requests it runs from RAM. The store applies every write,
