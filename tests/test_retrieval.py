@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from proxy.memory.errors import EmbedderError, StoreError
-from proxy.memory.read.arms import entity_hits
+from proxy.memory.read.arms import at_hand, entity_hits
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate
 from proxy.memory.read.injection import Section, inject
 from proxy.memory.read.names import NameIndex
@@ -82,6 +82,12 @@ class SlowEmbedder(HashingEmbedder):
     async def embed_query(self, text: str) -> np.ndarray:
         await asyncio.sleep(30)
         return await super().embed_query(text)
+
+
+class InlineEmbedder(HashingEmbedder):
+    """The test embedder, saying (as the static model does) that it embeds a query on the spot."""
+
+    queries_inline = True
 
 
 class BrokenKeywordStore:
@@ -163,9 +169,23 @@ async def test_embedder_timeout_is_reported_and_bm25_serves(store: MemoryStore) 
     assert [c.record.text for c in result.candidates] == ["Maya's passport number ends in 4471"]
 
 
-async def test_keyword_arm_failure_leaves_dense_serving(store: MemoryStore, embedder: HashingEmbedder) -> None:
-    """When BM25 raises, the dense arm still answers and the header names the failure."""
+async def _steps_one_after_the_other(store: MemoryStore, inline: bool) -> HashingEmbedder:
+    """The embedder for a test run both ways: with ``inline``, one that embeds on the spot, the user's vectors
+    loaded first, so that the read's steps run one after the other in its task (``at_hand``)."""
+    if not inline:
+        return HashingEmbedder(dim=64)
+    embedder = InlineEmbedder(dim=64)
+    await retrieve(store, embedder, _ask("anything"), "maya", _settings(), NOW)
+    assert at_hand(store, embedder, "maya")
+    return embedder
+
+
+@pytest.mark.parametrize("inline", [False, True])
+async def test_keyword_arm_failure_leaves_dense_serving(store: MemoryStore, inline: bool) -> None:
+    """When BM25 raises, the dense arm still answers and the header names the failure (steps run as tasks, or
+    one after the other)."""
     await store.add([_fact("maya", "Maya plays the saxophone")])
+    embedder = await _steps_one_after_the_other(store, inline)
     broken = BrokenKeywordStore(store, error=StoreError("index locked"))
     result = await retrieve(broken, embedder, _ask("saxophone lessons"), "maya", _settings(), NOW)
     assert result.degraded == {BM25: "StoreError"}
@@ -173,9 +193,12 @@ async def test_keyword_arm_failure_leaves_dense_serving(store: MemoryStore, embe
     assert result.candidates[0].record.text == "Maya plays the saxophone"
 
 
-async def test_keyword_arm_timeout_is_bounded(store: MemoryStore, embedder: HashingEmbedder) -> None:
-    """A hanging keyword arm is cut at its timeout and the others serve."""
+@pytest.mark.parametrize("inline", [False, True])
+async def test_keyword_arm_timeout_is_bounded(store: MemoryStore, inline: bool) -> None:
+    """A hanging keyword arm is cut at its timeout and the others serve (steps run as tasks, or one after the
+    other)."""
     await store.add([_fact("maya", "Maya plays the saxophone")])
+    embedder = await _steps_one_after_the_other(store, inline)
     slow = BrokenKeywordStore(store, delay=30.0)
     settings = _settings(arm_timeout_ms=400)
     started = asyncio.get_running_loop().time()
@@ -492,3 +515,28 @@ async def test_a_regeneration_in_progress_never_injects_two_insight_sets(
     await store.add([insight("Maya cooks Italian food", "old", 30), insight("Maya trains for a marathon", "new", 0)])
     result = await retrieve(store, embedder, _ask("Any plans?"), "maya", _settings(), NOW)
     assert [item.text for item in result.items if item.section is Section.INSIGHTS] == ["Maya trains for a marathon"]
+
+
+async def test_steps_run_one_after_the_other_only_when_nothing_waits_and_find_the_same(store: MemoryStore) -> None:
+    """A read runs its steps in its own task only when the store holds the user's vectors and the embedder embeds
+    on the spot; either way it finds the same candidates and items."""
+    await store.add(
+        [
+            _fact("maya", "Maya plays the saxophone", entities=("Maya",)),
+            _fact("maya", "Maya's sister Ana teaches piano", entities=("Ana",)),
+            _turn("maya", "I practised scales for an hour", "c1"),
+        ]
+    )
+    inline, plain = InlineEmbedder(dim=64), HashingEmbedder(dim=64)
+    assert not at_hand(store, inline, "maya")  # not loaded yet: the first read may wait on LanceDB
+    first = await retrieve(store, inline, _ask("How is Ana's piano teaching going?"), "maya", _settings(), NOW)
+    assert at_hand(store, inline, "maya")
+    assert not at_hand(store, plain, "maya")
+    assert not at_hand(store, inline, "bob")
+    for question in ("How is Ana's piano teaching going?", "saxophone practice"):
+        together = await retrieve(store, plain, _ask(question), "maya", _settings(), NOW, conversation_id="c2")
+        in_turn = await retrieve(store, inline, _ask(question), "maya", _settings(), NOW, conversation_id="c2")
+        assert [(c.id, c.final) for c in in_turn.candidates] == [(c.id, c.final) for c in together.candidates]
+        assert in_turn.items == together.items
+        assert in_turn.arms_ran == together.arms_ran
+    assert first.candidates

@@ -77,6 +77,11 @@ class StoreReader:
         """The per-user vector cache (for metrics)."""
         return self._cache
 
+    def at_hand(self, user_id: str) -> bool:
+        """Whether the read path's lookups of ``user_id`` are served from memory, nothing to wait on: the user's
+        vectors and records are in the cache, and they are this embedder's."""
+        return self._lance.mismatch is None and self._cache.peek(user_id) is not None
+
     def _check_model(self) -> None:
         if self._lance.mismatch is not None:
             raise self._lance.mismatch
