@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from contextlib import ExitStack
 from datetime import UTC, datetime, timedelta
 from unittest.mock import patch
 
@@ -20,21 +19,10 @@ DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
 
 
-def unit_rows(n: int, seed: int = 0, rank: int | None = None, dim: int = DIM) -> np.ndarray:
-    """``n`` random unit vectors; within a random subspace of ``rank`` dimensions when given."""
+def unit_rows(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    rows = rng.standard_normal((n, rank or dim)).astype(np.float32)
-    if rank is not None:
-        rows = rows @ np.linalg.qr(rng.standard_normal((dim, rank)))[0].T.astype(np.float32)
+    rows = rng.standard_normal((n, DIM)).astype(np.float32)
     return rows / np.linalg.norm(rows, axis=1, keepdims=True)
-
-
-def sketched(dims: int = 4, keep: int = 1) -> ExitStack:
-    """Sketches for every entry of a few rows, of ``dims`` dimensions, rescoring ``keep`` x k rows a pool."""
-    stack = ExitStack()
-    for name, value in (("SKETCH_DIM", dims), ("SKETCH_MIN_ROWS", 1), ("SKETCH_KEEP", keep)):
-        stack.enter_context(patch.object(vector_cache, name, value))
-    return stack
 
 
 def records(user: str, n: int, kind: Kind = Kind.FACT, start: int = 0) -> list[MemoryRecord]:
@@ -102,7 +90,6 @@ _pool = st.builds(
     removed=st.lists(st.integers(0, 140), max_size=100),
     pools=st.lists(_pool, min_size=1, max_size=3),
     seed=st.integers(0, 2**16),
-    sketch=st.booleans(),
 )
 def test_a_loaded_entry_scans_only_its_pools_rows_and_still_finds_the_exact_top_k(
     loaded: list[tuple[Kind, int, bool]],
@@ -110,26 +97,11 @@ def test_a_loaded_entry_scans_only_its_pools_rows_and_still_finds_the_exact_top_
     removed: list[int],
     pools: list[Pool],
     seed: int,
-    sketch: bool,
 ) -> None:
     """An entry loaded from LanceDB rows in any order (kept by kind and time, so that a search scans only the
     rows its pools can return), then edited (kinds and times changed, records added) and pruned (compaction
-    included), ranks every pool exactly like a brute-force cosine over the user's current records. With a
-    sketch too (``sketch``: vectors within 4 dimensions, a 4-dimensional sketch that rescores only k rows a
-    pool), its rows followed through the edits, growth and compaction."""
-    with sketched() if sketch else ExitStack():
-        _loaded_entry_finds_the_exact_top_k(loaded, edits, removed, pools, seed, sketch)
-
-
-def _loaded_entry_finds_the_exact_top_k(
-    loaded: list[tuple[Kind, int, bool]],
-    edits: list[tuple[int, Kind, int]],
-    removed: list[int],
-    pools: list[Pool],
-    seed: int,
-    sketch: bool,
-) -> None:
-    vectors = unit_rows(len(loaded) + len(edits) + 1, seed, rank=4 if sketch else None)
+    included), ranks every pool exactly like a brute-force cosine over the user's current records."""
+    vectors = unit_rows(len(loaded) + len(edits) + 1, seed)
     recs = [
         MemoryRecord(
             user_id="u", kind=kind, text=f"m{i}", id=f"u-{i}", created_at=T0 + timedelta(hours=hour), valid=valid
@@ -137,7 +109,6 @@ def _loaded_entry_finds_the_exact_top_k(
         for i, (kind, hour, valid) in enumerate(loaded)
     ]
     entry = UserVectors("u", DIM, arrow_rows(recs, vectors[: len(recs)]) if recs else None)
-    assert (entry.basis is not None) == (sketch and bool(recs))
     current = {r.id: (r, vectors[i]) for i, r in enumerate(recs)}
     for j, (i, kind, hour) in enumerate(edits):  # an edit of a loaded record, or a new one past them
         record = MemoryRecord(user_id="u", kind=kind, text=f"e{j}", id=f"u-{i}", created_at=T0 + timedelta(hours=hour))
@@ -398,7 +369,7 @@ async def test_closing_stops_a_load_whose_caller_gave_up() -> None:
 @pytest.mark.parametrize("n", [1, 5, 9, 100, 1_000])
 def test_an_entry_holds_little_more_room_than_its_records(n: int) -> None:
     entry = entry_with("u", records("u", n), unit_rows(n))
-    capacity = entry.vectors.shape[0]
+    capacity = entry.vectors.shape[1]
     assert n <= capacity <= max(8, 1.5 * n + 1)  # a one-memory user no longer pins 64 rows of vectors
     assert entry.search(unit_rows(1, seed=9)[0], n, None, None, None, False)[0][0] in entry.index
 
@@ -459,54 +430,3 @@ def test_top_k_ranks_nan_scores_last() -> None:
     found, values = vector_cache._top_k(scores, rows, 3)
     assert found == [10, 12, 11]
     assert np.isnan(values[2])
-
-
-def test_a_large_user_is_scanned_in_the_sketch_and_rescored_exactly() -> None:
-    """At the shipped sizes (384 dimensions, 128 in the sketch, 4 x k rows rescored), vectors whose energy lies
-    mostly in 64 directions: every pool's top k is the brute-force one, with exact cosines."""
-    dim, n = 384, vector_cache.SKETCH_MIN_ROWS + 500
-    rng = np.random.default_rng(7)
-    vectors = unit_rows(n, 1, rank=64, dim=dim) + 0.02 * rng.standard_normal((n, dim)).astype(np.float32)
-    vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
-    recs = records("u", n)
-    recs = [r.replace(kind=Kind.TURN) if i % 3 else r for i, r in enumerate(recs)]
-    entry = UserVectors("u", dim, arrow_rows(recs, vectors))
-    assert entry.basis is not None
-    assert entry.basis.shape == (vector_cache.SKETCH_DIM, dim)
-    current = {r.id: (r, vectors[i]) for i, r in enumerate(recs)}
-    pools = [Pool(60, (Kind.FACT,)), Pool(60, (Kind.TURN,), T0 + timedelta(hours=n // 2))]
-    for seed in range(20):
-        query = vectors[seed * 37] + 0.3 * unit_rows(1, seed, dim=dim)[0]
-        query /= np.linalg.norm(query)
-        for pool, got in zip(pools, entry.search_pools(query, pools), strict=True):
-            expected = _brute_force(current, query, pool)
-            assert [rid for rid, _ in got] == [rid for rid, _ in expected]
-            assert np.allclose([score for _, score in got], [score for _, score in expected], atol=1e-5)
-
-
-def test_vectors_that_spread_their_energy_get_no_sketch() -> None:
-    """Random directions hold a 4-dimensional sketch's share of the energy in no 4 of 16 dimensions: exact scans."""
-    with sketched():
-        entry = UserVectors("u", DIM, arrow_rows(records("u", 200), unit_rows(200, 3)))
-        assert entry.basis is None
-        assert entry.sketch is None
-        low_rank = UserVectors("u", DIM, arrow_rows(records("u", 200), unit_rows(200, 3, rank=3)))
-        assert low_rank.basis is not None
-
-
-def test_a_sketch_ranks_a_vector_of_nans_last_as_a_full_scan_does() -> None:
-    """A stored vector of NaNs (sketched as NaNs) takes no place from a number, and fills in only after them."""
-    vectors = unit_rows(12, 5, rank=2)
-    vectors[4] = np.nan
-    with sketched(dims=2, keep=1):
-        entry = UserVectors("u", DIM, arrow_rows(records("u", 12), vectors))
-        assert entry.basis is not None
-        query = vectors[0]
-        found = entry.search(query, 12, None, None, None, include_invalid=False)
-        entry.upsert(records("u", 1, start=12)[0], np.full(DIM, np.nan, dtype=np.float32))
-        more = entry.search(query, 13, None, None, None, include_invalid=False)
-    assert found[0][0] == "u-0"
-    assert found[-1][0] == "u-4"
-    assert np.isnan(found[-1][1])
-    assert not any(np.isnan(score) for _, score in found[:-1])
-    assert {rid for rid, _ in more[-2:]} == {"u-4", "u-12"}

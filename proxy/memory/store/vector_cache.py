@@ -1,14 +1,9 @@
 """A bounded in-RAM cache of each user's vectors for exact search, evicted LRU by bytes.
 
 Exact numpy search over one user's 10k x 384 vectors takes about 0.3 ms, far below LanceDB's
-filtered search, so the store keeps recently searched users here. A user of thousands of memories is scanned
-in a sketch (their vectors' coordinates in the 128 directions that hold most of their energy, fitted at the
-load) and each pool's best 4 x k rows by it are rescored exactly: after the pause between two requests the scan
-runs from RAM, and a third of the bytes is a third of the time (``UserVectors._fit_sketch``).
-
-An entry holds every record of the user (history included) as a vector matrix, filter columns (kind,
-created_at, valid, alive) and the records themselves, materialised lazily from the Arrow rows loaded from
-LanceDB. A loaded entry keeps its rows ordered
+filtered search, so the store keeps recently searched users here. An entry holds every record of the user
+(history included) as a vector matrix, filter columns (kind, created_at, valid, alive) and the records
+themselves, materialised lazily from the Arrow rows loaded from LanceDB. A loaded entry keeps its rows ordered
 by (kind, created_at), records added later after them, so that a search scores only the runs of rows its pools
 can return (facts of all time and the window's turns, not years of older turns): the scan is memory-bound,
 and after the pause between two requests it runs from RAM. The store applies every write,
@@ -48,15 +43,6 @@ _MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a hand
 _COMPACT_AFTER = 64  # deleted rows an entry tolerates before it may compact
 _RUN_GAP = 64  # runs of rows to scan this close are scanned as one (a gemv call costs about as much as 64 rows)
 _FULL_SCAN_SHARE = 0.9  # runs covering this share of the rows: one scan of them all
-# The sketch (``UserVectors._fit_sketch``): a user this large is scanned in ``SKETCH_DIM`` dimensions, the
-# principal directions of their own vectors, and the best ``SKETCH_KEEP`` x k rows of each pool are rescored
-# exactly. Fewer rows: the exact scan alone costs as little. A model whose vectors spread their energy wider
-# than ``SKETCH_MIN_ENERGY`` in those directions gets no sketch (exact scans only).
-SKETCH_DIM = 128
-SKETCH_MIN_ROWS = 2_048
-SKETCH_MIN_ENERGY = 0.85
-SKETCH_KEEP = 4
-_SKETCH_SAMPLE = 4_096  # rows the directions are fitted on (evenly spaced): ~15 ms of the ~55 ms a 10k fit costs
 
 
 def grown(capacity: int) -> int:
@@ -77,13 +63,11 @@ def micros(at: datetime) -> int:
 
 def estimated_bytes(rows: int, dim: int) -> int:
     """What an entry of ``rows`` records of dimension ``dim`` is expected to cost, before loading it."""
-    sketch = SKETCH_DIM * 4 if rows >= SKETCH_MIN_ROWS and dim > SKETCH_DIM else 0
-    return rows * (dim * 4 + sketch + _PY_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
+    return rows * (dim * 4 + _PY_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
 
 
 class UserVectors:
-    """One user's records, vectors and filter columns; search is exact (dot product of unit vectors), through
-    a sketch for a large user."""
+    """One user's records, vectors and filter columns; search is exact (dot product of unit vectors)."""
 
     def __init__(self, user_id: str, dim: int, rows: pa.Table | None = None) -> None:
         self.user_id = user_id
@@ -113,18 +97,14 @@ class UserVectors:
         # among them. Rows after them (added since the load) are in no order: a search always scans them.
         self._sorted = 0
         self._blocks: list[tuple[int, int]] = [(0, 0)] * len(KIND_CODES)
-        self.basis: npt.NDArray[np.float32] | None = None  # SKETCH_DIM x dim, orthonormal rows (no sketch: None)
-        self.sketch: npt.NDArray[np.float32] | None = None  # basis @ every row's vector, SKETCH_DIM x capacity
         self._alloc(max(_MIN_CAPACITY, rows.num_rows if rows is not None else 0))
         if rows is not None:
             self._load(rows)
 
     def _alloc(self, capacity: int) -> None:
-        # Rows (capacity x dim): the rescoring gathers a few hundred of them (gathering columns of a transposed
-        # matrix cost 0.45-0.65 ms); the sketch is transposed (query @ sketch is OpenBLAS's fastest
-        # single-thread gemv, ~1.5x a gemv over rows at 10k).
-        self.vectors = np.zeros((capacity, self.dim), dtype=np.float32)
-        self.sketch = None if self.basis is None else np.zeros((self.basis.shape[0], capacity), dtype=np.float32)
+        # Transposed (dim x capacity): query @ vectors is OpenBLAS's fastest single-thread gemv here (0.3 ms for
+        # 10k x 384, against 1.5 ms for einsum or matmul over rows).
+        self.vectors = np.zeros((self.dim, capacity), dtype=np.float32)
         self.created = np.zeros(capacity, dtype=np.int64)
         self.kind = np.zeros(capacity, dtype=np.int8)
         self.valid = np.zeros(capacity, dtype=np.bool_)
@@ -138,7 +118,7 @@ class UserVectors:
         codes = np.asarray([KIND_CODES[kind] for kind in rows["kind"].to_pylist()], dtype=np.int8)
         order = np.lexsort((created, codes))  # by kind, then time: see ``_scan_ranges``
         flat = pc.list_flatten(rows["embedding"].combine_chunks()).to_numpy(zero_copy_only=False)
-        self.vectors[:count] = flat.reshape(count, self.dim)[order]
+        self.vectors[:, :count] = flat.reshape(count, self.dim)[order].T
         self.created[:count] = created[order]
         self.kind[:count] = codes[order]
         self.valid[:count] = rows["valid"].to_numpy(zero_copy_only=False)[order]
@@ -150,28 +130,6 @@ class UserVectors:
         self._records = [None] * count
         self.n = count
         self._sorted_prefix(count)
-        self._fit_sketch()
-
-    def _fit_sketch(self) -> None:
-        """Fit the sketch to the rows held (at the load, in the loader's thread): the ``SKETCH_DIM`` directions
-        that hold most of their vectors' energy (the top eigenvectors of their uncentred Gram matrix: dot
-        products are what the scan approximates) and every row's coordinates in them. Rows added later are
-        projected on the same directions; the exact rescoring keeps the results exact whatever drift.
-
-        On LoCoMo's 10.9k texts under the shipped static model 128 of 384 dimensions hold 0.90 of the energy,
-        and the best 240 rows by sketch hold 99.9% of the exact best 60 (the misses sit at the end of the 60).
-        """
-        n = self.n
-        if n < SKETCH_MIN_ROWS or self.dim <= SKETCH_DIM:
-            return
-        sample = self.vectors[: n : max(1, n // _SKETCH_SAMPLE)]
-        sample = sample[np.isfinite(sample).all(axis=1)]
-        values, directions = np.linalg.eigh(sample.T @ sample)  # ascending
-        if not len(sample) or values[-SKETCH_DIM:].sum() < SKETCH_MIN_ENERGY * values.sum():
-            return
-        self.basis = np.ascontiguousarray(directions[:, ::-1][:, :SKETCH_DIM].T, dtype=np.float32)
-        self.sketch = np.zeros((SKETCH_DIM, self.vectors.shape[0]), dtype=np.float32)
-        self.sketch[:, :n] = self.basis @ self.vectors[:n].T
 
     def _sorted_prefix(self, count: int) -> None:
         """Note that rows [0, count) are ordered by (kind, created_at) and find each kind's block among them."""
@@ -191,8 +149,6 @@ class UserVectors:
     def nbytes(self) -> int:
         """Approximate memory held by the entry."""
         arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
-        if self.basis is not None and self.sketch is not None:
-            arrays += self.basis.nbytes + self.sketch.nbytes
         arrays += self._piece_values.nbytes + len(self._piece_offsets) * _LIST_INT_BYTES
         arrays += self._fresh_bytes
         rows = self._columns_bytes
@@ -213,9 +169,7 @@ class UserVectors:
             row = self._append_slot(record.id)
         elif self._base[row] >= 0 and self._records[row] is None:
             self._materialised += 1
-        self.vectors[row] = vector
-        if self.basis is not None and self.sketch is not None:
-            self.sketch[:, row] = self.basis @ self.vectors[row]
+        self.vectors[:, row] = vector
         self.created[row] = created
         self.kind[row] = code
         self.valid[row] = record.valid
@@ -225,8 +179,8 @@ class UserVectors:
         self._fresh_bytes += _pieces_bytes(pieces)
 
     def _append_slot(self, record_id: str) -> int:
-        if self.n == self.vectors.shape[0]:
-            self._grow(grown(self.vectors.shape[0]))
+        if self.n == self.vectors.shape[1]:
+            self._grow(grown(self.vectors.shape[1]))
         row = self.n
         self.n += 1
         self.alive[row] = True
@@ -238,16 +192,13 @@ class UserVectors:
         return row
 
     def _arrays(self) -> list[npt.NDArray[Any]]:
-        """The arrays with a slot per row along their last axis (the vectors have theirs along the first)."""
-        sketch = [] if self.sketch is None else [self.sketch]
-        return [*sketch, self.created, self.kind, self.valid, self.alive]
+        return [self.vectors, self.created, self.kind, self.valid, self.alive]
 
     def _grow(self, capacity: int) -> None:
-        old, vectors = self._arrays(), self.vectors
+        old = self._arrays()
         self._alloc(capacity)
-        self.vectors[: self.n] = vectors[: self.n]
         for new, previous in zip(self._arrays(), old, strict=True):
-            new[..., : self.n] = previous[..., : self.n]
+            new[..., : self.n] = previous[..., : self.n]  # the vectors' rows are along the last axis
 
     def patch(self, ids: Sequence[str], **changes: object) -> None:
         """Change fields that do not touch the vector or the filters (``last_accessed_at``, say)."""
@@ -289,10 +240,9 @@ class UserVectors:
         on the old ones stays correct."""
         alive = np.flatnonzero(self.alive[: self.n])
         keep = alive[np.lexsort((self.created[alive], self.kind[alive]))]
-        old, vectors = self._arrays(), self.vectors
+        old = self._arrays()
         ids, base, records = self.ids, self._base, self._records
         self._alloc(grown(len(keep)))
-        self.vectors[: len(keep)] = vectors[keep]
         for new, previous in zip(self._arrays(), old, strict=True):
             new[..., : len(keep)] = previous[..., keep]  # alive rows stay alive
         self.ids = [ids[row] for row in keep]
@@ -326,12 +276,8 @@ class UserVectors:
 
     def search_rows(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[tuple[list[int], list[float]]]:
         """``search_pools`` as (rows, cosines) per pool, best first: rows of live records, for ``records_at``
-        (no id per hit to make and look up again). Valid until the entry next changes.
-
-        With a sketch, the pools' rows are scored in its dimensions first and each pool's best ``SKETCH_KEEP``
-        x k by that score are scored exactly: the cosines returned are always exact."""
+        (no id per hit to make and look up again). Valid until the entry next changes."""
         n = self.n
-        vectors, basis, sketch = self.vectors, self.basis, self.sketch
         runs = [self._pool_runs(pool) for pool in pools]
         scores: npt.NDArray[np.float32] | None = None
         out: list[tuple[list[int], list[float]]] = []
@@ -340,18 +286,22 @@ class UserVectors:
             if pool.k <= 0 or rows.size == 0:
                 out.append(([], []))
                 continue
-            if basis is None or sketch is None:
-                if scores is None:  # the pools' runs of rows at once: gathering rows costs more than scoring runs
-                    scores = _scores(query, vectors, self._scan_ranges(runs, n), n, transposed=False)
-                out.append(_top_k(scores[rows], rows, pool.k))
-                continue
-            keep = SKETCH_KEEP * pool.k
-            if rows.size > keep:
-                if scores is None:
-                    scores = _scores(basis @ query, sketch, self._scan_ranges(runs, n), n, transposed=True)
-                rows = _nearest(scores[rows], rows, keep)
-            out.append(_top_k(vectors[rows] @ query, rows, pool.k))  # 240 rows gathered: ~80 us from RAM
+            if scores is None:  # the pools' runs of rows at once: gathering columns costs more than scoring runs
+                scores = self._scores(query, runs, n)
+            out.append(_top_k(scores[rows], rows, pool.k))
         return out
+
+    def _scores(
+        self, query: npt.NDArray[np.float32], runs: Sequence[list[tuple[int, int]]], n: int
+    ) -> npt.NDArray[np.float32]:
+        """The query's cosine with every row the pools (their ``_pool_runs``) can return (NaN for the others)."""
+        ranges = self._scan_ranges(runs, n)
+        if sum(hi - lo for lo, hi in ranges) >= _FULL_SCAN_SHARE * n:
+            return _dot(query, self.vectors[:, :n])
+        scores = np.full(n, np.nan, dtype=np.float32)
+        for lo, hi in ranges:
+            scores[lo:hi] = _dot(query, self.vectors[:, lo:hi])
+        return scores
 
     def _scan_ranges(self, runs: Sequence[list[tuple[int, int]]], n: int) -> list[tuple[int, int]]:
         """Sorted, disjoint runs of rows holding every row any of the pools can return: their ``_pool_runs``
@@ -456,7 +406,7 @@ class UserVectors:
 
     def vector(self, record_id: str) -> npt.NDArray[np.float32]:
         """The stored vector of a cached record (a read-only copy: the column is reused as the user changes)."""
-        vector: npt.NDArray[np.float32] = self.vectors[self.index[record_id]].copy()
+        vector = self.vectors[:, self.index[record_id]].copy()
         vector.setflags(write=False)
         return vector
 
@@ -513,37 +463,11 @@ def _kind_table(kinds: tuple[Kind, ...]) -> npt.NDArray[np.bool_]:
     return table
 
 
-def _scores(
-    query: npt.NDArray[np.float32],
-    matrix: npt.NDArray[np.float32],
-    ranges: Sequence[tuple[int, int]],
-    n: int,
-    *,
-    transposed: bool,
-) -> npt.NDArray[np.float32]:
-    """The query's dot product with each of the first ``n`` rows of ``matrix`` (a row per column when
-    ``transposed``) that ``ranges`` hold, NaN for the others. BLAS runs on one thread (``single_thread_blas``):
+def _dot(query: npt.NDArray[np.float32], columns: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Cosine of the query with every column (unit vectors). BLAS runs on one thread (``single_thread_blas``):
     OpenBLAS's threaded gemv spins against the event loop and the embedder on a small busy box."""
-
-    def dot(lo: int, hi: int) -> npt.NDArray[np.float32]:
-        return query @ matrix[:, lo:hi] if transposed else matrix[lo:hi] @ query
-
-    if sum(hi - lo for lo, hi in ranges) >= _FULL_SCAN_SHARE * n:
-        return dot(0, n)
-    out = np.full(n, np.nan, dtype=np.float32)
-    for lo, hi in ranges:
-        out[lo:hi] = dot(lo, hi)
-    return out
-
-
-def _nearest(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], keep: int) -> npt.NDArray[np.intp]:
-    """The rows of the ``keep`` best ``scores`` (``scores[i]`` belongs to ``rows[i]``) and any tied with the
-    last of them, in ``rows``' order; all of ``rows`` when NaN scores (a stored vector of NaNs) take places
-    among the best, so that the exact pass ranks them last as a full scan would."""
-    cut = scores.size - keep
-    kth = np.partition(scores, cut)[cut]  # NaNs sort last
-    held = np.flatnonzero(scores >= kth)  # none when ``kth`` is NaN
-    return rows[held] if held.size >= keep else rows
+    scores: npt.NDArray[np.float32] = query @ columns
+    return scores
 
 
 def single_thread_blas() -> None:
