@@ -274,7 +274,7 @@ def _query_stems(query_terms: tuple[str, ...]) -> npt.NDArray[np.int64]:
 
 def _held(values: npt.NDArray[np.int64], wanted: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
     """``np.isin(values, wanted)`` for a sorted ``wanted``: one binary search per value (np.isin sorts both
-    sides: ~120 against ~10 us for a long turn's few hundred stems and a query's handful)."""
+    sides: 38 against 8.6 us for a long turn's 300 stem hashes and a query's 8, timeit)."""
     if not len(wanted):
         return np.zeros(len(values), dtype=np.bool_)
     at = np.minimum(np.searchsorted(wanted, values), len(wanted) - 1)
