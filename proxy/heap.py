@@ -60,6 +60,18 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
         libc.mallopt(_M_MMAP_THRESHOLD, size)
 
 
+def arrow_on_system_malloc() -> None:
+    """Arrow's buffers (the rows of a user's load, of listings, exports and writes) from the system's malloc,
+    which the trims hand back, instead of pyarrow's bundled mimalloc, which keeps what they freed: after 600
+    memory-on reads over the load bench's 10k store, the engine's anonymous memory was 212-215 MB against
+    238-241 (two runs each). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` is left as it is."""
+    if "ARROW_DEFAULT_MEMORY_POOL" in os.environ:
+        return
+    import pyarrow  # imported here: only the server calls this (and imports pyarrow with LanceDB anyway)
+
+    pyarrow.set_memory_pool(pyarrow.system_memory_pool())
+
+
 def freeze_startup_objects() -> None:
     """Leave what start-up made (modules, the model, settings, the app: ~100k objects the collector would
     otherwise walk at every full collection, for good) out of the cyclic collector's walks: collect once, then

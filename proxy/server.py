@@ -26,7 +26,7 @@ from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
-from proxy.heap import QUIET_CHECK_S, QuietTrimmer, fix_mmap_threshold, freeze_startup_objects
+from proxy.heap import QUIET_CHECK_S, QuietTrimmer, arrow_on_system_malloc, fix_mmap_threshold, freeze_startup_objects
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.service import HasJobs, ReleasesIdle
@@ -215,6 +215,7 @@ def run_command(args: argparse.Namespace) -> None:
             raise SystemExit(EXIT_CONFIG)
         configure_logging(settings.logging.level)
         fix_mmap_threshold()
+        arrow_on_system_malloc()
         try:
             while kept := uvloop.run(serve(settings, listening=listening)):
                 reexec(kept)  # returns only if the exec failed: serve again from this image

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -131,3 +132,20 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_walks() -> None:
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+@pytest.mark.parametrize(("env", "backend"), [({}, "system"), ({"ARROW_DEFAULT_MEMORY_POOL": "mimalloc"}, "mimalloc")])
+def test_arrow_buffers_come_from_glibc_unless_the_operator_chose_a_pool(env: dict[str, str], backend: str) -> None:
+    """The server puts Arrow on the system's malloc (so that trims hand its freed buffers back): a 32 MB Arrow
+    buffer is then one of glibc's mappings. An operator's ARROW_DEFAULT_MEMORY_POOL wins."""
+    script = (
+        "from proxy import heap; from tests.test_heap import mapped_bytes; heap.arrow_on_system_malloc(); "
+        "import pyarrow; before = mapped_bytes(); buffer = pyarrow.allocate_buffer(32 * 2**20); "
+        "print(pyarrow.default_memory_pool().backend_name, mapped_bytes() - before)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, cwd=ROOT, env={**os.environ, **env}
+    )
+    name, grew = out.stdout.split()
+    assert name == backend
+    assert (int(grew) >= 32 * 2**20) == (backend == "system")
