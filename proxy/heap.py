@@ -62,9 +62,10 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
 
 def arrow_on_system_malloc() -> None:
     """Arrow's buffers (the rows of a user's load, of listings, exports and writes) from the system's malloc,
-    which the trims hand back, instead of pyarrow's bundled mimalloc, which keeps what they freed: after 600
-    memory-on reads over the load bench's 10k store, the engine's anonymous memory was 212-215 MB against
-    238-241 (two runs each). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` is left as it is."""
+    which the trims hand back, instead of pyarrow's bundled mimalloc, which keeps what they freed:
+    ``bench/load.py --skip-litellm`` gave memproxy an RSS of 312-322 MB over c=1/16/64 against 332-343 with
+    ``--env ARROW_DEFAULT_MEMORY_POOL=mimalloc`` (one run each). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` is
+    left as it is."""
     if "ARROW_DEFAULT_MEMORY_POOL" in os.environ:
         return
     import pyarrow  # imported here: only the server calls this (and imports pyarrow with LanceDB anyway)
