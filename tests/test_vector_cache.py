@@ -409,7 +409,7 @@ def test_loaded_list_columns_are_tuples_the_collector_can_drop() -> None:
     entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(3)))
     assert [r.entities for r in entry.records([r.id for r in recs]) if r is not None] == [("Ana", "Lisbon")] * 3
     gc.collect()
-    assert not any(gc.is_tracked(value) for value in entry._columns["entities"])
+    assert not any(gc.is_tracked(value) for value in entry._columns.columns["entities"])
 
 
 def test_top_k_takes_equal_scores_in_row_order() -> None:

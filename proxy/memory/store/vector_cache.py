@@ -31,7 +31,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import threadpoolctl
 
-from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, from_row
+from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordColumns
 
 KIND_CODES: dict[str, int] = {str(kind): code for code, kind in enumerate(Kind)}
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
@@ -81,7 +81,7 @@ class UserVectors:
         # few rows costs about a millisecond). Costs memory: counted in ``nbytes``.
         vectors_only = ("embedding", PIECES)
         scalars = None if rows is None else rows.drop_columns([c for c in vectors_only if c in rows.column_names])
-        self._columns: dict[str, list[Any]] = _python_columns(scalars) if scalars is not None else {}
+        self._columns = RecordColumns(scalars) if scalars is not None else None
         self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
         # Each loaded row's word pieces (``memory.pieces``) as Arrow holds them: row ``base``'s are
         # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]`` (Python
@@ -399,8 +399,7 @@ class UserVectors:
         records = self._records
         pending = [row for row in rows if records[row] is None]
         for row in pending:
-            base = self._base[row]
-            records[row] = from_row({name: values[base] for name, values in self._columns.items()})
+            records[row] = cast("RecordColumns", self._columns).record(self._base[row])
         self._materialised += len(pending)
         return cast("list[MemoryRecord]", [records[row] for row in rows])
 
@@ -425,17 +424,6 @@ class UserVectors:
         rows = self._live_rows(kinds, include_invalid)
         rows_sorted = sorted(rows.tolist(), key=lambda row: (int(self.created[row]), self.ids[row]), reverse=True)
         return [self.ids[row] for row in rows_sorted]
-
-
-def _python_columns(table: pa.Table) -> dict[str, list[Any]]:
-    """The columns as Python lists, list values as tuples (as records hold them): tuples of strings drop out of
-    the cyclic collector's walks after its first pass, lists never do (two per row, 20k objects walked at every
-    full collection for a 10k-memory user)."""
-    columns: dict[str, list[Any]] = table.to_pydict()
-    for field in table.schema:
-        if pa.types.is_list(field.type):
-            columns[field.name] = [None if value is None else tuple(value) for value in columns[field.name]]
-    return columns
 
 
 def _pieces_bytes(pieces: npt.NDArray[np.int64] | None) -> int:
