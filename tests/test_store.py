@@ -96,6 +96,22 @@ async def test_busy_writes_compact_before_the_interval(tmp_path: Path) -> None:
         assert await store.count("alice") == 5
 
 
+async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp_path: Path) -> None:
+    """A table written before any maintenance round (in one go, or imported) gets its Bitmap and BTree indexes
+    as soon as the store opens, not an interval later: until then every update and delete by id scans it."""
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        await store.add([fact("alice", f"note number {i}") for i in range(20)])
+        assert await store._lance.lacks_scalar_indexes()
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        for _ in range(100):
+            if not await store._lance.lacks_scalar_indexes():
+                break
+            await asyncio.sleep(0.05)
+        assert {("id",), ("user_id",)} <= (await store._lance._indexed_columns()).keys()
+        assert await store.count("alice") == 20
+
+
 async def test_get_and_get_many_are_scoped_to_the_user(store: MemoryStore) -> None:
     """A record is returned to its owner only, and get_many keeps the order asked."""
     a1, a2 = await store.add([fact("alice", "one"), fact("alice", "two")])

@@ -173,6 +173,8 @@ class MemoryStore(StoreReader):
             await stack.enter_async_context(self._writer)
             self._optimizer = Ticker("memory-optimize", self.settings.optimize_interval_s, self.optimize, self.health)
             await stack.enter_async_context(self._optimizer)
+            if await self._lance.lacks_scalar_indexes():  # its first round now, not after a whole interval
+                self._optimizer.wake()
             await stack.enter_async_context(
                 Ticker("memory-touch", self.settings.touch_flush_s, self._flush_touches, self.health)
             )

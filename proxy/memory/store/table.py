@@ -271,6 +271,12 @@ class MemoryTable:
     async def _indexed_columns(self) -> dict[tuple[str, ...], str]:
         return {tuple(index.columns): index.name for index in await self.table.list_indices()}
 
+    async def lacks_scalar_indexes(self) -> bool:
+        """Whether the table holds rows but not both scalar indexes (a store written in one go, or imported,
+        before its first maintenance round): every read, update and delete by id or user then scans it whole."""
+        have = await self._indexed_columns()
+        return not {("user_id",), ("id",)} <= have.keys() and await self.table.count_rows() > 0
+
     async def ensure_scalar_indexes(self) -> None:
         """Create the Bitmap (``user_id``) and BTree (``id``) indexes if missing (fast: seconds at 1M rows)."""
         if await self.table.count_rows() == 0:
