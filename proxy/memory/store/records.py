@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -241,7 +241,23 @@ _FIELD_SET = frozenset(_FIELD_NAMES)
 _FIELD_VALUES = operator.attrgetter(*_FIELD_NAMES)
 _NEW = object.__new__
 _SET = object.__setattr__  # how a frozen dataclass's own __init__ sets its fields
-_TUPLES = ("entities", "source_ids")
+
+
+def _tuple(value: Sequence[str] | None) -> tuple[str, ...]:
+    return () if value is None else tuple(value)
+
+
+def _list(value: Sequence[float] | None) -> list[float] | None:
+    return None if value is None else list(value)
+
+
+# What a value read from Arrow (``to_pylist`` / ``to_pydict`` form) becomes in a record, by field.
+_CONVERSIONS: dict[str, Callable[[Any], Any]] = {
+    "kind": Kind,
+    "entities": _tuple,
+    "source_ids": _tuple,
+    "embedding": _list,
+}
 
 
 class RecordColumns:
@@ -259,13 +275,9 @@ class RecordColumns:
 
     def __init__(self, table: pa.Table) -> None:
         columns: dict[str, list[Any]] = table.select([n for n in table.column_names if n in _FIELD_SET]).to_pydict()
-        if "kind" in columns:
-            columns["kind"] = [Kind(kind) for kind in columns["kind"]]
-        for name in _TUPLES:
+        for name, convert in _CONVERSIONS.items():
             if name in columns:
-                columns[name] = [() if value is None else tuple(value) for value in columns[name]]
-        if "embedding" in columns:
-            columns["embedding"] = [None if value is None else list(value) for value in columns["embedding"]]
+                columns[name] = [convert(value) for value in columns[name]]
         self.columns = columns
         missing = [field for field in dataclasses.fields(MemoryRecord) if field.name not in columns]
         plain = all(field.default is not dataclasses.MISSING for field in missing)  # ``embedding``, say: None
@@ -287,10 +299,7 @@ class RecordColumns:
 def from_row(row: Mapping[str, Any]) -> MemoryRecord:
     """A record from one row of a LanceDB/pyarrow result (``to_pylist`` form)."""
     values = {name: row[name] for name in _FIELD_NAMES if name in row}
-    values["kind"] = Kind(values["kind"])
-    for name in ("entities", "source_ids"):
+    for name, convert in _CONVERSIONS.items():
         if name in values:
-            values[name] = tuple(values[name] or ())
-    if values.get("embedding") is not None:
-        values["embedding"] = list(values["embedding"])
+            values[name] = convert(values[name])
     return MemoryRecord(**values)

@@ -68,6 +68,9 @@ class SharedTable:
     purge_cleanup: timedelta
 
 
+_SCALAR_INDEXES: tuple[tuple[str, type[Bitmap | BTree]], ...] = (("user_id", Bitmap), ("id", BTree))
+
+
 class MemoryTable:
     """The LanceDB table of memories under ``path``; ``open`` it, then use it from one event loop."""
 
@@ -260,8 +263,8 @@ class MemoryTable:
     async def _rebuild_scalar_indexes(self) -> None:
         if await self.table.count_rows() == 0:
             return
-        await self.table.create_index("user_id", config=Bitmap(), replace=True)
-        await self.table.create_index("id", config=BTree(), replace=True)
+        for column, config in _SCALAR_INDEXES:
+            await self.table.create_index(column, config=config(), replace=True)
 
     async def optimize(self, cleanup_older_than: timedelta) -> None:
         """Compact small fragments, fold new rows into the indexes, drop old versions, add scalar indexes."""
@@ -271,21 +274,22 @@ class MemoryTable:
     async def _indexed_columns(self) -> dict[tuple[str, ...], str]:
         return {tuple(index.columns): index.name for index in await self.table.list_indices()}
 
+    async def _missing_scalar_indexes(self) -> list[tuple[str, type[Bitmap | BTree]]]:
+        """The scalar indexes the table lacks (none while it holds no rows)."""
+        if await self.table.count_rows() == 0:
+            return []
+        have = await self._indexed_columns()
+        return [(column, config) for column, config in _SCALAR_INDEXES if (column,) not in have]
+
     async def lacks_scalar_indexes(self) -> bool:
         """Whether the table holds rows but not both scalar indexes (a store written in one go, or imported,
         before its first maintenance round): every read, update and delete by id or user then scans it whole."""
-        have = await self._indexed_columns()
-        return not {("user_id",), ("id",)} <= have.keys() and await self.table.count_rows() > 0
+        return bool(await self._missing_scalar_indexes())
 
     async def ensure_scalar_indexes(self) -> None:
         """Create the Bitmap (``user_id``) and BTree (``id``) indexes if missing (fast: seconds at 1M rows)."""
-        if await self.table.count_rows() == 0:
-            return
-        have = await self._indexed_columns()
-        if ("user_id",) not in have:
-            await self.table.create_index("user_id", config=Bitmap())
-        if ("id",) not in have:
-            await self.table.create_index("id", config=BTree())
+        for column, config in await self._missing_scalar_indexes():
+            await self.table.create_index(column, config=config())
 
     async def ensure_ann_index(self, min_rows: int) -> bool:
         """Build the HNSW-SQ (cosine) index once the table has ``min_rows``; True if one was built.
