@@ -52,6 +52,10 @@ async def keyword_ids(store: MemoryStore, user: str, text: str, k: int = 10, **f
     return [hit.record.id for hit in await store.keyword_search(user, text, k, **filters)]
 
 
+async def keyword_scores(store: MemoryStore, user: str, text: str) -> dict[str, float]:
+    return {hit.record.id: round(hit.score, 4) for hit in await store.keyword_search(user, text, 50)}
+
+
 async def test_added_memories_are_searchable_in_both_arms_on_return(store: MemoryStore) -> None:
     """Once add returns, the vector arm and the keyword arm both find the memory."""
     [added] = await store.add([fact("alice", "Alice adopted a golden retriever named Max")])
@@ -110,6 +114,30 @@ async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp
             await asyncio.sleep(0.05)
         assert {("id",), ("user_id",)} <= (await store._lance._indexed_columns()).keys()
         assert await store.count("alice") == 20
+
+
+async def test_a_fragmented_keyword_index_is_rewritten_as_one_segment_in_a_quiet_round(tmp_path: Path) -> None:
+    """A keyword index that opens in many segments (one per commit) is rewritten as one at once, with the same
+    documents and the same answers; while writes keep coming, a round leaves it to Tantivy's own merging."""
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        for i in range(6):
+            await store.add([fact("alice", f"note number {i} about hiking"), fact("bob", f"bob note {i} hiking")])
+        assert store._keyword.segments() == 6
+        await store.add([fact("alice", "one more note")])
+        await store.optimize()  # a commit since the last round: not quiet
+        assert store._keyword.segments() == 7
+        before = await keyword_scores(store, "alice", "hiking note")
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        for _ in range(100):
+            if store._keyword.segments() == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert store._keyword.segments() == 1
+        assert await store._keyword.count() == 13
+        assert await keyword_scores(store, "alice", "hiking note") == before  # BM25's statistics are the index's
+        assert await keyword_ids(store, "bob", "hiking", k=20) != []
+        assert await keyword_ids(store, "alice", "bob") == []
 
 
 async def test_get_and_get_many_are_scoped_to_the_user(store: MemoryStore) -> None:

@@ -15,7 +15,8 @@ Queries are built from terms through Tantivy's query API: the query text goes th
 as the documents and each resulting token becomes a term query, so no user text or id is ever parsed as
 query syntax. The index has one writer, used under one lock; all Tantivy calls run on this module's own
 small thread pool. Each physical index lives in a generation directory named by ``CURRENT``, so a rebuild
-(to purge a forgotten user's bytes from disk) swaps atomically.
+(to purge a forgotten user's bytes from disk, or to rewrite a fragmented index as one segment) swaps
+atomically.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ class KeywordIndex:
         self._pool: ThreadPoolExecutor | None = None
         self._gen: _Generation | None = None
         self.fresh = False  # True when opening found no usable index (the store re-indexes everything)
+        self.commits = 0  # commits since opening (the store's maintenance rewrites a fragmented index only when quiet)
 
     async def __aenter__(self) -> KeywordIndex:
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="tantivy")
@@ -363,6 +365,7 @@ class KeywordIndex:
         """Make all writes durable and visible to searches."""
         async with self._lock:
             await self._run(self._commit, self._g)
+            self.commits += 1
 
     @staticmethod
     def _commit(gen: _Generation) -> None:
@@ -453,6 +456,10 @@ class KeywordIndex:
             doc = searcher.doc(address)
             out[doc["id"][0]] = doc["sig"][0]
         return out
+
+    def segments(self) -> int:
+        """Segments a search walks (each commit adds one; Tantivy merges eight of a size into one)."""
+        return int(self._g.index.searcher().num_segments)
 
     async def count(self) -> int:
         """Documents visible to searches."""
