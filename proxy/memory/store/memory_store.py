@@ -183,7 +183,7 @@ class MemoryStore(StoreReader):
             await stack.enter_async_context(self._optimizer)
             # its first round now, not after a whole interval: until then updates scan the table, and searches
             # walk a fragmented keyword index
-            if await self._lance.lacks_scalar_indexes() or self._keyword.segments() > KEYWORD_MAX_SEGMENTS:
+            if await self._lance.lacks_scalar_indexes() or await self._keyword_fragmented():
                 self._optimizer.wake()
             await stack.enter_async_context(
                 Ticker("memory-touch", self.settings.touch_flush_s, self._flush_touches, self.health)
