@@ -28,6 +28,7 @@ from proxy.memory.write.job_types import (
 from proxy.memory.write.queue import Job, JobQueue
 from proxy.memory.write.queue_db import _CANDIDATES
 from proxy.memory.write.runner import JobRunner
+from tests.support import polling
 
 
 def settings(path: Path, **changes: object) -> JobQueueSettings:
@@ -44,11 +45,8 @@ def settings(path: Path, **changes: object) -> JobQueueSettings:
 
 
 async def eventually(check: Callable[[], Awaitable[bool]], within_s: float = 5.0) -> None:
-    """Wait until ``check`` is true, or fail."""
-    deadline = time.monotonic() + within_s
-    while not await check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
+    """Wait until ``check`` is true, or fail (polled every 10 ms)."""
+    await polling.eventually(check, within_s, every_s=0.01)
 
 
 async def state_of(queue: JobQueue, job_id: str) -> str | None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -15,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from proxy.app import build_app
 from proxy.state import STATE
 from tests.fake_upstream import FakeUpstream
+from tests.support import polling
 from tests.support.live_app import admin_settings
 from tests.support.processes import MEMPROXY, child_env
 
@@ -43,14 +43,8 @@ async def api(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Client]
 
 
 async def eventually(check: Callable[[], Awaitable[Any]], within_s: float = 30.0) -> Any:
-    """The first truthy result of ``check``, polled until ``within_s``."""
-    deadline = time.monotonic() + within_s
-    while True:
-        result = await check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.1)
+    """The first truthy result of ``check``, polled every 100 ms until ``within_s``."""
+    return await polling.eventually(check, within_s, every_s=0.1)
 
 
 async def _batch(api: Client, user: str, items: list[dict[str, Any]]) -> Any:

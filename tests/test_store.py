@@ -20,6 +20,7 @@ from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
+from tests.support.polling import eventually
 
 T0 = datetime(2025, 3, 1, tzinfo=UTC)
 
@@ -92,11 +93,11 @@ async def test_busy_writes_compact_before_the_interval(tmp_path: Path) -> None:
     async with MemoryStore(settings, HashingEmbedder()) as store:
         for i in range(5):
             await store.add([fact("alice", f"note number {i}")])
-        for _ in range(100):
-            if (await store._lance.table.stats())["fragment_stats"]["num_fragments"] == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert (await store._lance.table.stats())["fragment_stats"]["num_fragments"] == 1
+
+        async def compacted() -> bool:
+            return bool((await store._lance.table.stats())["fragment_stats"]["num_fragments"] == 1)
+
+        await eventually(compacted, 5.0)
         assert await store.count("alice") == 5
 
 
@@ -108,10 +109,11 @@ async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp
         await store.add([fact("alice", f"note number {i}") for i in range(20)])
         assert await store._lance.lacks_scalar_indexes()
     async with MemoryStore(settings, HashingEmbedder()) as store:
-        for _ in range(100):
-            if not await store._lance.lacks_scalar_indexes():
-                break
-            await asyncio.sleep(0.05)
+
+        async def indexed() -> bool:
+            return not await store._lance.lacks_scalar_indexes()
+
+        await eventually(indexed, 5.0)
         assert {("id",), ("user_id",)} <= (await store._lance._indexed_columns()).keys()
         assert await store.count("alice") == 20
 
@@ -129,11 +131,11 @@ async def test_a_fragmented_keyword_index_is_rewritten_as_one_segment_in_a_quiet
         assert store._keyword.segments() == 7
         before = await keyword_scores(store, "alice", "hiking note")
     async with MemoryStore(settings, HashingEmbedder()) as store:
-        for _ in range(100):
-            if store._keyword.segments() == 1:
-                break
-            await asyncio.sleep(0.05)
-        assert store._keyword.segments() == 1
+
+        async def one_segment() -> bool:
+            return store._keyword.segments() == 1
+
+        await eventually(one_segment, 5.0)
         assert await store._keyword.count() == 13
         assert await keyword_scores(store, "alice", "hiking note") == before  # BM25's statistics are the index's
         assert await keyword_ids(store, "bob", "hiking", k=20) != []
