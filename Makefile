@@ -4,8 +4,8 @@
 # The interpreter .venv (and LiteLLM's bench venv) is made from: the operating system's own Python 3.11-3.13 when
 # it has venv, else python3 from PATH; PYTHON=... overrides. Distribution builds are compiled with PGO and LTO,
 # as is the python:3.11 image the Dockerfile starts from; a CPython built without --enable-optimizations (pyenv's
-# default, first on PATH on this project's machine) runs the same read path with about a tenth more CPU, so the
-# benches would measure a slower interpreter than the container ships.
+# default, first on PATH on this project's machine) runs the read path's Python slower (`make bench-profile`, c=1:
+# 6.4 against 5.3 ms of CPU a request), so the benches measured a slower interpreter than the container ships.
 SYSTEM_PYTHON := $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 14))' 2>/dev/null && echo /usr/bin/python3)
 PYTHON ?= $(or $(SYSTEM_PYTHON),python3)
 VENV   := .venv
