@@ -6,7 +6,7 @@
 # as is the python:3.11 image the Dockerfile starts from; a CPython built without --enable-optimizations (pyenv's
 # default, first on PATH on this project's machine) runs the read path's Python slower (`make bench-profile`, c=1:
 # 6.4 against 5.3 ms of CPU a request), so the benches measured a slower interpreter than the container ships.
-SYSTEM_PYTHON := $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 14))' 2>/dev/null && echo /usr/bin/python3)
+SYSTEM_PYTHON = $(shell /usr/bin/python3 -c 'import sys, ensurepip, venv; sys.exit(not (3, 11) <= sys.version_info[:2] < (3, 14))' 2>/dev/null && echo /usr/bin/python3)
 PYTHON ?= $(or $(SYSTEM_PYTHON),python3)
 VENV   := .venv
 BIN    := $(VENV)/bin
