@@ -1,11 +1,12 @@
 """Who may use the proxy: client keys and their namespaces, browser origins, served Host names, open relays.
 
 - **Client keys** (``[[clients]]``): each entry holds the SHA-256 of a key (never the key) and a namespace.
-  With at least one entry, the chat path and ``/v1/models`` need ``Authorization: Bearer <client key>``
+  With at least one entry, every API path (chat completions, Responses, Messages, ``/v1/models`` and every
+  relayed ``/v1`` path) needs ``Authorization: Bearer <client key>`` (on Anthropic's paths ``x-api-key`` too)
   (no key or a wrong one: 401 in OpenAI's error shape), the key is never passed upstream, and every user id
   of the request is scoped to the key's namespace (``appA:alice``), so apps sharing a proxy cannot read each
   other's users.
-- **Browsers** (``server.allowed_origins``): the chat path accepts only ``Content-Type: application/json``
+- **Browsers** (``server.allowed_origins``): the memory paths accept only ``Content-Type: application/json``
   (a no-preflight ``text/plain`` or form POST is a 415), and a request carrying an ``Origin`` that is not
   allowed is a 403. Allowed origins get CORS answers (preflight included).
 - **Host pinning** (``server.allowed_hosts``): when set, a request whose ``Host`` is not listed is a 421
@@ -27,12 +28,11 @@ from aiohttp import web
 from proxy.config import ClientSettings, Settings
 from proxy.errors import Forbidden, MisdirectedRequest, Unauthorized, UnsupportedMediaType
 from proxy.identity import Identity
+from proxy.paths import ANTHROPIC_PREFIXES, MEMORY_PATHS, is_api
 from proxy.state import STATE
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 NAMESPACE: web.RequestKey[str] = web.RequestKey("memproxy_namespace", str)
-CHAT_PATHS = frozenset({"/v1/chat/completions", "/chat/completions"})
-KEYED_PATHS = CHAT_PATHS | {"/v1/models"}
 PROBE_PATHS = frozenset({"/healthz", "/readyz"})
 EXPOSED_HEADERS = ("X-Memory-Mode, X-Memory-Injected, X-Memory-Ids, X-Memory-Arms, X-Memory-Retrieval-Ms, "
                    "X-Request-Id, X-Upstream-Request-Id")  # fmt: skip
@@ -43,11 +43,16 @@ def key_hash(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def client_for(clients: Sequence[ClientSettings], authorization: str | None) -> ClientSettings | None:
-    """The client whose key ``authorization`` carries (compared in constant time against every entry)."""
+def client_for(
+    clients: Sequence[ClientSettings], authorization: str | None, api_key: str | None = None
+) -> ClientSettings | None:
+    """The client whose key ``authorization`` (``Bearer <key>``) or, failing that, ``api_key`` (Anthropic's
+    ``x-api-key``) carries, compared in constant time against every entry."""
     scheme, _, given = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not given.strip():
-        return None
+        given = api_key or ""
+        if not given.strip():
+            return None
     digest = key_hash(given.strip()).encode()
     found = None
     for client in clients:
@@ -75,7 +80,8 @@ def is_loopback(host: str) -> bool:
 
 def holds_upstream_key(settings: Settings) -> bool:
     """Whether memproxy holds a key of its own for some upstream (which anyone reaching it would spend)."""
-    keys = [settings.upstream.api_key, settings.memory_llm.api_key, settings.embedder.api_key,
+    keys = [settings.upstream.api_key, settings.upstream.anthropic_api_key, settings.memory_llm.api_key,
+            settings.embedder.api_key,
             settings.rerank.api_key, *(r.api_key for r in settings.routes)]  # fmt: skip
     return any(key is not None and key.get_secret_value() for key in keys)
 
@@ -111,7 +117,7 @@ def _check_browser(request: web.Request, origins: Sequence[str]) -> None:
     media = request.content_type if "Content-Type" in request.headers else ""
     if media != "application/json":
         raise UnsupportedMediaType(
-            f"the chat path accepts only Content-Type: application/json, not {media[:60] or 'none'!r}"
+            f"{request.path} accepts only Content-Type: application/json, not {media[:60] or 'none'!r}"
         )
 
 
@@ -125,7 +131,7 @@ async def _cors_on_prepare(request: web.Request, response: web.StreamResponse) -
     """CORS headers on every answer of the keyed paths to an allowed origin (streams included)."""
     origin = request.headers.get("Origin")
     allowed = request.app[STATE].settings.server.allowed_origins
-    if origin is not None and request.path in KEYED_PATHS and origin in allowed:
+    if origin is not None and is_api(request.path) and origin in allowed:
         _cors(response, origin)
 
 
@@ -142,11 +148,18 @@ def _preflight(request: web.Request) -> web.Response:
 
 def _authenticated(request: web.Request, settings: Settings) -> web.Request:
     """The request as the handlers see it: with the client's namespace, without its key (never sent on)."""
-    client = client_for(settings.clients, request.headers.get("Authorization"))
+    anthropic = request.path.startswith(ANTHROPIC_PREFIXES)
+    api_key = request.headers.get("x-api-key") if anthropic else None
+    client = client_for(settings.clients, request.headers.get("Authorization"), api_key)
     if client is None:
-        raise Unauthorized("missing or wrong client key: send the header Authorization: Bearer <client key>")
+        raise Unauthorized(
+            "missing or wrong client key: send the header Authorization: Bearer <client key>"
+            + (" (or x-api-key: <client key>)" if anthropic else "")
+        )
     headers = request.headers.copy()
-    del headers["Authorization"]
+    headers.popall("Authorization", None)
+    if anthropic:
+        headers.popall("x-api-key", None)
     clone = request.clone(headers=headers)
     clone[NAMESPACE] = client.namespace
     return clone
@@ -160,12 +173,12 @@ async def access_middleware(request: web.Request, handler: Handler) -> web.Strea
     host = request.headers.get("Host") or ""
     if server.allowed_hosts and request.path not in PROBE_PATHS and not host_allowed(host, server.allowed_hosts):
         raise MisdirectedRequest("this Host is not served here: list it in server.allowed_hosts")
-    if request.path not in KEYED_PATHS:
+    if not is_api(request.path):
         return await handler(request)
     origin = request.headers.get("Origin")
     if request.method == "OPTIONS" and origin is not None and origin in server.allowed_origins:
         return _preflight(request)
-    if request.path in CHAT_PATHS and request.method == "POST":
+    if request.path in MEMORY_PATHS and request.method == "POST":
         _check_browser(request, server.allowed_origins)
     else:
         _check_origin(request, server.allowed_origins)

@@ -11,6 +11,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
 
+import aiohttp
 from aiohttp import web
 from pydantic import SecretStr
 
@@ -18,6 +19,8 @@ from proxy.access import install_access
 from proxy.bounds import body_deadline_middleware
 from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
+from proxy.dialects.anthropic_upstream import AnthropicUpstream
+from proxy.dialects.targets import Targets
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
@@ -38,11 +41,11 @@ from proxy.memory.write.llm import (
     UsageObserver,
 )
 from proxy.metrics import Metrics
-from proxy.routes import add_routes
+from proxy.routes import add_relayed_routes, add_routes
 from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
 from proxy.unavailable import open_memory_or_unavailable
-from proxy.upstream import build_router, build_session
+from proxy.upstream import Router, build_router, build_session
 
 MemoryFactory = Callable[[Settings, Metrics], contextlib.AbstractAsyncContextManager[MemoryService]]
 
@@ -168,6 +171,16 @@ def default_memory_factory(settings: Settings) -> MemoryFactory:
     return open_memory if settings.memory.enabled else null_memory
 
 
+def build_targets(settings: Settings, router: Router, session: aiohttp.ClientSession) -> Targets:
+    """Where each dialect goes: Anthropic's API when ``upstream.anthropic_base_url`` is set, else translation."""
+    upstream = settings.upstream
+    anthropic = None
+    if upstream.anthropic_base_url:
+        key = upstream.anthropic_api_key.get_secret_value()
+        anthropic = AnthropicUpstream(upstream.anthropic_base_url, key, session)
+    return Targets(router, anthropic)
+
+
 def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> web.Application:
     """The proxy application for ``settings``."""
     deadline = body_deadline_middleware(settings.server.body_timeout_s, settings.server.max_body_bytes)
@@ -181,6 +194,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
         async with contextlib.AsyncExitStack() as stack:
             session = await stack.enter_async_context(build_session(settings.upstream))
             state.router = build_router(settings.upstream, settings.routes, session)
+            state.targets = build_targets(settings, state.router, session)
             state.memory = await open_memory_or_unavailable(stack, factory(settings, metrics))
             await report_features(settings, getattr(state.memory, "features", None))
             # after the memory service, so closed before it: commits still running reach the queue first
@@ -193,4 +207,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     add_routes(app)
     add_management_routes(app)
     add_operations_routes(app)
+    add_relayed_routes(app)  # last: every route of memproxy's own matches first
     return app

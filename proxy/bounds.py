@@ -25,6 +25,7 @@ from multidict import CIMultiDictProxy
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError
 from proxy.identity import CONVERSATION_HEADER, MODE_HEADER, USER_HEADER
 from proxy.memory.text_cap import cap_text
+from proxy.paths import is_relayed
 
 MAX_JSON_DEPTH = 64
 MAX_TURN_CHARS = 16_000
@@ -91,7 +92,7 @@ def body_deadline_middleware(timeout_s: float, max_bytes: int) -> Callable[..., 
 
     @web.middleware
     async def read_body_in_time(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.body_exists:
+        if request.body_exists and not is_relayed(request.path):  # relayed bodies stream (proxy.passthrough)
             try:
                 # no timer armed when all of it came with the headers (nothing to wait for)
                 async with asyncio.timeout(None if request.content.is_eof() else timeout_s):

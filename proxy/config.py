@@ -83,6 +83,10 @@ class UpstreamSettings(_Frozen):
 
     base_url: str = "https://api.openai.com/v1"
     api_key: SecretStr = SecretStr("")
+    # Anthropic's Messages API (``POST /v1/messages``): relayed to ``<anthropic_base_url>/v1/messages``; empty:
+    # translated to chat completions on ``base_url`` or the model's route.
+    anthropic_base_url: str = "https://api.anthropic.com"
+    anthropic_api_key: SecretStr = SecretStr("")
     timeout_s: float = Field(default=600.0, gt=0)
     connect_timeout_s: float = Field(default=10.0, gt=0)
     max_connections: int = Field(default=256, gt=0)
@@ -92,6 +96,13 @@ class UpstreamSettings(_Frozen):
     def _http_url(cls, value: str) -> str:
         if not value.startswith(("http://", "https://")):
             raise ValueError("must start with http:// or https://")
+        return value.rstrip("/")
+
+    @field_validator("anthropic_base_url")
+    @classmethod
+    def _http_url_or_empty(cls, value: str) -> str:
+        if value and not value.startswith(("http://", "https://")):
+            raise ValueError("must start with http:// or https://, or be empty (translate to chat completions)")
         return value.rstrip("/")
 
 

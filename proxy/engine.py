@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import structlog
 
@@ -27,7 +27,17 @@ from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.features import FeatureBoard, guard_handlers
 from proxy.memory.read import text_caches
 from proxy.memory.read.candidates import Candidate
+from proxy.memory.read.injection import MemoryItem, choose
 from proxy.memory.read.injection import inject as inject_block
+from proxy.memory.read.placement import (
+    BlockPlan,
+    CachedBudgets,
+    ConversationLedger,
+    Placement,
+    Planned,
+    plan_cached,
+    plan_simple,
+)
 from proxy.memory.read.read_cache import NameIndexCache
 from proxy.memory.read.rerank import Reranker, RerankSettings
 from proxy.memory.read.retrieval import RetrievalResult, retrieve
@@ -125,6 +135,7 @@ class MemoryEngine:
             self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model
         )
         self.names = NameIndexCache()
+        self.ledger = ConversationLedger(settings.injection.conversations_cache_bytes)
         self.reranker = Reranker(settings.rerank)
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
@@ -152,6 +163,7 @@ class MemoryEngine:
             await stack.enter_async_context(InsightScheduler(self.store, self.jobs, self.settings.insights))
             return
         store.on_change(self._reload_read_cache)
+        store.on_change(self._forget_carried)
         store.on_forget(self.jobs.forget_user)
         await stack.enter_async_context(LeaderInsightScheduler(store, self.jobs, self.settings.insights))
         self.cluster = await stack.enter_async_context(ClusterRuntime(store, self.journal, settings))
@@ -165,6 +177,16 @@ class MemoryEngine:
         self.names.invalidate(user_id)
         await self.names.wait_for_loads()
         self.names.invalidate(user_id)
+
+    async def _forget_carried(self, user_id: str) -> None:
+        """Another replica changed the user: what their conversations carry is built anew (a deleted memory
+        must never be carried on)."""
+        self.ledger.forget_user(user_id)
+
+    def _changed(self, user_id: str) -> None:
+        """A memory of the user was edited or deleted here: the read cache and the conversations' parts go."""
+        self.names.invalidate(user_id)
+        self.ledger.forget_user(user_id)
 
     def release_idle(self) -> int:
         """Called every few seconds (``proxy.heap``): once no read has come for a few seconds, drop the users no
@@ -233,25 +255,68 @@ class MemoryEngine:
             explain=explain,
         )
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
-        """Retrieve the user's memories and merge the memory block into the request's messages."""
+    async def inject(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """Retrieve the user's memories and plan where the block goes in a request with ``messages`` (the chat
+        view of any dialect); ``provider_holds_history``: the provider keeps the earlier turns itself."""
         started = time.perf_counter()
-        messages = body["messages"]
-        result = await self._retrieve(user_id, conversation_id, messages, explain=False)
-        arms = result.arms
-        if not result.items or result.query is None:
-            return Injection(arms=arms, degraded=result.degraded, retrieval_ms=(time.perf_counter() - started) * 1000)
-        merged = inject_block(messages, result.items, result.query.terms, self.settings.injection)
-        ids = tuple(merged.ids)
-        if ids:
-            await self.store.touch(user_id, ids)
+        view = cast("list[dict[str, Any]]", messages)  # read only: retrieval never changes the messages
+        result = await self._retrieve(user_id, conversation_id, view, explain=False)
+        chosen: list[MemoryItem] = []
+        if result.items and result.query is not None:
+            chosen = choose(messages, result.items, result.query.terms, self.settings.injection)
+        planned = self._plan(user_id, conversation_id, messages, chosen, provider_holds_history)
+        if planned.carried:
+            await self.store.touch(user_id, planned.carried)
         return Injection(
-            messages=merged.messages if ids else None,
-            injected_ids=ids,
-            arms=arms,
+            plan=planned.plan,
+            injected_ids=planned.carried,
+            arms=result.arms,
             degraded=result.degraded,
             retrieval_ms=(time.perf_counter() - started) * 1000,
         )
+
+    def carried(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """What the conversation already carries, without a retrieval (when one failed or timed out): the cached
+        prefix stays whole and the request keeps its earlier memory."""
+        planned = self._plan(user_id, conversation_id, messages, [], provider_holds_history, start=False)
+        return Injection(plan=planned.plan)
+
+    def _plan(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        chosen: Sequence[MemoryItem],
+        provider_holds_history: bool,
+        *,
+        start: bool = True,
+    ) -> Planned:
+        settings = self.settings.injection
+        placement = Placement(settings.placement)
+        if placement is not Placement.CACHED:
+            return plan_simple(placement, messages, chosen)
+        entry = self.ledger.get(user_id, conversation_id)
+        if entry is None and not start:
+            return Planned(BlockPlan(), ())
+        budgets = CachedBudgets(settings.turn_budget_tokens, settings.conversation_budget_tokens)
+        planned = plan_cached(messages, chosen, entry, budgets, provider_holds_history=provider_holds_history)
+        if planned.entry is not None:
+            self.ledger.put(user_id, conversation_id, planned.entry)
+        return planned
 
     async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:
         """Exactly what the proxy would inject for a conversation whose last user message is ``query``."""
@@ -358,13 +423,13 @@ class MemoryEngine:
             superseded_by=None,
         )
         stored = await self.store.supersede(user_id, id, new)
-        self.names.invalidate(user_id)
+        self._changed(user_id)
         return stored
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one memory for good."""
         deleted = await self.store.delete(user_id, id)
-        self.names.invalidate(user_id)
+        self._changed(user_id)
         return deleted
 
     async def forget_user(self, user_id: str) -> dict[str, int]:
@@ -372,7 +437,7 @@ class MemoryEngine:
         jobs = await self.jobs.forget_user(user_id)
         self.latest.forget(user_id)
         counts = await self.store.forget_user(user_id)
-        self.names.invalidate(user_id)
+        self._changed(user_id)
         return {**counts, "jobs": jobs}
 
     async def regenerate_insights(self, user_id: str) -> str:

@@ -152,22 +152,78 @@ def sse_error_event(exc: ProxyError) -> bytes:
     return b"data: " + orjson.dumps(exc.body()) + b"\n\n"
 
 
+# Anthropic's error types by status (its API reference, "Errors").
+ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    529: "overloaded_error",
+}
+ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+
+
+def anthropic_body(exc: ProxyError) -> dict[str, object]:
+    """``exc`` in Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    return {"type": "error", "error": {"type": ANTHROPIC_TYPES.get(exc.status, "api_error"), "message": exc.message}}
+
+
+def stream_error_event(dialect: str, exc: ProxyError) -> bytes:
+    """The final event of a started stream that failed, in the dialect's own shape."""
+    if dialect == "messages":
+        return b"event: error\ndata: " + orjson.dumps(anthropic_body(exc)) + b"\n\n"
+    if dialect == "responses":
+        body = {"type": "error", "code": exc.code, "message": exc.message, "param": exc.param}
+        return b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
+    return sse_error_event(exc)
+
+
+def anthropic_error_response(exc: ProxyError) -> web.Response:
+    """The response for ``exc`` on Anthropic's paths: memproxy's own errors in Anthropic's shape; an upstream's
+    Anthropic-shaped error relayed as it came, any other upstream error re-shaped."""
+    if isinstance(exc, UpstreamStatusError):
+        parsed = _parsed(exc.raw_body)
+        if isinstance(parsed, dict) and parsed.get("type") == "error":
+            return web.Response(status=exc.status, body=exc.raw_body, content_type="application/json")
+        message = exc.raw_body.decode("utf-8", "replace")[:2000] or exc.message
+        if isinstance(parsed, dict) and isinstance(parsed.get("error"), dict):
+            message = str(parsed["error"].get("message") or message)
+        status, exc = exc.status, ProxyError(message)
+        exc.status = status
+    return web.Response(status=exc.status, body=orjson.dumps(anthropic_body(exc)), content_type="application/json")
+
+
+def _parsed(raw: bytes) -> object:
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+
+
+def _render(request: web.Request, exc: ProxyError) -> web.Response:
+    if request.path.startswith(ANTHROPIC_PATHS):
+        return anthropic_error_response(exc)
+    return error_response(exc)
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Render every error as OpenAI error JSON; never leak a traceback to the client."""
     try:
         return await handler(request)
     except ProxyError as exc:
-        return error_response(exc)
+        return _render(request, exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         err = NotFound(exc.reason) if exc.status == 404 else BadRequest(exc.reason)
         err.status = exc.status
-        response = error_response(err)
+        response = _render(request, err)
         if "Allow" in exc.headers:  # a 405 must say which methods are allowed
             response.headers["Allow"] = exc.headers["Allow"]
         return response
     except Exception:
         log.exception("request.unhandled", path=request.path)
-        return error_response(ProxyError("internal error in memproxy; see its logs"))
+        return _render(request, ProxyError("internal error in memproxy; see its logs"))

@@ -100,8 +100,20 @@ def conversation_fingerprint(messages: list[Any]) -> str:
     return f"fp-{digest[:24]}"
 
 
-def identify(headers: Mapping[str, str], body: Mapping[str, Any], default_mode: Mode) -> Identity:
-    """The identity of a request; raises ``BadRequest`` for malformed memory headers or ids."""
+def identify(
+    headers: Mapping[str, str],
+    body: Mapping[str, Any],
+    default_mode: Mode,
+    *,
+    messages: list[Any] | None = None,
+    conversation: str | None = None,
+) -> Identity:
+    """The identity of a request; raises ``BadRequest`` for malformed memory headers or ids.
+
+    The conversation is ``X-Memory-Conversation``, else the one the request's dialect names (``conversation``:
+    a Responses ``conversation`` or ``previous_response_id`` chain), else a fingerprint of ``messages`` (the
+    request's chat view; the body's own ``messages`` by default).
+    """
     mode = _mode_from(headers, default_mode)
     user_id = _user_from(headers, body)
     if user_id is None:
@@ -110,8 +122,8 @@ def identify(headers: Mapping[str, str], body: Mapping[str, Any], default_mode: 
         return Identity(user_id, None, mode)
     if CONVERSATION_HEADER in headers:
         conversation = _checked(headers[CONVERSATION_HEADER], CONVERSATION_HEADER)
-    else:
-        conversation = conversation_fingerprint(body.get("messages") or [])
+    elif conversation is None:
+        conversation = conversation_fingerprint(messages if messages is not None else body.get("messages") or [])
     return Identity(user_id, conversation, mode)
 
 

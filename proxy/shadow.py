@@ -186,12 +186,35 @@ class ShadowMemory:
                 await self._task
             self._task = None
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
         """The engine's injection, unchanged; a sampled request is queued for a shadow comparison."""
-        injection: Injection = await self._engine.inject(user_id, conversation_id, body)
+        injection: Injection = await self._engine.inject(
+            user_id, conversation_id, messages, provider_holds_history=provider_holds_history
+        )
         if self._rng.random() < self._settings.sample_rate:
-            self._take(_Sample(user_id, conversation_id, list(body["messages"]), time.monotonic()))
+            self._take(_Sample(user_id, conversation_id, [dict(m) for m in messages], time.monotonic()))
         return injection
+
+    def carried(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """The engine's answer."""
+        carried: Injection = self._engine.carried(
+            user_id, conversation_id, messages, provider_holds_history=provider_holds_history
+        )
+        return carried
 
     async def record(self, exchange: Exchange) -> None:
         """The engine's write path; the exchange's response is done, so its shadow sample may run."""

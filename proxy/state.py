@@ -9,6 +9,7 @@ from aiohttp import web
 
 from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
+from proxy.dialects.targets import ResponseChains, Targets
 from proxy.memory.service import MemoryService
 from proxy.metrics import Metrics
 from proxy.upstream import Router
@@ -22,6 +23,8 @@ class AppState:
     metrics: Metrics
     memory: MemoryService
     router: Router = dataclasses.field(init=False)  # set at startup: it needs the running loop
+    targets: Targets = dataclasses.field(init=False)  # set at startup, with the router
+    response_chains: ResponseChains = dataclasses.field(default_factory=ResponseChains)
     commits: ExchangeCommitter = dataclasses.field(init=False)  # set at startup, after the memory service
     stopping: bool = False
     read_slots: asyncio.Semaphore = dataclasses.field(init=False)  # memory.max_concurrent_reads

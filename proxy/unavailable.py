@@ -11,7 +11,7 @@ and ``/metrics`` counts the degraded requests. Restart memproxy once the directo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -35,9 +35,27 @@ class UnavailableMemory:
         """Why memory is off (``unavailable:<errno name>``)."""
         return f"unavailable:{self.reason}"
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
         """Nothing to inject; the headers say why."""
         return Injection(degraded={"memory": f"storage:{self.reason}"})
+
+    def carried(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """Nothing carried."""
+        return Injection()
 
     async def record(self, exchange: Exchange) -> None:
         """Nothing can be stored (the write-degraded header says so)."""

@@ -71,6 +71,8 @@ LITELLM_STEERING_FIELDS = frozenset(
      "vertex_location", "vertex_credentials", "extra_body"}
 )  # fmt: skip
 TRACE_HEADERS = ("traceparent", "tracestate")
+CHAT_PATH = "/chat/completions"
+RESPONSES_PATH = "/responses"
 # Upstream response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_RESPONSE_HEADERS = ("content-type", "openai-", "x-request-id", "x-ratelimit-", "retry-after")
 # ``X-Request-Id`` on memproxy's answer is memproxy's own id (the one in its log lines); the upstream's id for the
@@ -129,9 +131,10 @@ class Upstream(Protocol):
     name: str
 
     def open(
-        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str], path: str = CHAT_PATH
     ) -> contextlib.AbstractAsyncContextManager[UpstreamReply]:
-        """Send one chat completion request; ``raw`` is the client's bytes when the body is unchanged."""
+        """Send one request (chat completions, or ``path`` under the base URL); ``raw`` is the client's bytes
+        when the body is unchanged."""
         ...
 
 
@@ -160,33 +163,49 @@ class OpenAICompatibleUpstream:
     ) -> None:
         self.name = name
         self._strip_prefix = strip_prefix
-        self._url = f"{base_url.rstrip('/')}/chat/completions"
-        self._models_url = f"{base_url.rstrip('/')}/models"
+        self._base_url = base_url.rstrip("/")
+        self._models_url = f"{self._base_url}/models"
         self._api_key = api_key
         self._session = session
+
+    @property
+    def base_url(self) -> str:
+        """The base URL requests go under (``.../v1``)."""
+        return self._base_url
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        """The pooled session (the passthrough of other ``/v1`` paths uses it too)."""
+        return self._session
+
+    def auth(self, client_headers: Mapping[str, str]) -> dict[str, str]:
+        """The ``Authorization`` header to send: the configured key, else the client's own (or none)."""
+        if self._api_key:
+            return {"Authorization": f"Bearer {self._api_key}"}
+        if "Authorization" in client_headers:
+            return {"Authorization": client_headers["Authorization"]}
+        return {}
 
     def _headers(self, client_headers: Mapping[str, str]) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         for name, value in client_headers.items():
             if name.lower() in FORWARDED_REQUEST_HEADERS:
                 headers[name] = value
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        elif "Authorization" in client_headers:
-            headers["Authorization"] = client_headers["Authorization"]
+        headers.update(self.auth(client_headers))
         return headers
 
     @contextlib.asynccontextmanager
     async def open(
-        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str], path: str = CHAT_PATH
     ) -> AsyncIterator[UpstreamReply]:
         if self._strip_prefix and str(body.get("model", "")).startswith(self._strip_prefix):
             body = {**body, "model": str(body["model"])[len(self._strip_prefix) :]}
             raw = None
         data = raw if raw is not None else orjson.dumps(body)
         started = time.perf_counter()
+        url = self._base_url + path
         with map_client_errors():
-            async with self._session.post(self._url, data=data, headers=self._headers(headers)) as response:
+            async with self._session.post(url, data=data, headers=self._headers(headers)) as response:
                 yield _AiohttpReply(response, time.perf_counter() - started)
 
     async def models(self, headers: Mapping[str, str]) -> tuple[int, bytes]:
@@ -273,8 +292,15 @@ class LiteLLMUpstream:
 
     @contextlib.asynccontextmanager
     async def open(
-        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
+        self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str], path: str = CHAT_PATH
     ) -> AsyncIterator[UpstreamReply]:
+        if path != CHAT_PATH:
+            raise BadRequest(
+                f"the route for {str(body.get('model'))[:80]!r} is a litellm route, which serves chat completions "
+                "only: send this API to an OpenAI-compatible route",
+                param="model",
+                code="unsupported_route",
+            )
         litellm = await asyncio.to_thread(import_litellm)
         started = time.perf_counter()
         trace = {name: headers[name] for name in TRACE_HEADERS if name in headers}

@@ -7,6 +7,8 @@ Models (anything else answers like ``fake-echo``):
 - ``fake-error-<status>``: answers that status with an OpenAI error body.
 - ``fake-midstream-fail``: sends two chunks, then drops the connection.
 - ``fake-tools``: answers with a tool call to the first declared tool.
+The Responses API, Anthropic's Messages API and embeddings are served too (``tests.fake_dialects``). A body whose
+``metadata`` holds ``fake_reply`` is answered with that text (benchmarks replaying a dialog).
 A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema.
 It records every request (headers and JSON) in ``requests`` and counts streams cut by the client in
 ``disconnects``. Run as a script (``python -m tests.fake_upstream --port N --latency-ms L``) for benchmarks.
@@ -22,6 +24,8 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+
+from tests.fake_dialects import DialectRoutes, scripted_reply
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
@@ -112,7 +116,15 @@ class FakeUpstream:
         app = web.Application(client_max_size=16 * 2**20)  # as large as any body memproxy accepts
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
+        DialectRoutes(self.requests, self.latency_s, record=self.record).add(app)  # Responses, Messages, embeddings
+        if self.record:  # what a test in another process checks: every request received so far
+            app.router.add_get("/_fake/requests", self._recorded)
         return app
+
+    async def _recorded(self, request: web.Request) -> web.Response:
+        return web.json_response(
+            self.requests, dumps=lambda o: orjson.dumps(o, option=orjson.OPT_NON_STR_KEYS).decode()
+        )
 
     async def __aenter__(self) -> FakeUpstream:
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
@@ -133,7 +145,7 @@ class FakeUpstream:
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         body = await request.json(loads=orjson.loads)
         if self.record:
-            self.requests.append({"headers": dict(request.headers), "json": body})
+            self.requests.append({"path": request.path, "headers": dict(request.headers), "json": body})
         model = str(body.get("model", ""))
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
@@ -153,6 +165,7 @@ class FakeUpstream:
         if model == "fake-tools":
             return await self._tools(request, body)
         text = self.reply_override if self.reply_override is not None else f"echo: {_last_user_text(body)}"
+        text = scripted_reply(body) or text
         response_format = body.get("response_format") or {}
         if response_format.get("type") == "json_object":
             text = orjson.dumps({"echo": _last_user_text(body)}).decode()
@@ -197,8 +210,8 @@ class FakeUpstream:
         await response.write_eof()
 
 
-async def _main(port: int, latency_ms: float) -> None:
-    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=False) as fake:
+async def _main(port: int, latency_ms: float, record: bool) -> None:
+    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=record) as fake:
         print(f"fake upstream on {fake.base_url}", flush=True)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.Event().wait()
@@ -208,5 +221,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--record", action="store_true", help="keep requests for GET /_fake/requests")
     cli = parser.parse_args()
-    asyncio.run(_main(cli.port, cli.latency_ms))
+    asyncio.run(_main(cli.port, cli.latency_ms, cli.record))

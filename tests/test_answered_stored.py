@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -282,7 +282,12 @@ class SlowRecordMemory:
     def __init__(self) -> None:
         self.recorded: list[Exchange] = []
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
+    ) -> Injection:
+        return Injection()
+
+    def carried(self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any) -> Injection:
         return Injection()
 
     async def record(self, exchange: Exchange) -> None:

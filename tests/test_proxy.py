@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import orjson
@@ -13,6 +13,7 @@ import pytest
 from aiohttp import ClientSession
 
 from proxy.config import Settings
+from proxy.memory.read.placement import BlockPlan
 from proxy.memory.service import Exchange, Injection, MemoryService
 from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
@@ -223,11 +224,16 @@ class RecordingMemory:
         self.exchanges: list[Exchange] = []
         self.fail_inject = False
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
+    ) -> Injection:
         if self.fail_inject:
             raise RuntimeError("store is down")
-        messages = [{"role": "system", "content": f"memory for {user_id}"}, *body["messages"]]
-        return Injection(messages=messages, injected_ids=("m1", "m2"), arms=("dense", "bm25"), retrieval_ms=1.5)
+        plan = BlockPlan(system=f"memory for {user_id}")
+        return Injection(plan=plan, injected_ids=("m1", "m2"), arms=("dense", "bm25"), retrieval_ms=1.5)
+
+    def carried(self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any) -> Injection:
+        return Injection()
 
     async def record(self, exchange: Exchange) -> None:
         self.exchanges.append(exchange)
@@ -315,9 +321,11 @@ async def test_failing_memory_degrades_not_fails(make_proxy: ProxyFactory, fake:
 class SlowMemory(RecordingMemory):
     """A memory seam whose read path takes half a second."""
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
+    ) -> Injection:
         await asyncio.sleep(0.5)
-        return await super().inject(user_id, conversation_id, body)
+        return await super().inject(user_id, conversation_id, messages)
 
 
 async def test_reads_beyond_capacity_go_on_at_once_without_memory(make_proxy: ProxyFactory) -> None:

@@ -16,14 +16,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from pydantic import SecretStr
 
+from proxy.memory.read.placement import BlockPlan
 from proxy.memory.store.records import Kind, MemoryRecord
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Injection:
-    """What the read path did for one request. ``messages`` None means: send the request unchanged."""
+    """What the read path did for one request. An empty ``plan`` means: send the request unchanged."""
 
-    messages: list[dict[str, Any]] | None = None
+    plan: BlockPlan = dataclasses.field(default_factory=BlockPlan)
     injected_ids: tuple[str, ...] = ()
     arms: tuple[str, ...] = ()
     degraded: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -58,8 +59,27 @@ class MemoryService(Protocol):
         """Whether every memory component has loaded."""
         ...
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
-        """Retrieve what is known about ``user_id`` and return the messages to send upstream."""
+    async def inject(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """Retrieve what is known about ``user_id`` and plan where the memory goes in a request whose chat view
+        is ``messages`` (``provider_holds_history``: the provider keeps the conversation's earlier turns)."""
+        ...
+
+    def carried(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """What the conversation already carries, without retrieving (the read failed or was skipped)."""
         ...
 
     async def record(self, exchange: Exchange) -> None:
@@ -201,8 +221,26 @@ class NullMemory:
 
     ready = True
 
-    async def inject(self, user_id: str, conversation_id: str, body: Mapping[str, Any]) -> Injection:
+    async def inject(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
         """Nothing to inject."""
+        return Injection()
+
+    def carried(
+        self,
+        user_id: str,
+        conversation_id: str,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        provider_holds_history: bool = False,
+    ) -> Injection:
+        """Nothing carried."""
         return Injection()
 
     async def record(self, exchange: Exchange) -> None:

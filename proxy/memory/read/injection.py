@@ -444,18 +444,29 @@ def merge_block(messages: Sequence[Mapping[str, Any]], block: str) -> list[dict[
     if not block:
         return out
     if out and out[0].get("role") in SYSTEM_ROLES:
-        out[0] = {**out[0], "content": _appended(out[0].get("content"), block)}
+        out[0] = {**out[0], "content": appended(out[0].get("content"), block)}
         return out
     return [{"role": "system", "content": block}, *out]
 
 
-def _appended(content: Any, block: str) -> Any:
-    """System content with the block after it: a string gets a blank line and the block, a list a part."""
+def appended(content: Any, block: str, part: str = "text") -> Any:
+    """Message content with the block after it: a string gets a blank line and the block, a list one more part
+    of type ``part`` (the app's own parts, ``cache_control`` marks included, stay as they were)."""
     if isinstance(content, str):
         return f"{content}\n\n{block}" if content else block
     if isinstance(content, list):
-        return [*content, {"type": "text", "text": block}]
+        return [*content, {"type": part, "text": block}]
     return block
+
+
+def choose(
+    messages: Sequence[Mapping[str, Any]],
+    items: Sequence[MemoryItem],
+    query_terms: Sequence[str],
+    settings: InjectionSettings,
+) -> list[MemoryItem]:
+    """The items a whole block would hold for a request with ``messages`` (best first)."""
+    return select_items(items, query_terms, _recent_conversation(messages), settings)
 
 
 def inject(
@@ -465,7 +476,7 @@ def inject(
     settings: InjectionSettings,
 ) -> Injection:
     """Choose, render and merge the memory block into a chat request's messages."""
-    chosen = select_items(items, query_terms, _recent_conversation(messages), settings)
+    chosen = choose(messages, items, query_terms, settings)
     block = render_block(chosen)
     ordered = [i for s in Section for i in sorted(chosen, key=lambda i: -i.score) if i.section is s]
     return Injection(

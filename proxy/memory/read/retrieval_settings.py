@@ -82,3 +82,10 @@ class InjectionSettings(BaseModel):
     budget_tokens: int = Field(600, ge=0)  # the whole block, preamble included (estimated, see injection)
     max_item_tokens: int = Field(90, ge=8)  # longer items are cut to their best excerpt
     dedupe_against_conversation: bool = True
+    # Where the block goes (proxy.memory.read.placement): "cached" keeps the provider's prompt cache (a stable
+    # part fixed per conversation in the system prompt, later additions attached to user messages), "system"
+    # re-writes the system prompt every request, "user" puts the whole block on the latest user message.
+    placement: Literal["cached", "system", "user"] = "cached"
+    turn_budget_tokens: int = Field(200, ge=0)  # "cached": one request's addition (a turn part)
+    conversation_budget_tokens: int = Field(3000, ge=0)  # "cached": everything a conversation carries
+    conversations_cache_bytes: int = Field(16 * 2**20, ge=0)  # "cached": the ledger of what conversations carry
