@@ -142,6 +142,9 @@ def serialized(request: Mapping[str, Any]) -> tuple[bytes, list[int], list[int]]
             marks.append(size)
 
     body = request["json"]
+    for field in ("tools", "response_format"):  # schemas are part of the cached prefix, before the messages
+        if body.get(field):
+            add(f"{field}:{json.dumps(body[field], sort_keys=True)}\n")
     for block in _blocks(body.get("system")) if "system" in body else []:
         add(f"system:{block[0]}\n", block[1])
     if isinstance(body.get("instructions"), str):

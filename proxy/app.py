@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -28,6 +29,7 @@ from proxy.management import add_management_routes
 from proxy.management_ops import add_operations_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
 from proxy.memory.service import MemoryService, NullMemory
+from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
 from proxy.memory.write.latest_chat import LatestChats
 from proxy.memory.write.llm import (
     KeySource,
@@ -57,8 +59,11 @@ async def null_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
 
 
 def keyed_routes(settings: Settings) -> set[str]:
-    """The chat routes that pass the client's own key upstream (OpenAI-compatible, no key configured)."""
-    routes = {"default"} if not settings.upstream.api_key.get_secret_value() else set()
+    """The chat routes that pass the client's own key upstream (OpenAI-compatible or Anthropic's API, no key
+    configured)."""
+    routes = {"default", "responses:default"} if not settings.upstream.api_key.get_secret_value() else set()
+    if settings.upstream.anthropic_base_url and not settings.upstream.anthropic_api_key.get_secret_value():
+        routes.add(ANTHROPIC_ROUTE)
     return routes | {
         f"openai:{r.prefix}"
         for r in settings.routes
@@ -68,7 +73,7 @@ def keyed_routes(settings: Settings) -> set[str]:
 
 def memory_llm(
     settings: Settings, keys: KeySource | None = None, on_usage: UsageObserver | None = None
-) -> tuple[PrefixRouter, list[LLMClient]]:
+) -> tuple[LLMClient, list[LLMClient]]:
     """The client for memory-side model calls (the chat's own routes, or ``[memory_llm]`` when set), and
     the clients behind it (to open and close). ``keys`` gives each user's held chat key, used only where
     the chat itself sends the client's key (the same route, the same base URL); ``on_usage`` gets the token
@@ -113,7 +118,31 @@ def memory_llm(
                 on_usage=on_usage,
             )
         routes.append(Route(route.prefix, client, route.strip_prefix))
-    return PrefixRouter(default, routes), [default, *(r.client for r in routes)]
+    prefixes = PrefixRouter(default, routes)
+    dialects = dialect_clients(settings, keys, on_usage) if not settings.memory_llm.base_url else {}
+    clients = [default, *(r.client for r in routes), *dialects.values()]
+    if not dialects or not isinstance(keys, LatestChats):
+        return prefixes, clients
+    return DialectRouter(prefixes, dialects, keys), clients
+
+
+def dialect_clients(settings: Settings, keys: KeySource | None, on_usage: UsageObserver | None) -> dict[str, LLMClient]:
+    """Memory-side clients for users whose latest chat came through the Responses API (default upstream) or
+    Anthropic's Messages API: the same API, model and key as that chat."""
+    upstream, memory = settings.upstream, settings.memory_llm
+    options: dict[str, Any] = {"keys": keys, "timeout_s": memory.timeout_s, "temperature": memory.temperature,
+                               "on_usage": on_usage}  # fmt: skip
+    clients: dict[str, LLMClient] = {
+        "responses:default": DialectLLM(
+            "responses", f"{upstream.base_url}/responses", upstream.api_key, route="responses:default", **options
+        )
+    }
+    if upstream.anthropic_base_url:
+        url = f"{upstream.anthropic_base_url}/v1/messages"
+        clients[ANTHROPIC_ROUTE] = DialectLLM(
+            "messages", url, upstream.anthropic_api_key, route=ANTHROPIC_ROUTE, **options
+        )
+    return clients
 
 
 def engine_settings(settings: Settings) -> EngineSettings:

@@ -272,8 +272,10 @@ class MemoryEngine:
         if result.items and result.query is not None:
             chosen = choose(messages, result.items, result.query.terms, self.settings.injection)
         planned = self._plan(user_id, conversation_id, messages, chosen, provider_holds_history)
-        if planned.carried:
-            await self.store.touch(user_id, planned.carried)
+        carried = set(planned.carried)
+        used = tuple(i.id for i in chosen if i.id in carried)  # what this request's retrieval chose and sent
+        if used:
+            await self.store.touch(user_id, used)
         return Injection(
             plan=planned.plan,
             injected_ids=planned.carried,

@@ -39,6 +39,27 @@ def _text(content: Any) -> str:
     return ""
 
 
+def minimal_instance(schema: dict[str, Any]) -> Any:
+    """The smallest value a JSON schema accepts: empty arrays, first enum values, zero-ish scalars."""
+    if "enum" in schema:
+        return schema["enum"][0]
+    kind = schema.get("type")
+    if isinstance(kind, list):
+        kind = next((k for k in kind if k != "null"), "null")
+    if kind == "object":
+        props = schema.get("properties", {})
+        return {name: minimal_instance(props[name]) for name in schema.get("required", props)}
+    defaults: dict[Any, Any] = {
+        "array": [],
+        "string": "",
+        "integer": schema.get("minimum", 0),
+        "number": schema.get("minimum", 0),
+        "boolean": False,
+        "null": None,
+    }
+    return defaults.get(kind)
+
+
 def scripted_reply(body: Mapping[str, Any]) -> str | None:
     """The reply a benchmark scripted in ``metadata.fake_reply``, if any."""
     metadata = body.get("metadata")
@@ -99,6 +120,9 @@ def response_object(body: Mapping[str, Any]) -> dict[str, Any]:
                                 "status": "completed"}  # fmt: skip
     else:
         text = f"tool said: {output_of_tool}" if output_of_tool is not None else f"echo: {last_user_input(body)}"
+        text_format = (body.get("text") or {}).get("format") or {}
+        if text_format.get("type") == "json_schema":  # a memory-side call: the smallest valid object
+            text = orjson.dumps(minimal_instance(text_format["schema"])).decode()
         item = {"type": "message", "id": f"msg_{rid}", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": text, "annotations": []}]}  # fmt: skip
     return {"id": rid, "object": "response", "created_at": int(time.time()), "status": "completed", "model": model,
@@ -147,8 +171,14 @@ def message_object(body: Mapping[str, Any]) -> dict[str, Any]:
     last = body["messages"][-1]
     results = [b for b in last.get("content") or [] if isinstance(b, dict) and b.get("type") == "tool_result"]
     tools = body.get("tools") or []
-    if tools and not results:
-        content: list[dict[str, Any]] = [{"type": "tool_use", "id": "toolu_fake1", "name": tools[0]["name"],
+    forced = body.get("tool_choice") or {}
+    if forced.get("type") == "tool":  # a memory-side call: the forced tool with the smallest valid input
+        tool = next(t for t in tools if t["name"] == forced["name"])
+        content: list[dict[str, Any]] = [{"type": "tool_use", "id": "toolu_fake0", "name": tool["name"],
+                                          "input": minimal_instance(tool["input_schema"])}]  # fmt: skip
+        stop = "tool_use"
+    elif tools and not results:
+        content = [{"type": "tool_use", "id": "toolu_fake1", "name": tools[0]["name"],
                                           "input": {"city": "Paris"}}]  # fmt: skip
         stop = "tool_use"
     else:

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tests.fake_dialects import DialectRoutes, scripted_reply
+from tests.fake_dialects import DialectRoutes, minimal_instance, scripted_reply
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
@@ -36,27 +36,6 @@ def _last_user_text(body: dict[str, Any]) -> str:
                 return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
             return str(content)
     return ""
-
-
-def minimal_instance(schema: dict[str, Any]) -> Any:
-    """The smallest value a JSON schema accepts: empty arrays, first enum values, zero-ish scalars."""
-    if "enum" in schema:
-        return schema["enum"][0]
-    kind = schema.get("type")
-    if isinstance(kind, list):
-        kind = next((k for k in kind if k != "null"), "null")
-    if kind == "object":
-        props = schema.get("properties", {})
-        return {name: minimal_instance(props[name]) for name in schema.get("required", props)}
-    defaults: dict[Any, Any] = {
-        "array": [],
-        "string": "",
-        "integer": schema.get("minimum", 0),
-        "number": schema.get("minimum", 0),
-        "boolean": False,
-        "null": None,
-    }
-    return defaults.get(kind)
 
 
 def completion(

@@ -279,3 +279,25 @@ def test_x_api_key_reaches_anthropic(proxy: tuple[Process, str], upstream: str) 
     headers = {k.lower(): v for k, v in last(upstream, "/v1/messages")["headers"].items()}
     assert headers["x-api-key"] == ANTHROPIC_KEY
     assert headers["anthropic-version"] == "2023-06-01"
+
+
+def test_memory_side_calls_follow_the_latest_chats_dialect(proxy: tuple[Process, str], upstream: str) -> None:
+    """A user whose latest chat came through Messages has their facts asked of Anthropic's API (a forced tool,
+    the chat's model and key); one on the Responses API, of the Responses API (``text.format``)."""
+    anthropic_client(proxy[1], "fern").messages.create(
+        model="claude-side", max_tokens=20, messages=[{"role": "user", "content": "I am allergic to peanuts"}]
+    )
+    openai_client(proxy[1], "gale").responses.create(model="gpt-side", input="I am allergic to shellfish")
+
+    def side_calls() -> bool:
+        seen = received(upstream)
+        anthropic_side = [r for r in seen if r.get("path") == "/v1/messages" and r["json"].get("tool_choice")]
+        responses_side = [r for r in seen if r.get("path") == "/v1/responses" and r["json"].get("text")]
+        return any(r["json"]["model"] == "claude-side" for r in anthropic_side) and any(
+            r["json"]["model"] == "gpt-side" for r in responses_side
+        )
+
+    eventually(side_calls)
+    side = next(r for r in received(upstream) if r.get("path") == "/v1/messages" and r["json"].get("tool_choice"))
+    headers = {k.lower(): v for k, v in side["headers"].items()}
+    assert headers.get("x-api-key") == ANTHROPIC_KEY

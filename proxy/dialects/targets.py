@@ -13,6 +13,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol
 
+from multidict import CIMultiDict
+
 from proxy.dialects.anthropic_upstream import AnthropicUpstream, relayed_anthropic_headers
 from proxy.dialects.translate import TranslatedReply, to_chat
 from proxy.upstream import CHAT_PATH, RESPONSES_PATH, Router, Upstream, UpstreamReply, relayed_headers
@@ -35,10 +37,11 @@ class Target(Protocol):
 
 
 class RoutedTarget:
-    """An OpenAI-style path on a route's upstream."""
+    """An OpenAI-style path on a route's upstream (named ``responses:<route>`` for the Responses API, so that the
+    memory side can answer in the same dialect)."""
 
     def __init__(self, upstream: Upstream, path: str) -> None:
-        self.name = upstream.name
+        self.name = upstream.name if path == CHAT_PATH else f"responses:{upstream.name}"
         self._upstream = upstream
         self._path = path
 
@@ -72,17 +75,22 @@ class AnthropicTarget:
 
 
 class TranslatedTarget:
-    """A Messages request answered by a chat-completions route, in Anthropic's shape."""
+    """A Messages request answered by a chat-completions route, in Anthropic's shape (named as the route: the
+    memory side uses the same route, as for a chat)."""
 
     def __init__(self, upstream: Upstream) -> None:
-        self.name = f"translated:{upstream.name}"
+        self.name = upstream.name
         self._upstream = upstream
 
     @contextlib.asynccontextmanager
     async def open(
         self, body: dict[str, Any], raw: bytes | None, headers: Mapping[str, str]
     ) -> AsyncIterator[UpstreamReply]:
-        """The chat route's answer, translated."""
+        """The chat route's answer, translated (a client's ``x-api-key`` goes on as its bearer key)."""
+        if "x-api-key" in headers and "Authorization" not in headers:
+            bearer = CIMultiDict(headers)
+            bearer["Authorization"] = f"Bearer {headers['x-api-key']}"
+            headers = bearer
         async with self._upstream.open(to_chat(body), None, headers, CHAT_PATH) as reply:
             yield TranslatedReply(reply, str(body["model"]), bool(body.get("stream")))
 

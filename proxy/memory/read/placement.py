@@ -161,8 +161,8 @@ class ConversationLedger:
 
 @dataclass(frozen=True, slots=True)
 class Planned:
-    """A request's plan, the ids of the chosen memories it carries (rank order), and the conversation's new
-    entry (None: nothing to store)."""
+    """A request's plan, the ids of the memories it carries (this request's chosen ones first, in rank order,
+    then the rest the conversation carries), and the conversation's new entry (None: nothing to store)."""
 
     plan: BlockPlan
     carried: tuple[str, ...]
@@ -258,7 +258,9 @@ def plan_cached(
             ids = tuple(i.id for i in added)
             new_entry.attached.append(_Attached(index, _digest(messages[index]), text, ids))
             visible.update(ids)
-    carried = tuple(i.id for i in chosen if i.id in visible)
+    chosen_ids = [i.id for i in chosen if i.id in visible]
+    others = [i for i in (*entry.system_ids, *(x for a in new_entry.attached for x in a.ids)) if i not in chosen_ids]
+    carried = tuple(dict.fromkeys([*chosen_ids, *others]))
     changed = new_entry.attached != entry.attached
     return Planned(BlockPlan(entry.system, tuple(turns)), carried, new_entry if changed else None)
 

@@ -86,6 +86,6 @@ class InjectionSettings(BaseModel):
     # part fixed per conversation in the system prompt, later additions attached to user messages), "system"
     # re-writes the system prompt every request, "user" puts the whole block on the latest user message.
     placement: Literal["cached", "system", "user"] = "cached"
-    turn_budget_tokens: int = Field(200, ge=0)  # "cached": one request's addition (a turn part)
-    conversation_budget_tokens: int = Field(3000, ge=0)  # "cached": everything a conversation carries
+    turn_budget_tokens: int = Field(100, ge=0)  # "cached": one request's addition (a turn part)
+    conversation_budget_tokens: int = Field(900, ge=0)  # "cached": everything a conversation carries
     conversations_cache_bytes: int = Field(16 * 2**20, ge=0)  # "cached": the ledger of what conversations carry

@@ -92,6 +92,10 @@ class LatestChats:
         _trim(self._keys, self._max_users)
         return new
 
+    def latest(self, user_id: str) -> LatestChat | None:
+        """The user's latest chat (model, route), or None (none since start)."""
+        return self._chats.get(user_id)
+
     def model(self, user_id: str) -> str | None:
         """The model of the user's latest chat, or None (none since start)."""
         chat = self._chats.get(user_id)

@@ -37,7 +37,7 @@ from proxy.memory.write.routing import route_index
 
 JSON = dict[str, Any]
 _UNAVAILABLE_STATUSES = frozenset({408, 409, 425, 429})
-_CONFIG_STATUSES = frozenset({401, 403})
+CONFIG_STATUSES = frozenset({401, 403})
 
 
 class LLMError(MemoryLayerError):
@@ -136,7 +136,7 @@ def parse_json_object(content: Any) -> JSON:
 def status_error(status: int, body: str, *, sent_key: bool = True) -> LLMError:
     """The error for a non-200 answer: ``LLMConfigError`` for 401/403, ``LLMUnavailable`` for statuses worth
     waiting out, else bad output."""
-    if status in _CONFIG_STATUSES:  # the body is left out: providers quote (part of) the rejected key
+    if status in CONFIG_STATUSES:  # the body is left out: providers quote (part of) the rejected key
         what = "rejected the key" if sent_key else "wants a key and none was sent"
         reason = "key_rejected" if sent_key else "no_key"
         return LLMConfigError(reason, f"upstream status {status}: the upstream {what}")
@@ -219,7 +219,7 @@ class OpenAICompatibleLLM:
         except (aiohttp.ClientError, TimeoutError) as error:
             raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
         if status != 200:
-            if held and status in _CONFIG_STATUSES and self._keys is not None:
+            if held and status in CONFIG_STATUSES and self._keys is not None:
                 self._keys.rejected(self._route, key)
             raise status_error(status, text, sent_key=bool(key))
         try:
