@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -25,6 +26,7 @@ import orjson
 from aiohttp import web
 
 _ids = itertools.count(1)
+MEMORY_PART = re.compile(r"\n\n<memory>\n.*?\n</memory>", re.DOTALL)  # a part memproxy attached to a message
 
 
 def _dumps(obj: Any) -> str:
@@ -32,10 +34,12 @@ def _dumps(obj: Any) -> str:
 
 
 def _text(content: Any) -> str:
+    """The app's own text of a message (memory parts memproxy attached left out)."""
     if isinstance(content, str):
-        return content
+        return MEMORY_PART.sub("", content)
     if isinstance(content, list):
-        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p)
+        texts = [str(p.get("text", "")) for p in content if isinstance(p, Mapping) and "text" in p]
+        return " ".join(t for t in texts if not t.startswith("<memory>"))
     return ""
 
 

@@ -25,16 +25,18 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tests.fake_dialects import DialectRoutes, minimal_instance, scripted_reply
+from tests.fake_dialects import MEMORY_PART, DialectRoutes, minimal_instance, scripted_reply
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
+    """The app's own text of the last user message (memory parts memproxy attached to it left out)."""
     for message in reversed(body.get("messages") or []):
         if message.get("role") == "user":
             content = message.get("content")
             if isinstance(content, list):
-                return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
-            return str(content)
+                parts = [p.get("text", "") for p in content if isinstance(p, dict)]
+                return " ".join(p for p in parts if not p.startswith("<memory>"))
+            return MEMORY_PART.sub("", str(content))
     return ""
 
 
