@@ -15,7 +15,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster bench-writes clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster bench-writes bench-screens clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -105,6 +105,10 @@ bench-cluster: $(VENV)/.test $(VENV)/.nginx
 # (ARGS="--mode replay" or "--minutes 2" for shorter runs).
 bench-writes: install-test
 	$(BIN)/python bench/writes.py $(ARGS)
+
+# Labelled secrets and instruction plants (recall) and LoCoMo's turns (false positives) through the screens.
+bench-screens: install
+	$(BIN)/python bench/screens.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache
