@@ -15,7 +15,7 @@ CONSTRAINTS := constraints.txt
 export HF_HUB_OFFLINE := 1
 export LITELLM_LOCAL_MODEL_COST_MAP := True
 
-.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster bench-writes bench-cache clean
+.PHONY: serve test install install-test lint bench-overhead bench-store bench-locomo bench-readpath bench-scale bench-profile bench-load bench-cluster test-cluster bench-writes bench-cache bench-screens clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -109,6 +109,10 @@ bench-writes: install-test
 # LoCoMo replayed as growing chats: the provider's prompt cache and the bill, per placement (bench/results/cache.json).
 bench-cache: install-test
 	$(BIN)/python -m bench.cache $(ARGS)
+
+# Labelled secrets and instruction plants (recall) and LoCoMo's turns (false positives) through the screens.
+bench-screens: install
+	$(BIN)/python bench/screens.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) tests/node/node_modules .pytest_cache

@@ -333,7 +333,7 @@ def stored_turns(proxy: str, user: str) -> list[dict[str, Any]]:
     """Every stored turn of the user."""
     out, cursor = [], None
     while True:
-        query = f"?kind=turn&limit=500" + (f"&cursor={cursor}" if cursor else "")
+        query = "?kind=turn&limit=500" + (f"&cursor={cursor}" if cursor else "")
         page = admin_get(proxy, f"/v1/memory/users/{user}/memories{query}")
         out += page["data"]
         cursor = page.get("next_cursor")
@@ -440,9 +440,10 @@ def report(
             "questions": len(recall),
         })  # fmt: skip
     side = openai_bill([serialized(r)[0] for r in memory_side])
+    side_share = round(side.cached / side.tokens, 4) if side.tokens else None
     return {
         "rows": rows,
-        "memory_side": {"calls": len(memory_side), "cached_share": round(side.cached / side.tokens, 4) if side.tokens else None},
+        "memory_side": {"calls": len(memory_side), "cached_share": side_share},
         "meta": {"conversations": args.conversations, "chat_sessions": args.chat_sessions, "token_bytes": TOKEN_BYTES,
                  "python": platform.python_version(), "argv": sys.argv[1:]},
     }  # fmt: skip

@@ -40,7 +40,7 @@ EXPOSED_HEADERS = ("X-Memory-Mode, X-Memory-Injected, X-Memory-Ids, X-Memory-Arm
 
 def key_hash(key: str) -> str:
     """The SHA-256 hex digest of a client key, as ``[[clients]] key_sha256`` holds it."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 def client_for(

@@ -25,6 +25,7 @@ from proxy.dialects.targets import Targets
 from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
+from proxy.header_bytes import install_header_check
 from proxy.management import add_management_routes
 from proxy.management_ops import add_operations_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
@@ -233,6 +234,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
 
     app.cleanup_ctx.append(lifecycle)
     install_access(app)
+    install_header_check(app)  # before the access checks: they read headers
     add_routes(app)
     add_management_routes(app)
     add_operations_routes(app)

@@ -10,7 +10,9 @@
   into hundreds of records, embeddings and index entries (a storage and CPU amplification any client could
   trigger), and the embedding model reads only the first few hundred tokens of a record anyway.
 - ``body_deadline_middleware``: a request body must arrive within ``server.body_timeout_s``; a body sent at
-  1 byte/s is cut off with a 408 instead of holding a connection and a buffer open for hours.
+  1 byte/s is cut off with a 408 instead of holding a connection and a buffer open for hours. A body that cannot
+  be read as sent (a ``Content-Encoding: gzip`` that does not decompress, a broken chunked encoding) is a 400
+  ``malformed_request``, and the connection is closed (aiohttp would otherwise read the rest of it again).
 """
 
 from __future__ import annotations
@@ -87,6 +89,19 @@ def capped_turn(text: str, max_chars: int = MAX_TURN_CHARS) -> str:
     return cap_text(text, max_chars)
 
 
+def _unreadable(request: web.Request, exc: web.RequestPayloadError) -> BadRequest:
+    """The 400 for a body that cannot be decoded; its connection closes after the answer (nothing more of the
+    body is read: aiohttp's own read of the rest would raise the same error again, as a traceback)."""
+    request.content.feed_eof()
+    request.protocol.close()
+    cause = exc.__cause__ or exc
+    encoding = request.headers.get("Content-Encoding")
+    what = f"Content-Encoding {encoding[:20]!r}" if encoding else "its transfer encoding"
+    return BadRequest(
+        f"the request body could not be decoded as {what} ({type(cause).__name__})", code="malformed_request"
+    )
+
+
 def body_deadline_middleware(timeout_s: float, max_bytes: int) -> Callable[..., Awaitable[web.StreamResponse]]:
     """A middleware that reads each request body within ``timeout_s`` (408 otherwise) before the handler runs."""
 
@@ -101,6 +116,8 @@ def body_deadline_middleware(timeout_s: float, max_bytes: int) -> Callable[..., 
                 raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
             except web.HTTPRequestEntityTooLarge:
                 raise PayloadTooLarge(f"request body exceeds the limit of {max_bytes} bytes") from None
+            except web.RequestPayloadError as exc:
+                raise _unreadable(request, exc) from None
         return await handler(request)
 
     return read_body_in_time

@@ -29,6 +29,7 @@ from proxy.memory.store.records import MemoryRecord
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,
+    check_vectors,
     export_lines,
     import_records,
     parse_chatgpt,
@@ -119,8 +120,9 @@ def _text_lines(raw: bytes) -> list[str]:
     return raw.decode("utf-8-sig").splitlines()
 
 
-def _reader(args: argparse.Namespace) -> Callable[[], Iterable[MemoryRecord]]:
-    """A function that parses the whole input once more each time it is called (a check pass, a write pass)."""
+def _reader(args: argparse.Namespace, max_chars: int) -> Callable[[], Iterable[MemoryRecord]]:
+    """A function that parses the whole input once more each time it is called (check passes, a write pass);
+    texts are capped at ``max_chars`` like chat turns."""
     raw = sys.stdin.buffer.read() if str(args.file) == "-" else None
     if raw is None and not args.file.is_file():
         raise StoreCommandError(f"{args.file}: no such file", EXIT_INPUT)
@@ -134,19 +136,20 @@ def _reader(args: argparse.Namespace) -> Callable[[], Iterable[MemoryRecord]]:
         return lambda: parse_chatgpt(lines, args.user)
     if raw is not None:
         lines_b = raw.splitlines()
-        return lambda: parse_memproxy(lines_b)
-    return lambda: _file_records(args.file)
+        return lambda: parse_memproxy(lines_b, max_chars)
+    return lambda: _file_records(args.file, max_chars)
 
 
-def _file_records(path: Path) -> Iterator[MemoryRecord]:
+def _file_records(path: Path, max_chars: int) -> Iterator[MemoryRecord]:
     with path.open("rb") as handle:
-        yield from parse_memproxy(handle)
+        yield from parse_memproxy(handle, max_chars)
 
 
 async def import_into(settings: Settings, read: Callable[[], Iterable[MemoryRecord]], total: int) -> ImportCounts:
     """Write the (already checked) input into the store, with a progress bar on a terminal."""
     async with open_store(settings) as store:
         embedder = store.embedder
+        check_vectors(read(), embedder.model_id, embedder.dim)  # before anything is written
         with tqdm(total=total, unit="memory", desc="import", disable=not sys.stderr.isatty()) as bar:
             return await import_records(store, read(), embedder.model_id, embedder.dim, bar.update)
 
@@ -154,7 +157,7 @@ async def import_into(settings: Settings, read: Callable[[], Iterable[MemoryReco
 def cmd_import(args: argparse.Namespace, out: IO[str]) -> int:
     """``memproxy import FILE [--format memproxy|mem0|chatgpt] [--user U]``."""
     settings = _settings(args.config)
-    read = _reader(args)
+    read = _reader(args, settings.memory.max_turn_chars)
     total = sum(1 for _ in read())  # the check pass: nothing is written unless every line is valid
     counts = uvloop.run(import_into(settings, read, total))
     out.write(

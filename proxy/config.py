@@ -51,6 +51,7 @@ class ServerSettings(_Frozen):
     port: int = Field(default=8080, ge=0, le=65535)
     max_body_bytes: int = Field(default=8 * 2**20, gt=0)
     body_timeout_s: float = Field(default=60.0, gt=0)  # a body must arrive within this (408 otherwise)
+    head_timeout_s: float = Field(default=30.0, ge=0)  # and a request's headers within this (408; 0: no limit)
     max_json_depth: int = Field(default=64, ge=2)  # deeper JSON is a 400, checked before parsing
     shutdown_grace_s: float = Field(default=20.0, ge=0)
     # Restart in place once quiet when RSS grew past this many times its level after start-up (proxy/recycle.py);

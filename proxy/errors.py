@@ -2,8 +2,9 @@
 
 ``ProxyError`` is the root: every subclass knows its HTTP status and OpenAI ``type``/``code``. Handlers raise
 them; ``error_middleware`` turns them (and anything unexpected, without a traceback in the body) into
-``{"error": {"message", "type", "param", "code"}}``. Once an SSE stream has started, errors are sent as a final
-event instead (``sse_error_event``).
+``{"error": {"message", "type", "param", "code"}}``. A fault of the data directory's disk (read-only, full) that
+reaches it is a 503 ``storage_unavailable`` naming the fault, not a 500. Once an SSE stream has started, errors are
+sent as a final event instead (``sse_error_event``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from collections.abc import Awaitable, Callable
 import orjson
 import structlog
 from aiohttp import web
+
+from proxy.memory.store.faults import fault_reason, is_storage_fault
 
 log = structlog.get_logger("memproxy.errors")
 
@@ -224,6 +227,18 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         if "Allow" in exc.headers:  # a 405 must say which methods are allowed
             response.headers["Allow"] = exc.headers["Allow"]
         return response
-    except Exception:
+    except Exception as exc:
+        if is_storage_fault(exc):
+            return _render(request, storage_unavailable(exc))
         log.exception("request.unhandled", path=request.path)
         return _render(request, ProxyError("internal error in memproxy; see its logs"))
+
+
+def storage_unavailable(exc: BaseException) -> ServiceUnavailable:
+    """The 503 for a write the data directory refused (read-only, full...), naming the fault."""
+    reason = fault_reason(exc)
+    log.warning("request.storage_unavailable", reason=reason)
+    return ServiceUnavailable(
+        f"memory storage is failing ({reason}): retry when it recovers",
+        code="storage_unavailable",
+    )

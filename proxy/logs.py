@@ -4,6 +4,11 @@ A redaction processor drops anything that looks like a credential, so that no ke
 reach a log line even by mistake. The same redaction runs on every stdlib log record (``RedactingFilter`` on the
 root handler), messages and tracebacks included: aiohttp logs a malformed request with the raw bytes it could
 not parse, ``Authorization: Bearer ...`` header and all.
+
+Every line is one JSON object, whatever it holds: a value that is not valid UTF-8 (a header's bad byte, a lone
+surrogate from a JSON body) is written escaped (``\\xff``, ``\\ud800``) instead of making the line fail
+(``safe_value``), and stdlib records (aiohttp's own errors, libraries' warnings) are written as JSON lines too
+(``JsonFormatter``), tracebacks inside the ``exception`` field, never as plain text.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import logging
 import re
 import sys
 from collections.abc import MutableMapping
+from datetime import UTC, datetime
 from typing import Any
 
 import orjson
@@ -75,12 +81,55 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[s
     return event
 
 
+def _escaped(text: str) -> str:
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate that is no escaped byte
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def safe_value(value: Any) -> Any:
+    """``value`` with every string (keys included) valid UTF-8 and everything else JSON can hold."""
+    if isinstance(value, str):
+        return _escaped(value)
+    if isinstance(value, dict):
+        return {safe_value(str(key)): safe_value(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [safe_value(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return _escaped(str(value))
+
+
 def _dumps(obj: Any, default: Any = None) -> bytes:
-    return orjson.dumps(obj, default=default or str)
+    try:
+        return orjson.dumps(obj, default=default or str)
+    except (orjson.JSONEncodeError, UnicodeError):  # text that is not UTF-8: escaped, the line still written
+        return orjson.dumps(safe_value(obj))
 
 
 def _dumps_text(obj: Any, default: Any = None) -> str:
     return _dumps(obj, default).decode()
+
+
+class JsonFormatter(logging.Formatter):
+    """A stdlib record as one JSON line shaped like structlog's (after ``RedactingFilter`` ran on it)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        """The record's line: event, logger, level, timestamp, the request's bound context, any traceback."""
+        when = datetime.fromtimestamp(record.created, UTC).isoformat().replace("+00:00", "Z")
+        event: dict[str, Any] = {
+            **structlog.contextvars.get_contextvars(),
+            "event": record.getMessage(),
+            "logger": record.name,
+            "level": record.levelname.lower(),
+            "timestamp": when,
+        }
+        if record.exc_info and not record.exc_text:
+            record.exc_text = redact_text(self.formatException(record.exc_info))
+        if record.exc_text:
+            event["exception"] = record.exc_text
+        return _dumps_text(event)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -89,6 +138,7 @@ def configure_logging(level: str = "info") -> None:
     logging.basicConfig(stream=sys.stdout, level=numeric, format="%(message)s", force=True)
     for handler in logging.getLogger().handlers:
         handler.addFilter(RedactingFilter())
+        handler.setFormatter(JsonFormatter())
     for noisy in ("aiohttp.access", "LiteLLM", "httpx", "lance"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     # A line and its newline in one write (``print`` makes them two system calls on an unbuffered stdout, the

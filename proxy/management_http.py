@@ -116,7 +116,9 @@ def check_admin(state: AppState, authorization: str | None) -> None:
             code="management_disabled",
         )
     scheme, _, given = (authorization or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), key.encode()):
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        given.strip().encode("utf-8", "surrogateescape"), key.encode()
+    ):
         raise Unauthorized("missing or wrong admin key: send the header Authorization: Bearer <admin key>")
 
 

@@ -14,8 +14,9 @@ import signal
 import socket
 import sys
 from http import HTTPStatus
-from typing import Any
+from typing import Any, cast
 
+import orjson
 import structlog
 import uvloop
 from aiohttp import web
@@ -41,13 +42,70 @@ log = structlog.get_logger("memproxy.server")
 EXIT_CONFIG = 2
 
 
+HEAD_TIMEOUT_BODY = orjson.dumps(
+    {"error": {"message": "the request head did not arrive in time", "type": "invalid_request_error",
+               "param": None, "code": "request_timeout"}}
+)  # fmt: skip
+
+
 class _JsonProtocolErrors(RequestHandler):
-    """Errors aiohttp answers itself, before the app sees a request, as OpenAI error JSON.
+    """Errors aiohttp answers itself, before the app sees a request, as OpenAI error JSON; and a deadline for
+    request heads.
 
     A request line or header that is too long or malformed never reaches the app's error middleware:
     aiohttp answers it with ``text/plain`` that echoes the offending bytes back. Here the client gets the
     same status with an OpenAI-style body naming only what was wrong, and the log gets one line.
+
+    aiohttp has no timeout for a request head: a client sending its headers a byte at a time holds the
+    connection until the keep-alive timeout (an hour). Here a head must be complete within ``head_timeout_s``
+    of the connection's start or of its first byte (a later request on a kept-alive connection); otherwise the
+    client gets a 408 and the connection is closed (like nginx's ``client_header_timeout``).
     """
+
+    head_timeout_s = 0.0  # set by the server that made it (``_JsonErrorServer``); 0: no deadline
+    _head_timer: asyncio.TimerHandle | None = None
+    _heads_seen = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_timer is None and self._between_requests():
+            self._arm_head_timer()  # the first byte of a new head on a kept-alive connection
+        super().data_received(data)
+        if self._head_timer is not None and self._request_count != self._heads_seen:
+            self._head_timer.cancel()  # the head is complete
+            self._head_timer = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        super().connection_lost(exc)
+
+    def _between_requests(self) -> bool:
+        """No request is being handled: the connection waits for a head (or is about to)."""
+        waiting = self._waiter is not None and not self._waiter.done()
+        return waiting or (self._waiter is None and not self._request_in_progress)
+
+    def _arm_head_timer(self) -> None:
+        if self.head_timeout_s > 0:
+            self._heads_seen = self._request_count
+            self._head_timer = self._loop.call_later(self.head_timeout_s, self._head_timed_out)
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self.transport is None or self._request_count != self._heads_seen:
+            return
+        if not self._between_requests():  # a request is being handled: its head was complete
+            return
+        log.info("http.head_timeout", timeout_s=self.head_timeout_s)
+        self.transport.write(
+            b"HTTP/1.1 408 Request Timeout\r\nContent-Type: application/json\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(HEAD_TIMEOUT_BODY), HEAD_TIMEOUT_BODY)
+        )
+        self.force_close()  # the transport sends what it holds, then closes
 
     def handle_error(
         self, request: Any, status: int = 500, exc: BaseException | None = None, message: str | None = None
@@ -70,16 +128,23 @@ class _JsonProtocolErrors(RequestHandler):
 
 
 class _JsonErrorServer(web.Server):
+    head_timeout_s = 0.0
+
     def __call__(self) -> RequestHandler:
-        return _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+        handler = _JsonProtocolErrors(self, loop=self._loop, **self._kwargs)
+        handler.head_timeout_s = self.head_timeout_s
+        return handler
 
 
 class AppRunner(web.AppRunner):
-    """``web.AppRunner`` whose connections answer protocol errors as OpenAI error JSON (see above)."""
+    """``web.AppRunner`` whose connections answer protocol errors as OpenAI error JSON and time out slow request
+    heads after ``server.head_timeout_s`` (see above)."""
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _JsonErrorServer  # aiohttp offers no hook for the handler class
+        if STATE in self.app:
+            cast(_JsonErrorServer, server).head_timeout_s = self.app[STATE].settings.server.head_timeout_s
         return server
 
 

@@ -9,6 +9,11 @@ the line, or the item of a JSON document) and only then written, in chunks. Reco
 for ChatGPT lines and id-less batch items, an id derived from user, kind and text), and the store ignores an id
 it already holds, so importing the same file twice adds nothing, and re-running an interrupted import finishes
 it. A record embedded by another model than the store's (or without a vector) is embedded again.
+
+Import is as strict as the API: a user id must follow the API's rule (``APP_ID_RULE``: one the API could not list,
+export or forget is refused), a text longer than a chat turn may be (``memory.max_turn_chars``) is capped the same
+way (head and tail around a marker), a vector must be finite and, when it is the store's model's, of its dimension,
+and one id given to two users in one file is an error naming both lines. The store's own export always imports.
 """
 
 from __future__ import annotations
@@ -26,12 +31,13 @@ import numpy as np
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.memory.errors import InvalidUserId
-from proxy.memory.store.ids import check_user_id, valid_record_id
+from proxy.memory.store.ids import APP_ID_RULE, valid_app_id, valid_record_id
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.text_cap import cap_text
 
 Format = Literal["memproxy", "mem0", "chatgpt"]
 MAX_TEXT_CHARS = 4000
+MAX_TURN_CHARS = 16_000  # memory.max_turn_chars's default
 CHUNK_RECORDS = 512
 _RECORD = TypeAdapter(MemoryRecord)
 _FIELDS = frozenset(field.name for field in dataclasses.fields(MemoryRecord))
@@ -88,24 +94,25 @@ def _first_error(exc: ValidationError) -> str:
     return f"{where}: {error['msg']}" if where else str(error["msg"])
 
 
-def checked(record: MemoryRecord, where: str) -> MemoryRecord:
-    """``record`` with UTC timestamps, or ``ImportFormatError`` naming ``where`` if the store would refuse it."""
-    try:
-        check_user_id(record.user_id)
-    except InvalidUserId as exc:
-        raise ImportFormatError(f"{where}: user_id: {exc}") from None
+def checked(record: MemoryRecord, where: str, max_chars: int = MAX_TURN_CHARS) -> MemoryRecord:
+    """``record`` with UTC timestamps and its text capped at ``max_chars``, or ``ImportFormatError`` naming
+    ``where`` if the API would refuse it (user id, id, empty text, a vector that is not finite)."""
+    if not valid_app_id(record.user_id):
+        raise ImportFormatError(f"{where}: user_id: must be {APP_ID_RULE}")
     if not valid_record_id(record.id):
         raise ImportFormatError(f"{where}: id: not a valid record id")
     if not record.text.strip():
         raise ImportFormatError(f"{where}: text: empty")
+    if record.embedding is not None and not np.isfinite(np.asarray(record.embedding, dtype=np.float32)).all():
+        raise ImportFormatError(f"{where}: embedding: holds a value that is not a finite float32")
     times = {
         name: _utc(getattr(record, name))
         for name in ("created_at", "updated_at", "last_accessed_at", "start_at", "end_at")
     }
-    return record.replace(**times)
+    return record.replace(text=cap_text(record.text, max_chars), **times)
 
 
-def parse_memproxy_line(line: bytes | str, number: int) -> MemoryRecord | None:
+def parse_memproxy_line(line: bytes | str, number: int, max_chars: int = MAX_TURN_CHARS) -> MemoryRecord | None:
     """One line of memproxy JSONL as a record (None for a blank line)."""
     where = f"line {number}"
     if not line.strip():
@@ -124,16 +131,25 @@ def parse_memproxy_line(line: bytes | str, number: int) -> MemoryRecord | None:
     except ValidationError as exc:
         raise ImportFormatError(f"{where}: {_first_error(exc)}") from None
     if record.embedding is not None:
-        record = record.replace(embedding=np.asarray(record.embedding, dtype=np.float32))
-    return checked(record, where)
+        with np.errstate(over="ignore"):  # 1e308 becomes inf: refused by ``checked``
+            record = record.replace(embedding=np.asarray(record.embedding, dtype=np.float32))
+    return checked(record, where, max_chars)
 
 
-def parse_memproxy(lines: Iterable[bytes | str]) -> Iterator[MemoryRecord]:
-    """Records from memproxy JSONL (``memproxy export`` or the per-user export of the management API)."""
+def parse_memproxy(lines: Iterable[bytes | str], max_chars: int = MAX_TURN_CHARS) -> Iterator[MemoryRecord]:
+    """Records from memproxy JSONL (``memproxy export`` or the per-user export of the management API); an id
+    given to two users is an error naming both lines."""
+    owners: dict[str, tuple[str, int]] = {}
     for number, line in enumerate(lines, start=1):
-        record = parse_memproxy_line(line, number)
-        if record is not None:
-            yield record
+        record = parse_memproxy_line(line, number, max_chars)
+        if record is None:
+            continue
+        owner, first = owners.setdefault(record.id, (record.user_id, number))
+        if owner != record.user_id:
+            raise ImportFormatError(
+                f"line {number}: id {record.id[:64]!r} is also the id of user {owner[:64]!r}'s record on line {first}"
+            )
+        yield record
 
 
 def _mem0_items(document: Any) -> list[Any]:
@@ -208,6 +224,19 @@ def parse_chatgpt(lines: Iterable[str], user_id: str) -> Iterator[MemoryRecord]:
 
 
 # --- writing ------------------------------------------------------------------------------------------
+
+
+def check_vectors(records: Iterable[MemoryRecord], model_id: str, dim: int) -> int:
+    """The number of records; ``ImportFormatError`` for a vector said to be the store's model's but of another
+    dimension (a vector of another model is embedded again)."""
+    count = 0
+    for count, record in enumerate(records, start=1):
+        if record.embedding is not None and record.model_id == model_id and len(record.embedding) != dim:
+            raise ImportFormatError(
+                f"record {count} (id {record.id[:64]!r}): embedding: {len(record.embedding)} values, but {model_id} "
+                f"makes {dim}"
+            )
+    return count
 
 
 def for_model(record: MemoryRecord, model_id: str, dim: int) -> MemoryRecord:

@@ -13,12 +13,16 @@ import numpy as np
 import orjson
 import pytest
 import pytest_asyncio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.transfer import (
     ImportFormatError,
+    check_vectors,
+    export_line,
     export_lines,
     import_records,
     parse_chatgpt,
@@ -177,6 +181,9 @@ async def test_chatgpt_memories_import_as_facts_once(tmp_path: Path, local: Base
         (b'{"user_id": "u", "kind": "rumour", "text": "x"}', "kind"),
         (b'{"user_id": "u", "kind": "fact", "text": "x", "colour": 1}', "unknown field 'colour'"),
         (b'{"user_id": "", "kind": "fact", "text": "x"}', "user_id"),
+        (b'{"user_id": "x\'; DROP TABLE--", "kind": "fact", "text": "x"}', "user_id: must be 1-128 characters"),
+        (b'{"user_id": "u", "kind": "fact", "text": "x", "embedding": [0.5, 1e308]}', "embedding: .*not a finite"),
+        (b'{"user_id": "u", "kind": "fact", "text": "x", "embedding": [NaN]}', "not JSON"),
     ],
 )
 def test_bad_line_is_named(line: bytes, problem: str) -> None:
@@ -184,6 +191,62 @@ def test_bad_line_is_named(line: bytes, problem: str) -> None:
     good = b'{"user_id": "u", "kind": "fact", "text": "fine"}'
     with pytest.raises(ImportFormatError, match=rf"line 3: .*{problem}"):
         list(parse_memproxy([good, b"", line]))
+
+
+def test_an_id_shared_by_two_users_names_both_lines() -> None:
+    """One id given to two users in one file is an error naming both lines (not a record silently dropped)."""
+    lines = [b'{"user_id": "ann", "kind": "fact", "text": "a", "id": "same"}', b"",
+             b'{"user_id": "bob", "kind": "fact", "text": "b", "id": "same"}']  # fmt: skip
+    with pytest.raises(ImportFormatError, match=r"line 3: id 'same' is also the id of user 'ann'.* line 1"):
+        list(parse_memproxy(lines))
+
+
+def test_imported_text_is_capped_like_a_chat_turn() -> None:
+    """A 20 MB memory is stored as head and tail around a marker, at most ``memory.max_turn_chars``."""
+    line = orjson.dumps({"user_id": "u", "kind": "fact", "text": "start " + "x" * 20_000_000 + " end"})
+    (record,) = parse_memproxy([line], max_chars=2000)
+    assert len(record.text) == 2000
+    assert record.text.startswith("start x")
+    assert record.text.endswith("x end")
+    assert "characters not stored" in record.text
+
+
+def test_a_vector_of_the_wrong_dimension_is_refused() -> None:
+    """A vector said to be the store's model's but of another size is an error naming the record."""
+    line = orjson.dumps({"user_id": "u", "kind": "fact", "text": "t", "id": "r1", "model_id": "m", "embedding": [0.1]})
+    with pytest.raises(ImportFormatError, match=r"record 1 \(id 'r1'\): embedding: 1 values, but m makes 384"):
+        check_vectors(parse_memproxy([line]), "m", 384)
+    other = orjson.dumps({"user_id": "u", "kind": "fact", "text": "t", "model_id": "old", "embedding": [0.1]})
+    assert check_vectors(parse_memproxy([other]), "m", 384) == 1  # another model's vector: embedded again
+
+
+APP_IDS = st.from_regex(r"[A-Za-z0-9._@:+\-=/|~]{1,20}", fullmatch=True)
+RECORDS = st.builds(
+    MemoryRecord,
+    user_id=APP_IDS,
+    kind=st.sampled_from(list(Kind)),
+    text=st.text(min_size=1, max_size=200).filter(str.strip),
+    id=APP_IDS,
+    created_at=st.datetimes(timezones=st.just(UTC)),
+    embedding=st.none() | st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=8),
+    model_id=st.sampled_from(["", "local/minilm"]),
+    importance=st.integers(1, 10),
+    entities=st.lists(st.text(max_size=20), max_size=3).map(tuple),
+    flagged=st.none() | st.just("instruction_like:ignore_instructions"),
+)
+
+
+@given(st.lists(RECORDS, max_size=5, unique_by=lambda r: r.id))
+def test_the_stores_own_export_always_imports(records: list[MemoryRecord]) -> None:
+    """Whatever the store holds (within the API's rules), its export parses back to the same records."""
+    lines = [export_line(record) for record in records]
+    parsed = list(parse_memproxy(lines))
+    assert [r.replace(embedding=None) for r in parsed] == [r.replace(embedding=None) for r in records]
+    for back, record in zip(parsed, records, strict=True):
+        if record.embedding is None:
+            assert back.embedding is None
+        else:
+            assert np.array_equal(np.asarray(back.embedding), np.asarray(record.embedding, dtype=np.float32))
 
 
 def test_mem0_item_without_user_needs_one() -> None:

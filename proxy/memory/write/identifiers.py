@@ -1,9 +1,12 @@
 """The identifier screen: card numbers, IBANs, national ids, account numbers, API keys and credentials.
 
 Luhn-valid card numbers, IBANs with a valid mod-97 check, SSN/NI-like and other national-id-like numbers,
-account/passport/licence numbers, API keys and tokens (``sk-``, AWS, GitHub, Slack, Google, JWT, bearer tokens,
-private keys), passwords and PINs. ``redact_identifiers`` replaces the secret itself by ``[redacted:<kind>]``;
-the words around it stay, so "my card is ..." still says that a card was mentioned.
+account/passport/licence numbers, private keys, passwords and PINs, and every credential shape of ``secrets``
+(cloud and registry tokens, connection strings, secret assignments, Authorization headers, seed phrases, card
+security codes, random keys). ``redact_identifiers`` replaces the secret itself by ``[redacted:<kind>]``; the words
+around it stay, so "my card is ..." still says that a card was mentioned. Redaction is idempotent: nothing inside
+a ``[redacted:...]`` marker is found again. What a user asked to remember is kept, except credentials that only
+give access (``NEVER_KEPT``: keys, tokens, connection strings, seed phrases, card security codes).
 """
 
 from __future__ import annotations
@@ -13,11 +16,15 @@ import re
 from collections.abc import Collection, Iterator, Sequence
 
 from proxy.memory.write.folding import fold
+from proxy.memory.write.secrets import secret_spans
 
 _I = re.IGNORECASE
 REDACTION = "[redacted:{kind}]"
 
 REDACTION_MARK = "[redacted:"
+_MARKER = re.compile(r"\[redacted:[a-z_]*\]?")
+NEVER_KEPT = frozenset({"api_key", "token", "private_key", "connection_string", "secret_assignment", "seed_phrase",
+                        "card_security_code", "high_entropy"})  # fmt: skip
 
 
 _CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
@@ -33,25 +40,17 @@ _IDENTIFIER_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
     ("national_insurance", re.compile(r"\b[A-CEGHJ-PR-TW-Z]{2}\s?\d{2}\s?\d{2}\s?\d{2}\s?[A-D]\b")),
     (
         "private_key",
-        re.compile(r"-----BEGIN [A-Z ]*PRIVATE KEY-----[\s\S]*?(-----END [A-Z ]*PRIVATE KEY-----|$)"),
-    ),
-    (
-        "api_key",
         re.compile(
-            r"\b(sk|pk|rk)-[A-Za-z0-9_-]{16,}|\bsk_(live|test)_[A-Za-z0-9]{16,}|\bAKIA[0-9A-Z]{16}\b"
-            r"|\bgh[pousr]_[A-Za-z0-9]{30,}|\bgithub_pat_[A-Za-z0-9_]{30,}|\bxox[abprs]-[A-Za-z0-9-]{10,}"
-            r"|\bAIza[0-9A-Za-z_-]{35}|\bglpat-[A-Za-z0-9_-]{20,}"
-            r"|\beyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}"
+            r"-----BEGIN [A-Z ]*PRIVATE KEY(?: BLOCK)?-----[\s\S]*?(-----END [A-Z ]*PRIVATE KEY(?: BLOCK)?-----|$)"
         ),
     ),
-    ("token", re.compile(r"\bbearer\s+(?P<secret>[A-Za-z0-9._~+/-]{16,}=*)", _I)),
     (
         "credential",
         re.compile(
             r"\b(password|passwd|passcode|passphrase|pass\s*word|pin(\s+(code|number))?|cvv|cvc|security\s+code|"
             r"api[\s_-]?key|secret(\s+key)?|access\s+token|auth\s+token|token|2fa\s+code|otp|mot\s+de\s+passe|"
             r"passwort|contraseña)\s*(is|was|are|:|=)\s*"
-            rf"(?P<secret>\S+?){_PUNCT_END}"
+            rf"(?P<secret>(?![\"'`\u201c\u2018])\S+?){_PUNCT_END}"  # a quoted value: ``secrets.passwords``
             rf"|(密码|密碼|口令|パスワード|暗証番号|비밀번호)\s*(是|为|は|:|=|는|은)?\s*(?P<cjk>[^\s{_CJK_PUNCT}]+)",
             _I,
         ),
@@ -80,8 +79,6 @@ _IDENTIFIER_RULES: tuple[tuple[str, re.Pattern[str]], ...] = (
 # Cheap prefilters: a rule can only match text (lower-cased) holding one of its needles.
 _NEEDLES: dict[str, tuple[str, ...]] = {
     "private_key": ("-----begin",),
-    "api_key": ("sk", "pk-", "rk-", "akia", "gh", "github_pat", "xox", "aiza", "glpat", "eyj"),
-    "token": ("bearer",),
     "credential": ("pass", "pin", "cvv", "cvc", "security", "api", "secret", "token", "2fa", "otp", "mot de",
                    "contrase", "密码", "密碼", "口令", "パスワード", "暗証番号", "비밀번호"),
     "pin": ("pin",),
@@ -150,7 +147,6 @@ _NEEDS_DIGITS = frozenset({"ssn", "national_insurance", "pin", "account_number",
 # Keyword rules can only match where one of these (lower case) starts: they are tried at those places only,
 # instead of at every position (a scan of 100 kB took ~60 ms per rule, ~1 ms this way).
 _ANCHORS: dict[str, tuple[str, ...]] = {
-    "token": ("bearer",),
     "credential": ("pass", "pin", "cvv", "cvc", "security", "api", "secret", "access", "auth", "token", "2fa",
                    "otp", "mot", "contrase", "密码", "密碼", "口令", "パスワード", "暗証番号", "비밀번호"),
     "pin": ("pin",),
@@ -178,7 +174,9 @@ def identifier_spans(text: str, extra: Sequence[str] = ()) -> list[Span]:
     """Every identifier in ``text`` (positions in ``text`` itself), without overlaps, in order."""
     digits = _DIGIT.search(text) is not None
     lowered = text.lower()
-    spans = _checksum_spans(text) if digits else []
+    # the credential shapes first: for the same span, their kind (api_key, seed_phrase...) is the more specific
+    spans = [Span(start, end, kind) for start, end, kind in secret_spans(text)]
+    spans += _checksum_spans(text) if digits else []
     for name, pattern in _IDENTIFIER_RULES:
         if (not digits and name in _NEEDS_DIGITS) or not _may_match(name, lowered):
             continue
@@ -187,8 +185,80 @@ def identifier_spans(text: str, extra: Sequence[str] = ()) -> list[Span]:
             spans.append(Span(match.start(group), match.end(group), name))
     for pattern_text in extra:
         spans += [Span(m.start(), m.end(), "configured_pattern") for m in re.finditer(pattern_text, text, _I)]
+    spans = [span for span in spans if span.kind != "credential" or not _plain_word(text[span.start : span.end])]
+    return _outermost(spans, _markers(text))
+
+
+# What follows "password is" in talk about a password rather than in one: "the password is on the fridge".
+_PLAIN_WORDS = frozenset(
+    [
+        "on",
+        "in",
+        "at",
+        "the",
+        "a",
+        "an",
+        "my",
+        "your",
+        "his",
+        "her",
+        "our",
+        "their",
+        "its",
+        "under",
+        "not",
+        "still",
+        "written",
+        "saved",
+        "stored",
+        "somewhere",
+        "here",
+        "there",
+        "same",
+        "easy",
+        "hard",
+        "too",
+        "very",
+        "so",
+        "also",
+        "just",
+        "what",
+        "that",
+        "this",
+        "it",
+        "inside",
+        "behind",
+        "taped",
+        "expired",
+        "wrong",
+        "changed",
+        "reset",
+        "weak",
+        "strong",
+        "long",
+        "short",
+        "different",
+        "new",
+        "old",
+        "simple",
+    ]
+)
+
+
+def _plain_word(value: str) -> bool:
+    return value.lower().rstrip(".,;:!?") in _PLAIN_WORDS
+
+
+def _markers(text: str) -> list[tuple[int, int]]:
+    return [m.span() for m in _MARKER.finditer(text)] if REDACTION_MARK in text else []
+
+
+def _outermost(spans: list[Span], markers: list[tuple[int, int]]) -> list[Span]:
+    """The spans without overlaps (the first and longest wins), none touching a redaction marker."""
     kept: list[Span] = []
     for span in sorted(spans, key=lambda s: (s.start, -s.end)):
+        if any(span.start < end and start < span.end for start, end in markers):
+            continue
         if span.end > span.start and (not kept or span.start >= kept[-1].end):
             kept.append(span)
     return kept
@@ -214,7 +284,7 @@ def redact_identifiers(text: str, extra: Sequence[str] = (), keep: Collection[st
     if not spans:
         source = fold(text)
         spans = identifier_spans(source, extra) if source != text else []
-    spans = [span for span in spans if source[span.start : span.end] not in keep]
+    spans = [span for span in spans if span.kind in NEVER_KEPT or source[span.start : span.end] not in keep]
     if not spans:
         return text, ()
     out, last = [], 0
