@@ -44,9 +44,18 @@ ROUTES: list[tuple[str, str, list[tuple[bytes, bytes]], bytes]] = [
     ("GET", USER + "/export", [ADMIN_AUTH], b""),
     ("GET", USER + "/insights", [ADMIN_AUTH], b""),
     ("DELETE", USER, [ADMIN_AUTH], b""),
+    ("POST", "/v1/responses", [CLIENT, JSON, (b"X-Memory-User", b"fuzz-user")], b'{"model": "m", "input": "hi"}'),
+    (
+        "POST",
+        "/v1/messages",
+        [(b"X-Api-Key", CLIENT_KEY.encode()), JSON, (b"Anthropic-Version", b"2023-06-01")],
+        b'{"model": "c", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}',
+    ),
+    ("POST", "/v1/embeddings", [CLIENT, JSON], b'{"model": "e", "input": "hi"}'),
 ]
 FUZZED_NAMES = ["Authorization", "X-Memory-User", "X-Memory-Conversation", "X-Memory-Mode", "X-Request-Id",
-                "Origin", "Content-Type", "User-Agent", "Traceparent", "X-Anything", "Cookie"]  # fmt: skip
+                "Origin", "Content-Type", "User-Agent", "Traceparent", "X-Anything", "Cookie", "X-Api-Key",
+                "Anthropic-Version"]  # fmt: skip
 
 
 def raw_request(method: str, path: str, headers: list[tuple[bytes, bytes]], body: bytes) -> bytes:
@@ -75,7 +84,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         app_settings = admin_settings(
             admin={"api_key": ADMIN},
             clients=[{"namespace": "app", "key_sha256": key_hash(CLIENT_KEY)}],
-            upstream={"base_url": upstream},
+            upstream={"base_url": upstream, "anthropic_base_url": upstream.removesuffix("/v1")},
             server={"allowed_origins": ["http://app.example"]},
             storage={"path": str(tmp_path_factory.mktemp("header-bytes"))},
         )
