@@ -20,6 +20,7 @@ pytestmark = pytest.mark.e2e
 
 OPENAI_KEY = "sk-client-openai-5151"
 ANTHROPIC_KEY = "sk-ant-client-7373"
+ADMIN_KEY = "admin-key-dialects-0001"
 
 
 def _root(base_url: str) -> str:
@@ -57,6 +58,7 @@ def proxy(upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[t
         "MEMPROXY_UPSTREAM__ANTHROPIC_BASE_URL": _root(upstream),
         "MEMPROXY_STORAGE__PATH": str(tmp_path_factory.mktemp("data")),
         "MEMPROXY_WRITER__FACTS_WINDOW_WAIT_S": "0.2",
+        "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY,
     }
     with memproxy_process(env) as started:
         yield started
@@ -301,3 +303,31 @@ def test_memory_side_calls_follow_the_latest_chats_dialect(proxy: tuple[Process,
     side = next(r for r in received(upstream) if r.get("path") == "/v1/messages" and r["json"].get("tool_choice"))
     headers = {k.lower(): v for k, v in side["headers"].items()}
     assert headers.get("x-api-key") == ANTHROPIC_KEY
+
+
+def stored_turns(url: str, user: str) -> list[dict[str, Any]]:
+    """The user's stored turns (management API)."""
+    request = urllib.request.Request(  # noqa: S310 (loopback)
+        f"{_root(url)}/v1/memory/users/{user}/memories?kind=turn&limit=500",
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as answer:  # noqa: S310
+        return list(json.loads(answer.read())["data"])
+
+
+def test_a_previous_response_id_chain_is_one_conversation(proxy: tuple[Process, str]) -> None:
+    """Requests continuing ``previous_response_id`` are stored in the conversation of the chain's first."""
+    client = openai_client(proxy[1], "hank")
+    first = client.responses.create(model="gpt-test", input="My bike is a green Brompton")
+    second = client.responses.create(model="gpt-test", input="I ride it to work", previous_response_id=first.id)
+    client.responses.create(model="gpt-test", input="On Fridays I take the train", previous_response_id=second.id)
+    client.responses.create(model="gpt-test", input="A different chat altogether")
+
+    def stored() -> bool:
+        return len(stored_turns(proxy[1], "hank")) >= 8
+
+    eventually(stored)
+    by_text = {t["text"]: t["conversation_id"] for t in stored_turns(proxy[1], "hank") if t.get("role") == "user"}
+    chain = {by_text[t] for t in ("My bike is a green Brompton", "I ride it to work", "On Fridays I take the train")}
+    assert len(chain) == 1
+    assert by_text["A different chat altogether"] not in chain
