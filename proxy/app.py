@@ -129,6 +129,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
         extraction=settings.extraction,
         insights=settings.insights,
         cluster=settings.storage.cluster(os.environ),
+        webhooks=settings.webhooks,
+        turn_retention_days=settings.memory.turn_retention_days,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import SecretStr
 
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.stated import Stated
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,9 +147,14 @@ class MemoryAdmin(Protocol):
         ...
 
     async def add_fact(
-        self, user_id: str, text: str, importance: int | None = None, category: str | None = None
+        self,
+        user_id: str,
+        text: str,
+        importance: int | None = None,
+        category: str | None = None,
+        expires_at: datetime | None = None,
     ) -> MemoryRecord:
-        """A fact stated directly, searchable when this returns."""
+        """A fact stated directly, searchable when this returns (never injected after ``expires_at``)."""
         ...
 
     async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
@@ -156,7 +162,12 @@ class MemoryAdmin(Protocol):
         ...
 
     async def edit(
-        self, user_id: str, id: str, text: str | None = None, importance: int | None = None
+        self,
+        user_id: str,
+        id: str,
+        text: str | None = None,
+        importance: int | None = None,
+        expires_at: datetime | None = None,
     ) -> MemoryRecord | None:
         """The edited record (a new one when the text changed), or None when there is no such valid record."""
         ...
@@ -183,6 +194,16 @@ class MemoryAdmin(Protocol):
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
         """One job's row, or None."""
+        ...
+
+
+@runtime_checkable
+class TakesStatedFacts(Protocol):
+    """Management that also takes facts the way the write path does (screens, reconcile, subjects): the MCP
+    server's ``add_memory``."""
+
+    async def remember(self, user_id: str, text: str, expires_at: datetime | None = None) -> Stated:
+        """Screen, reconcile and store ``text`` as one of the user's facts."""
         ...
 
 

@@ -28,6 +28,12 @@ def _cooling(record: MemoryRecord, now: datetime, settings: RetrievalSettings) -
     return now - last < timedelta(minutes=minutes)
 
 
+def _injectable(record: MemoryRecord, now: datetime) -> bool:
+    """Not flagged by the screens, and not past its expiry: two attribute reads on the record already loaded."""
+    expires = record.expires_at
+    return record.flagged is None and (expires is None or expires > now)
+
+
 def plan_items(
     candidates: Sequence[Candidate],
     insights: Sequence[MemoryRecord],
@@ -40,11 +46,12 @@ def plan_items(
     Candidates score their final score scaled to [0, 1] (``scoring.final_scale``); insights
     ``INSIGHT_PRIORITY`` x confidence; recent messages ``RECENT_PRIORITY`` x recency, or their candidate
     score when higher (a recent message that is also relevant is listed once, under recent activity). The
-    injection budget drops the lowest of these first. Records the screens flagged are never among them.
+    injection budget drops the lowest of these first. Records the screens flagged, and records past their
+    ``expires_at`` (until the retention sweep deletes them), are never among them.
     """
-    candidates = [c for c in candidates if c.record.flagged is None]  # flagged by the screens: never injected
-    insights = [r for r in insights if r.flagged is None]
-    recent = [r for r in recent if r.flagged is None]
+    candidates = [c for c in candidates if _injectable(c.record, now)]
+    insights = [r for r in insights if _injectable(r, now)]
+    recent = [r for r in recent if _injectable(r, now)]
     scale = final_scale(settings)
     relevance = {c.id: c.final * scale for c in candidates}
     recent_ids = {r.id for r in recent}
