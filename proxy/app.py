@@ -23,6 +23,7 @@ from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
 from proxy.management import add_management_routes
 from proxy.management_ops import add_operations_routes
+from proxy.mcp_server import add_mcp_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.memory.write.latest_chat import LatestChats
@@ -195,4 +196,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     add_routes(app)
     add_management_routes(app)
     add_operations_routes(app)
+    add_mcp_routes(app)
     return app

@@ -100,6 +100,7 @@ _PUBLIC_FIELDS = (
     "entities",
     "last_accessed_at",
     "flagged",
+    "expires_at",
 )
 
 
