@@ -42,6 +42,7 @@ from proxy.metrics import Metrics
 from proxy.routes import add_routes
 from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
+from proxy.telemetry import install_tracing
 from proxy.unavailable import open_memory_or_unavailable
 from proxy.upstream import build_router, build_session
 
@@ -197,4 +198,5 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     add_management_routes(app)
     add_operations_routes(app)
     add_mcp_routes(app)
+    install_tracing(app)
     return app

@@ -29,9 +29,11 @@ from proxy.commit import Committed
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, sse_error_event
 from proxy.feature_report import readiness
 from proxy.identity import Identity, Mode, identify, log_user
+from proxy.memory import spans
 from proxy.memory.service import Exchange, Injection, StorageStatus
 from proxy.sse import reply_from_completion
 from proxy.state import STATE, AppState
+from proxy.telemetry import record_retrieve
 from proxy.tool_history import ToolReplyAssembler, new_tool_results, reply_tool_calls
 from proxy.upstream import relayed_headers
 
@@ -124,6 +126,7 @@ class ChatCall:
         if not settings.memory.enabled:
             identity = Identity(identity.user_id, identity.conversation_id, Mode.OFF)
         self.state.metrics.observe("parse", time.perf_counter() - self.started)
+        spans.record_span("memproxy.parse", time.perf_counter() - self.started)
         structlog.contextvars.bind_contextvars(
             request_id=self.request_id, user=log_user(identity.user_id, settings.logging.user_ids)
         )
@@ -131,6 +134,7 @@ class ChatCall:
         if identity.mode.reads:
             self.state.metrics.observe("retrieve", injection.retrieval_ms / 1000)
             self.state.metrics.injected.observe(len(injection.injected_ids))
+            record_retrieve(injection)
         outgoing = body if injection.messages is None else {**body, "messages": injection.messages}
         try:
             return await self._forward(body, outgoing, None if injection.messages else raw, identity, injection)
@@ -151,6 +155,7 @@ class ChatCall:
         headers["X-Request-Id"] = self.request_id
         if identity.mode.writes:
             _say_write_degraded(headers, self._write_degraded())
+        opened = time.perf_counter()
         try:
             async with upstream.open(outgoing, raw, self.request.headers) as reply:
                 self.state.metrics.observe_upstream(self.route, body.get("model"), reply.ttfb_s)
@@ -166,6 +171,8 @@ class ChatCall:
             if not isinstance(exc, UpstreamStatusError):
                 self.state.metrics.upstream_errors.labels(type(exc).__name__).inc()
             raise
+        finally:
+            spans.record_span("memproxy.upstream", time.perf_counter() - opened, **{"memproxy.route": self.route})
 
     async def _relay_json(
         self, reply: Any, headers: dict[str, str], body: dict[str, Any], identity: Identity
@@ -270,6 +277,7 @@ class ChatCall:
             client_key=bearer_key(self.request.headers),
             tool_calls=tool_calls,
             tool_results=new_tool_results(messages),
+            traceparent=spans.current_traceparent(),
         )
         return await self.state.commits.commit(exchange)
 

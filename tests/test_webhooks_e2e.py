@@ -45,9 +45,9 @@ class Receiver:
         self.arrived.set()
         return web.Response(status=204)
 
-    async def next_event(self, event: str, timeout: float = 30.0) -> tuple[dict[str, str], dict[str, Any]]:
+    async def next_event(self, event: str, within_s: float = 30.0) -> tuple[dict[str, str], dict[str, Any]]:
         """The first accepted delivery of ``event`` (waiting for it)."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within_s
         while time.monotonic() < deadline:
             for headers, body in self.accepted:
                 if json.loads(body)["event"] == event:
@@ -135,7 +135,10 @@ async def test_webhooks_retry_sign_and_dead_letter_and_memories_expire(tmp_path:
             ):
                 added = await api.post(
                     "/v1/memory/users/ann/memories",
-                    json={"text": "My gym locker is number 42 at the Riverside club.", "expires_at": expires.isoformat()},
+                    json={
+                        "text": "My gym locker is number 42 at the Riverside club.",
+                        "expires_at": expires.isoformat(),
+                    },
                 )
                 assert added.status_code == 201, added.text
                 memory = added.json()

@@ -49,6 +49,7 @@ class Exchange:
     tool_calls: tuple[str, ...] = ()  # the reply's tool calls, as bounded turn texts (proxy.tool_history)
     tool_results: tuple[str, ...] = ()  # the request's new tool results, as bounded turn texts
     client_key: SecretStr | None = None  # the client's own key: held in memory for memory-side calls, never stored
+    traceparent: str | None = None  # the request's span (tracing on), so the write-side job joins its trace
 
 
 class MemoryService(Protocol):
