@@ -13,6 +13,7 @@ stateless mode with JSON answers), an ASGI app served from aiohttp through ``pro
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from importlib.metadata import PackageNotFoundError, version
 
@@ -75,9 +76,26 @@ class McpEndpoint:
         )
 
     async def lifecycle(self, app: web.Application) -> AsyncIterator[None]:
-        """The session manager's task group, for the app's lifetime."""
-        async with self._manager.run():
+        """The session manager's task group, for the app's lifetime, in a task of its own: an anyio task group
+        must be left by the task that entered it, and an app's start and cleanup may run in different tasks."""
+        started, stop = asyncio.Event(), asyncio.Event()
+
+        async def run() -> None:
+            async with self._manager.run():
+                started.set()
+                await stop.wait()
+
+        task = asyncio.create_task(run(), name="memproxy-mcp")
+        waiter = asyncio.create_task(started.wait())
+        await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if task.done():
+            task.result()  # it failed to start: say why
+        try:
             yield
+        finally:
+            stop.set()
+            await task
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         """One MCP HTTP request: access checks, then the SDK's transport."""
