@@ -28,12 +28,6 @@ def _cooling(record: MemoryRecord, now: datetime, settings: RetrievalSettings) -
     return now - last < timedelta(minutes=minutes)
 
 
-def _injectable(record: MemoryRecord, now: datetime) -> bool:
-    """Not flagged by the screens, and not past its expiry: two attribute reads on the record already loaded."""
-    expires = record.expires_at
-    return record.flagged is None and (expires is None or expires > now)
-
-
 def plan_items(
     candidates: Sequence[Candidate],
     insights: Sequence[MemoryRecord],
@@ -49,9 +43,12 @@ def plan_items(
     injection budget drops the lowest of these first. Records the screens flagged, and records past their
     ``expires_at`` (until the retention sweep deletes them), are never among them.
     """
-    candidates = [c for c in candidates if _injectable(c.record, now)]
-    insights = [r for r in insights if _injectable(r, now)]
-    recent = [r for r in recent if _injectable(r, now)]
+    # flagged by the screens, or past its expiry: never injected (inline: a call per candidate costs more)
+    candidates = [
+        c for c in candidates if c.record.flagged is None and (c.record.expires_at is None or c.record.expires_at > now)
+    ]
+    insights = [r for r in insights if r.flagged is None and (r.expires_at is None or r.expires_at > now)]
+    recent = [r for r in recent if r.flagged is None and (r.expires_at is None or r.expires_at > now)]
     scale = final_scale(settings)
     relevance = {c.id: c.final * scale for c in candidates}
     recent_ids = {r.id for r in recent}
