@@ -10,6 +10,8 @@ Phases, each on real LanceDB + Tantivy in a temporary directory:
    timings). Per size: vector search (cache hit, cache miss, LanceDB path), keyword search, and both arms
    together (``asyncio.gather`` of the two, as the read path runs them), p50/p99.
 4. Forget a 10k-memory user: in a store of 10k + background, and in the full corpus.
+5. The retention sweep on what is left of the corpus (the 100k user and the background users): with nothing
+   due, and the first sweep of a 30-day turn retention 60 days after the corpus starts.
 
 Prints a table and writes ``bench/results/store.json``.
 """
@@ -37,6 +39,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from proxy.memory.embedders.protocol import Embedder
+from proxy.memory.events import NoEvents
+from proxy.memory.retention import RetentionSweeper
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder
@@ -408,6 +412,23 @@ async def forget_in_corpus(path: Path, size: int) -> dict[str, Any]:
     return {"forgotten": sum(counts.values()), "table_rows_before": total, "seconds": round(seconds, 3)}
 
 
+async def retention_sweep(path: Path) -> dict[str, Any]:
+    """The retention sweep on the corpus: once with nothing due (its periodic cost), then with a 30-day turn
+    retention at a clock 60 days after the corpus starts (the first sweep of a store that turned it on)."""
+    settings = StoreSettings(path=path, ann_index_min_rows=10**12)
+    async with MemoryStore(settings, FixedDimEmbedder()) as store:
+        total = await store.count()
+        idle = RetentionSweeper(store, NoEvents(), 0, clock=lambda: T0 + timedelta(days=60))
+        start = time.perf_counter()
+        await idle.sweep()
+        idle_s = time.perf_counter() - start
+        due = RetentionSweeper(store, NoEvents(), 30, clock=lambda: T0 + timedelta(days=60))
+        start = time.perf_counter()
+        counts = await due.sweep()
+        seconds = time.perf_counter() - start
+    return {"table_rows_before": total, "idle_s": round(idle_s, 3), "deleted": counts, "seconds": round(seconds, 3)}
+
+
 # --- report --------------------------------------------------------------------------------------------
 
 
@@ -491,6 +512,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "corpus_deferred_purge": await forget_deferred(corpus, min(sizes, key=lambda size: abs(size - 10_000))),
             "corpus": await forget_in_corpus(corpus, min(sizes)),
         }
+        progress("retention sweep")
+        detail["retention"] = await retention_sweep(corpus)
     detail["bench_seconds"] = round(time.perf_counter() - started, 1)
     progress("done")
     ten_k = detail["search"].get("10000", {}).get("both_arms", {})
@@ -501,6 +524,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         "ingest_turns_per_s": ingest["turns_per_s"],
         "ingest_turns_per_s_no_embedding": detail["ingest"]["no_embedding"]["turns_per_s"],
         "forget_user_10k_s": detail["forget"]["small_store"]["seconds"],
+        "retention_sweep_100k_s": detail.get("retention", {}).get("seconds"),
+        "retention_sweep_idle_100k_s": detail.get("retention", {}).get("idle_s"),
         "targets": {"both_arms_p50_ms_10k": 3.0, "ingest_turns_per_s": 300, "forget_user_10k_s": 1.0},
         "machine": {
             "cpus": os.cpu_count(),

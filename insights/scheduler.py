@@ -28,6 +28,7 @@ import structlog
 
 from insights.service import InsightSettings, regenerate
 from proxy.memory.errors import MemoryLayerError
+from proxy.memory.events import MemoryEvents, NoEvents, memory_dict
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import Kind
 from proxy.memory.write.job_kinds import INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
@@ -74,8 +75,10 @@ class InsightJobs:
         default_model: str | None = None,
         latest_model: Callable[[str], str | None] | None = None,
         clock: Callable[[], datetime] | None = None,
+        events: MemoryEvents | None = None,
     ) -> None:
         self._store = store
+        self._events = events or NoEvents()
         self._llm = llm
         self._settings = settings
         self._default_model = default_model
@@ -113,6 +116,9 @@ class InsightJobs:
             raise RetryLater(str(error)) from None
         await job.queue.update_state(job.user_id, STATE_KEY, _ran(now.timestamp(), str(model)))
         log.info("insights.ran", reason=job.payload.get("reason"), insights=len(current))
+        if current:
+            insights = [memory_dict(record) for record in current]
+            await self._events.emit("insights.regenerated", job.user_id, insights=insights)
 
 
 def _ran(at: float, model: str) -> Callable[[dict[str, Any] | None], dict[str, Any]]:

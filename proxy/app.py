@@ -28,6 +28,7 @@ from proxy.feature_report import FeatureCollector, report_features
 from proxy.header_bytes import install_header_check
 from proxy.management import add_management_routes
 from proxy.management_ops import add_operations_routes
+from proxy.mcp_server import add_mcp_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
 from proxy.memory.service import MemoryService, NullMemory
 from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
@@ -47,6 +48,7 @@ from proxy.metrics import Metrics
 from proxy.routes import add_relayed_routes, add_routes
 from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
+from proxy.telemetry import install_tracing
 from proxy.unavailable import open_memory_or_unavailable
 from proxy.upstream import Router, build_router, build_session
 
@@ -162,6 +164,8 @@ def engine_settings(settings: Settings) -> EngineSettings:
         extraction=settings.extraction,
         insights=settings.insights,
         cluster=settings.storage.cluster(os.environ),
+        webhooks=settings.webhooks,
+        turn_retention_days=settings.memory.turn_retention_days,
     )
 
 
@@ -238,5 +242,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     add_routes(app)
     add_management_routes(app)
     add_operations_routes(app)
+    add_mcp_routes(app)
     add_relayed_routes(app)  # last: every route of memproxy's own matches first
+    install_tracing(app)
     return app

@@ -35,7 +35,9 @@ from proxy.memory.store.objectstore import StorageLocation
 from proxy.memory.write.extraction import ExtractionSettings
 from proxy.memory.write.job_types import JobQueueSettings, JobQueueTuning
 from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.webhooks import WebhookSettings
 from proxy.shadow import ShadowSettings
+from proxy.telemetry_settings import TelemetrySettings
 
 ENV_PREFIX = "MEMPROXY_"
 
@@ -213,6 +215,8 @@ class MemorySettings(_Frozen):
     read_queue_ms: float = Field(default=800.0, ge=0)
     # A stored turn keeps at most this many characters: head and tail around a marker (proxy/bounds.py).
     max_turn_chars: int = Field(default=16_000, ge=200)
+    # Stored turns older than this many days are deleted (summaries and facts kept); 0: kept for good.
+    turn_retention_days: int = Field(default=0, ge=0)
 
 
 class MemoryLLMSettings(_Frozen):
@@ -254,6 +258,8 @@ class Settings(_Frozen):
     memory_llm: MemoryLLMSettings = MemoryLLMSettings()
     insights: InsightSettings = InsightSettings()
     shadow: ShadowSettings = ShadowSettings()
+    webhooks: tuple[WebhookSettings, ...] = ()
+    telemetry: TelemetrySettings = TelemetrySettings()
 
     @field_validator("clients")
     @classmethod

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
+from datetime import datetime
 from typing import Any, cast
 
 import structlog
@@ -21,6 +22,7 @@ import structlog
 from insights.leader import LeaderInsightScheduler
 from insights.scheduler import InsightJobs, InsightScheduler, request_insights
 from insights.service import InsightSettings
+from proxy.announced import AnnouncedAdmin
 from proxy.chat import arms_entries
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
@@ -42,6 +44,7 @@ from proxy.memory.read.read_cache import NameIndexCache
 from proxy.memory.read.rerank import Reranker, RerankSettings
 from proxy.memory.read.retrieval import RetrievalResult, retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.retention import RetentionSweeper
 from proxy.memory.service import Exchange, Injection, MemoryAdmin, SearchPreview
 from proxy.memory.store.cluster import ClusterSettings, replica_name
 from proxy.memory.store.faults import StorageHealth
@@ -60,6 +63,8 @@ from proxy.memory.write.payloads import exchange_payload
 from proxy.memory.write.queue import JobQueue
 from proxy.memory.write.runner import JobRunner
 from proxy.memory.write.settings import WriterSettings
+from proxy.memory.write.stated import StatedFacts
+from proxy.memory.write.webhooks import Webhooks, WebhookSettings
 from proxy.memory.write.writer import Writer
 
 log = structlog.get_logger("memproxy.memory")
@@ -79,6 +84,8 @@ class EngineSettings:
     extraction: ExtractionSettings
     insights: InsightSettings
     cluster: ClusterSettings | None = None  # the table on object storage, shared with other replicas
+    webhooks: tuple[WebhookSettings, ...] = ()
+    turn_retention_days: int = 0  # 0: turns are kept for good
 
 
 def _result_row(candidate: Candidate) -> dict[str, Any]:
@@ -103,6 +110,7 @@ _PUBLIC_FIELDS = (
     "entities",
     "last_accessed_at",
     "flagged",
+    "expires_at",
 )
 
 
@@ -124,16 +132,17 @@ class MemoryEngine:
         self.health = StorageHealth()  # one view of the data directory's faults, shared by store and queue
         self.jobs = JobQueue(settings.jobs, health=self.health)
         self.store = self._build_store(settings)
+        self.events = Webhooks(settings.webhooks, self.jobs)
+        extractor = Extractor(settings.extraction, llm)
         self.writer = Writer(
-            settings.writer,
-            self.store,
-            self.jobs,
-            Extractor(settings.extraction, llm),
-            query_vectors=self.embedder.document_cache,
+            settings.writer, self.store, self.jobs, extractor, self.embedder.document_cache, self.events
         )
         self.insight_jobs = InsightJobs(
-            self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model
-        )
+            self.store, llm, settings.insights, default_model=settings.writer.model, latest_model=self.latest.model,
+            events=self.events,
+        )  # fmt: skip
+        stated = StatedFacts(settings.writer, self.store, extractor, self.events, self.latest.model)
+        self._admin = AnnouncedAdmin(self, self.store, self.events, stated)
         self.names = NameIndexCache()
         self.ledger = ConversationLedger(settings.injection.conversations_cache_bytes)
         self.reranker = Reranker(settings.rerank)
@@ -225,8 +234,12 @@ class MemoryEngine:
             stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
-            handlers = guard_handlers({**self.writer.handlers(), **self.insight_jobs.handlers()}, self.features)
-            await stack.enter_async_context(JobRunner(self.jobs, handlers))
+            await stack.enter_async_context(self.events)
+            handlers = {**self.writer.handlers(), **self.insight_jobs.handlers(), **self.events.handlers()}
+            await stack.enter_async_context(JobRunner(self.jobs, guard_handlers(handlers, self.features)))
+            days = self.settings.turn_retention_days
+            sweeper = RetentionSweeper(self.store, self.events, days, on_deleted=self._changed)
+            await stack.enter_async_context(sweeper)
             await self._enter_cluster(stack)
             self._stack = stack.pop_all()
         self._ready = True
@@ -312,6 +325,8 @@ class MemoryEngine:
         if placement is not Placement.CACHED:
             return plan_simple(placement, messages, chosen)
         entry = self.ledger.get(user_id, conversation_id)
+        if entry is not None and entry.expired(utcnow()):  # a carried memory expired: it must not be sent again
+            entry = None
         if entry is None and not start:
             return Planned(BlockPlan(), ())
         budgets = CachedBudgets(settings.turn_budget_tokens, settings.conversation_budget_tokens)
@@ -352,8 +367,8 @@ class MemoryEngine:
 
     @property
     def admin(self) -> MemoryAdmin:
-        """The management operations: the engine's own methods below."""
-        return self
+        """The management operations: the engine's own methods below, each change announced (``AnnouncedAdmin``)."""
+        return self._admin
 
     async def user_ids(self) -> list[str]:
         """Every user with at least one record."""
@@ -380,8 +395,9 @@ class MemoryEngine:
         return self.store.export(user_id)
 
     async def add_fact(
-        self, user_id: str, text: str, importance: int | None = None, category: str | None = None
-    ) -> MemoryRecord:
+        self, user_id: str, text: str, importance: int | None = None, category: str | None = None,
+        expires_at: datetime | None = None,
+    ) -> MemoryRecord:  # fmt: skip
         """A fact the user (or an operator) states directly: embedded, indexed and searchable at once."""
         record = MemoryRecord(
             user_id=user_id,
@@ -390,6 +406,7 @@ class MemoryEngine:
             importance=importance or 5,
             category=category,
             meta='{"source": "manual"}',
+            expires_at=expires_at,
         )
         [stored] = await self.store.add([record])
         self.names.invalidate(user_id)
@@ -405,17 +422,19 @@ class MemoryEngine:
         return [record.id for record in new]
 
     async def edit(
-        self, user_id: str, id: str, text: str | None = None, importance: int | None = None
-    ) -> MemoryRecord | None:
+        self, user_id: str, id: str, text: str | None = None, importance: int | None = None,
+        expires_at: datetime | None = None,
+    ) -> MemoryRecord | None:  # fmt: skip
         """Edit a memory; a text edit keeps the old version as history (superseded by the new one)."""
         current = await self.store.get(user_id, id)
         if current is None or not current.valid:
             return None
         if text is None or text == current.text:
-            if importance is None:
-                return current
-            return await self.store.update(user_id, id, importance=importance)
+            changes = {"importance": importance, "expires_at": expires_at}
+            changes = {name: value for name, value in changes.items() if value is not None}
+            return await self.store.update(user_id, id, **changes) if changes else current
         new = current.replace(
+            expires_at=expires_at or current.expires_at,
             id=new_id(),
             text=text,
             embedding=None,

@@ -26,6 +26,7 @@ from proxy.management_http import (
     USER,
     Body,
     Count,
+    Expiry,
     Handler,
     Text,
     admin_only,
@@ -54,18 +55,21 @@ class NewMemory(Body):
     kind: Literal["fact"] = "fact"
     importance: Count | None = Field(None, ge=1, le=10)
     category: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[a-z_]+$")
+    expires_at: Expiry | None = None
 
 
 class MemoryEdit(Body):
-    """``PATCH .../memories/{id}``: new text (re-embedded; the old version stays in history) or importance."""
+    """``PATCH .../memories/{id}``: new text (re-embedded; the old version stays in history), importance or
+    expiry."""
 
     text: Text | None = None
     importance: Count | None = Field(None, ge=1, le=10)
+    expires_at: Expiry | None = None
 
     @model_validator(mode="after")
     def _something(self) -> MemoryEdit:
-        if self.text is None and self.importance is None:
-            raise ValueError("give text or importance")
+        if self.text is None and self.importance is None and self.expires_at is None:
+            raise ValueError("give text, importance or expires_at")
         return self
 
 
@@ -138,7 +142,7 @@ async def add_memory(request: web.Request) -> web.Response:
     user_id = path_user(request)
     new = await read_body(request, NewMemory)
     admin = memory_admin(request)
-    record = await asyncio.shield(admin.add_fact(user_id, new.text, new.importance, new.category))
+    record = await asyncio.shield(admin.add_fact(user_id, new.text, new.importance, new.category, new.expires_at))
     audit(request, "added", user_id, id=record.id)
     return json_response(record.public_dict(), status=201)
 
@@ -157,7 +161,7 @@ async def edit_memory(request: web.Request) -> web.Response:
     user_id = path_user(request)
     edit = await read_body(request, MemoryEdit)
     admin, record_id = memory_admin(request), request.match_info["id"]
-    record = await asyncio.shield(admin.edit(user_id, record_id, edit.text, edit.importance))
+    record = await asyncio.shield(admin.edit(user_id, record_id, edit.text, edit.importance, edit.expires_at))
     if record is None:
         raise NotFound("no such memory for this user", param="id")
     audit(request, "edited", user_id, id=record_id, new_id=record.id)

@@ -11,12 +11,21 @@ from __future__ import annotations
 import functools
 import hmac
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Annotated, Any, TypeVar
 
 import orjson
 import structlog
 from aiohttp import web
-from pydantic import BaseModel, BeforeValidator, ConfigDict, StringConstraints, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    StringConstraints,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+)
 
 from proxy.errors import BadRequest, ServiceUnavailable, Unauthorized
 from proxy.identity import log_user
@@ -59,6 +68,23 @@ def _no_null(value: Any) -> Any:
 
 
 Count = Annotated[int, BeforeValidator(_integral)]
+
+
+_DATETIME = TypeAdapter(datetime)
+
+
+def _rfc3339(value: Any) -> datetime:
+    """An ``expires_at``: an RFC 3339 date-time string, in UTC (without an offset: taken as UTC)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= 64:
+        raise ValueError("not an RFC 3339 date-time")
+    try:
+        parsed = _DATETIME.validate_python(value)
+        return parsed.replace(tzinfo=UTC) if parsed.tzinfo is None else parsed.astimezone(UTC)
+    except (ValidationError, OverflowError):
+        raise ValueError("not an RFC 3339 date-time") from None
+
+
+Expiry = Annotated[datetime, BeforeValidator(_rfc3339)]  # ISO 8601 / RFC 3339 date-time
 
 
 class Body(BaseModel):

@@ -62,8 +62,9 @@ class BatchItem(Body):
     importance: Count | None = Field(None, ge=1, le=10)
     category: str | None = Field(None, min_length=1, max_length=40, pattern=r"^[a-z_]+$")
     created_at: str | None = Field(None, min_length=1, max_length=64)  # RFC 3339; naive means UTC
+    expires_at: str | None = Field(None, min_length=1, max_length=64)  # RFC 3339; naive means UTC
 
-    @field_validator("created_at", mode="after")
+    @field_validator("created_at", "expires_at", mode="after")
     @classmethod
     def _rfc3339(cls, value: str | None) -> str | None:
         if value is not None:
@@ -105,6 +106,7 @@ def _record(user_id: str, item: BatchItem) -> MemoryRecord:
         category=item.category,
         created_at=created,
         meta='{"source": "batch"}',
+        expires_at=_utc_datetime(item.expires_at) if item.expires_at else None,
     )
 
 

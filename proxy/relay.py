@@ -30,9 +30,11 @@ from proxy.commit import Committed
 from proxy.dialects import ChatView, Dialect, Reply, ReplyReader
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, stream_error_event
 from proxy.identity import Identity, Mode, identify, log_user
+from proxy.memory import spans
 from proxy.memory.service import Exchange, Injection, StorageStatus
 from proxy.memory.store.ids import valid_app_id
 from proxy.state import AppState
+from proxy.telemetry import record_retrieve
 from proxy.tool_history import new_tool_results
 from proxy.upstream import UpstreamReply
 
@@ -148,6 +150,7 @@ class MemoryCall:
         self.view = view = self.dialect.view(body)
         identity = self._identity(body, view)
         self.state.metrics.observe("parse", time.perf_counter() - self.started)
+        spans.record_span("memproxy.parse", time.perf_counter() - self.started)
         structlog.contextvars.bind_contextvars(
             request_id=self.request_id, user=log_user(identity.user_id, settings.logging.user_ids)
         )
@@ -155,6 +158,7 @@ class MemoryCall:
         if identity.mode.reads:
             self.state.metrics.observe("retrieve", injection.retrieval_ms / 1000)
             self.state.metrics.injected.observe(len(injection.injected_ids))
+            record_retrieve(injection)
         outgoing = self.dialect.apply(body, view, injection.plan) if injection.plan else body
         try:
             return await self._forward(body, outgoing, None if injection.plan else raw, identity, injection)
@@ -185,6 +189,7 @@ class MemoryCall:
         headers["X-Request-Id"] = self.request_id
         if identity.mode.writes:
             _say_write_degraded(headers, storage_degraded(self.state))
+        opened = time.perf_counter()
         try:
             async with target.open(outgoing, raw, self.request.headers) as reply:
                 self.state.metrics.observe_upstream(self.route, body.get("model"), reply.ttfb_s)
@@ -200,6 +205,8 @@ class MemoryCall:
             if not isinstance(exc, UpstreamStatusError):
                 self.state.metrics.upstream_errors.labels(type(exc).__name__).inc()
             raise
+        finally:
+            spans.record_span("memproxy.upstream", time.perf_counter() - opened, **{"memproxy.route": self.route})
 
     async def _relay_json(
         self, reply: UpstreamReply, headers: dict[str, str], body: dict[str, Any], identity: Identity
@@ -308,6 +315,7 @@ class MemoryCall:
             client_key=client_key(self.request.headers),
             tool_calls=reply.tool_calls,
             tool_results=new_tool_results(messages),
+            traceparent=spans.current_traceparent(),
         )
         return await self.state.commits.commit(exchange)
 

@@ -107,7 +107,7 @@ def checked(record: MemoryRecord, where: str, max_chars: int = MAX_TURN_CHARS) -
         raise ImportFormatError(f"{where}: embedding: holds a value that is not a finite float32")
     times = {
         name: _utc(getattr(record, name))
-        for name in ("created_at", "updated_at", "last_accessed_at", "start_at", "end_at")
+        for name in ("created_at", "updated_at", "last_accessed_at", "start_at", "end_at", "expires_at")
     }
     return record.replace(text=cap_text(record.text, max_chars), **times)
 
@@ -187,6 +187,8 @@ def _mem0_record(item: Any, index: int, user_id: str | None) -> MemoryRecord:
     for name in ("created_at", "updated_at"):
         if item.get(name):
             row[name] = item[name]
+    if item.get("expiration_date"):  # mem0's name for the same thing
+        row["expires_at"] = item["expiration_date"]
     try:
         return checked(_RECORD.validate_python(row), where)
     except ValidationError as exc:

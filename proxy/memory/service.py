@@ -18,6 +18,7 @@ from pydantic import SecretStr
 
 from proxy.memory.read.placement import BlockPlan
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.write.stated import Stated
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -49,6 +50,7 @@ class Exchange:
     tool_calls: tuple[str, ...] = ()  # the reply's tool calls, as bounded turn texts (proxy.tool_history)
     tool_results: tuple[str, ...] = ()  # the request's new tool results, as bounded turn texts
     client_key: SecretStr | None = None  # the client's own key: held in memory for memory-side calls, never stored
+    traceparent: str | None = None  # the request's span (tracing on), so the write-side job joins its trace
 
 
 class MemoryService(Protocol):
@@ -166,9 +168,14 @@ class MemoryAdmin(Protocol):
         ...
 
     async def add_fact(
-        self, user_id: str, text: str, importance: int | None = None, category: str | None = None
+        self,
+        user_id: str,
+        text: str,
+        importance: int | None = None,
+        category: str | None = None,
+        expires_at: datetime | None = None,
     ) -> MemoryRecord:
-        """A fact stated directly, searchable when this returns."""
+        """A fact stated directly, searchable when this returns (never injected after ``expires_at``)."""
         ...
 
     async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
@@ -176,7 +183,12 @@ class MemoryAdmin(Protocol):
         ...
 
     async def edit(
-        self, user_id: str, id: str, text: str | None = None, importance: int | None = None
+        self,
+        user_id: str,
+        id: str,
+        text: str | None = None,
+        importance: int | None = None,
+        expires_at: datetime | None = None,
     ) -> MemoryRecord | None:
         """The edited record (a new one when the text changed), or None when there is no such valid record."""
         ...
@@ -203,6 +215,16 @@ class MemoryAdmin(Protocol):
 
     async def job(self, job_id: str) -> dict[str, Any] | None:
         """One job's row, or None."""
+        ...
+
+
+@runtime_checkable
+class TakesStatedFacts(Protocol):
+    """Management that also takes facts the way the write path does (screens, reconcile, subjects): the MCP
+    server's ``add_memory``."""
+
+    async def remember(self, user_id: str, text: str, expires_at: datetime | None = None) -> Stated:
+        """Screen, reconcile and store ``text`` as one of the user's facts."""
         ...
 
 

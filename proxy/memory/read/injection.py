@@ -86,6 +86,7 @@ class MemoryItem:
     date: str
     score: float
     label: str = ""
+    expires_at: datetime | None = None  # the memory's own expiry: a request after it must not carry the item
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,6 +195,7 @@ def item_from_record(record: MemoryRecord, score: float, section: Section | None
         date=record_date(record),
         score=score,
         label=record_label(record),
+        expires_at=record.expires_at,
     )
 
 
@@ -428,7 +430,7 @@ def _with_text(item: MemoryItem, text: str) -> MemoryItem:
     """``item`` with another text (an excerpt)."""
     if text == item.text:
         return item
-    return MemoryItem(item.id, item.section, text, item.date, item.score, item.label)
+    return MemoryItem(item.id, item.section, text, item.date, item.score, item.label, item.expires_at)
 
 
 # --- merging into the request -----------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -89,11 +90,17 @@ class _Attached:
 
 @dataclass(slots=True)
 class ConversationMemory:
-    """What a conversation's requests carry: the stable part and the turn parts, oldest first."""
+    """What a conversation's requests carry: the stable part and the turn parts, oldest first, and the earliest
+    ``expires_at`` of the memories in them (a request from then on starts a new stable part)."""
 
     system: str
     system_ids: tuple[str, ...]
     attached: list[_Attached] = field(default_factory=list)
+    expires_at: datetime | None = None
+
+    def expired(self, now: datetime) -> bool:
+        """Whether a memory this conversation carries has expired."""
+        return self.expires_at is not None and now >= self.expires_at
 
     @property
     def size(self) -> int:
@@ -241,11 +248,11 @@ def plan_cached(
         if not block:
             return Planned(BlockPlan(), ())
         ids = tuple(i.id for i in chosen)
-        return Planned(BlockPlan(system=block), ids, ConversationMemory(block, ids))
+        return Planned(BlockPlan(system=block), ids, ConversationMemory(block, ids, [], earliest(chosen)))
     kept = entry.attached if provider_holds_history else _still_attached(messages, entry.attached)
     visible = set(entry.system_ids).union(*(a.ids for a in kept))
     turns = [] if provider_holds_history else [TurnBlock(a.index, a.text) for a in kept]
-    new_entry = ConversationMemory(entry.system, entry.system_ids, list(kept))
+    new_entry = ConversationMemory(entry.system, entry.system_ids, list(kept), entry.expires_at)
     index = last_user_index(messages)
     fresh = [i for i in chosen if i.id not in visible]
     anchored = any(a.index == index for a in kept) and not provider_holds_history
@@ -257,12 +264,19 @@ def plan_cached(
             turns.append(TurnBlock(index, text))
             ids = tuple(i.id for i in added)
             new_entry.attached.append(_Attached(index, _digest(messages[index]), text, ids))
+            new_entry.expires_at = earliest(added, entry.expires_at)
             visible.update(ids)
     chosen_ids = [i.id for i in chosen if i.id in visible]
     others = [i for i in (*entry.system_ids, *(x for a in new_entry.attached for x in a.ids)) if i not in chosen_ids]
     carried = tuple(dict.fromkeys([*chosen_ids, *others]))
     changed = new_entry.attached != entry.attached
     return Planned(BlockPlan(entry.system, tuple(turns)), carried, new_entry if changed else None)
+
+
+def earliest(items: Sequence[MemoryItem], since: datetime | None = None) -> datetime | None:
+    """The earliest ``expires_at`` among ``items`` (and ``since``), or None."""
+    moments = [m for m in (since, *(i.expires_at for i in items)) if m is not None]
+    return min(moments, default=None)
 
 
 def _still_attached(messages: Sequence[Mapping[str, Any]], attached: Sequence[_Attached]) -> list[_Attached]:

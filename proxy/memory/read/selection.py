@@ -40,11 +40,15 @@ def plan_items(
     Candidates score their final score scaled to [0, 1] (``scoring.final_scale``); insights
     ``INSIGHT_PRIORITY`` x confidence; recent messages ``RECENT_PRIORITY`` x recency, or their candidate
     score when higher (a recent message that is also relevant is listed once, under recent activity). The
-    injection budget drops the lowest of these first. Records the screens flagged are never among them.
+    injection budget drops the lowest of these first. Records the screens flagged, and records past their
+    ``expires_at`` (until the retention sweep deletes them), are never among them.
     """
-    candidates = [c for c in candidates if c.record.flagged is None]  # flagged by the screens: never injected
-    insights = [r for r in insights if r.flagged is None]
-    recent = [r for r in recent if r.flagged is None]
+    # flagged by the screens, or past its expiry: never injected (inline: a call per candidate costs more)
+    candidates = [
+        c for c in candidates if c.record.flagged is None and (c.record.expires_at is None or c.record.expires_at > now)
+    ]
+    insights = [r for r in insights if r.flagged is None and (r.expires_at is None or r.expires_at > now)]
+    recent = [r for r in recent if r.flagged is None and (r.expires_at is None or r.expires_at > now)]
     scale = final_scale(settings)
     relevance = {c.id: c.final * scale for c in candidates}
     recent_ids = {r.id for r in recent}

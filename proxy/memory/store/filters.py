@@ -48,6 +48,16 @@ def record_filter(
     return " AND ".join(f"({clause})" for clause in clauses)
 
 
+def due_filter(now: datetime, turns_before: datetime | None) -> str:
+    """Rows of every user that retention deletes: past their ``expires_at``, and turns created before
+    ``turns_before`` (none when None). The only filter here not bound to one user: the sweep's, which deletes
+    each user's rows through that user's own delete."""
+    clauses = [f"(expires_at IS NOT NULL AND expires_at <= to_timestamp_micros({_micros(now)}))"]
+    if turns_before is not None:
+        clauses.append(f"(kind = 'turn' AND created_at < to_timestamp_micros({_micros(turns_before)}))")
+    return " OR ".join(clauses)
+
+
 def _micros(at: datetime) -> int:
     if at.tzinfo is None:
         raise ValueError("time filters must be timezone-aware")

@@ -476,17 +476,23 @@ class MemoryStore(StoreReader):
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one record from both arms and the cache; False if the user has no such record."""
+        return bool(await self.delete_many(user_id, [id]))
+
+    async def delete_many(self, user_id: str, ids: Sequence[str]) -> builtins.list[str]:
+        """Delete the user's records with these ids from both arms and the cache (one commit of each); the ids
+        that were there."""
         check_user_id(user_id)
-        if not valid_record_id(id):
-            return False
+        ids = [i for i in ids if valid_record_id(i)]
         async with self._lock:
-            if not await self._lance.records(user_id, [id], embedding=False):
-                return False
-            await self._lance.delete(user_id, [id])
-            self._cache.remove(user_id, [id])
-            self._touches.drop(user_id, id)
-            await self._index(lambda: self._keyword.remove(user_id, [id]))
-        return True
+            found = [r.id for r in await self._lance.records(user_id, ids, embedding=False)] if ids else []
+            if not found:
+                return []
+            await self._lance.delete(user_id, found)
+            self._cache.remove(user_id, found)
+            for record_id in found:
+                self._touches.drop(user_id, record_id)
+            await self._index(lambda: self._keyword.remove(user_id, found))
+        return found
 
     async def forget_user(self, user_id: str, *, purge: bool = True) -> dict[str, int]:
         """Erase every record of the user from both arms, the cache and the files; counts by kind.

@@ -63,7 +63,10 @@ JOBS_STEPS: Mapping[int, Step] = {
     1: Step("add the jobs.waiting column (jobs waiting for a key or configuration)", _add_waiting_column),
     2: Step("add the jobs.orphaned column (process deaths a job lived through)", _add_orphaned_column),
 }
-RECORDS_STEPS: Mapping[int, Step] = {}
+RECORDS_STEPS: Mapping[int, Step] = {
+    # the column itself is added when the table opens (``MemoryTable._add_missing_columns``: metadata only)
+    1: Step("add the expires_at column (memories that expire)", _nothing),
+}
 
 
 def plan(store: str, found: int, current: int, steps: Mapping[int, Step], *, offline: bool = False) -> list[Step]:

@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: ``expires_at`` (a nullable column, added on open: see ``migrations``)
 
 
 class Kind(StrEnum):
@@ -106,6 +106,9 @@ class MemoryRecord:
     # why the screens flagged this text (instruction-like, planted link): kept and shown, never injected.
     # Stores written before the column existed read as None (not flagged).
     flagged: str | None = None
+    # when the memory stops being injected (and the retention sweep deletes it); None: never. Stores written
+    # before the column existed read as None.
+    expires_at: datetime | None = None
 
     def replace(self, **changes: Any) -> MemoryRecord:
         """A copy with ``changes`` applied: ``dataclasses.replace``, field by field (4.7 against 13 us, timeit; the
@@ -184,6 +187,7 @@ def arrow_schema(dim: int) -> pa.Schema:
         pa.field("subject_kind", pa.string()),
         pa.field("meta", pa.string()),
         pa.field("flagged", pa.string()),  # added to older tables by ``MemoryTable.open``
+        pa.field("expires_at", _ts()),  # schema version 2, added to older tables by ``MemoryTable.open``
         # The text's word pieces by the model's term vectors (``memory.pieces``): no record field, the
         # store's own; null in rows written before it (added to older tables by ``MemoryTable.open``).
         pa.field(PIECES, PIECES_TYPE),

@@ -11,7 +11,7 @@ index builds, purges) runs on the lease holder only.
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -95,11 +95,11 @@ class ReplicatedStore(MemoryStore):
         finally:
             await self.feed.publish([user_id])
 
-    async def delete(self, user_id: str, id: str) -> bool:
-        """As ``MemoryStore.delete``, announced to the other replicas."""
+    async def delete_many(self, user_id: str, ids: Sequence[str]) -> list[str]:
+        """As ``MemoryStore.delete_many`` (and so ``delete``), announced to the other replicas."""
         await self.feed.publish([user_id])
         try:
-            return await super().delete(user_id, id)
+            return await super().delete_many(user_id, ids)
         finally:
             await self.feed.publish([user_id])
 

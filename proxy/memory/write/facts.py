@@ -16,6 +16,7 @@ from typing import Any
 
 import structlog
 
+from proxy.memory.events import MemoryEvents, NoEvents
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.extraction import (
@@ -28,6 +29,7 @@ from proxy.memory.write.extraction import (
     normalise,
     shortcut_plan,
 )
+from proxy.memory.write.fact_apply import apply_plan
 from proxy.memory.write.fact_screens import Screened, screen_fact, screen_facts
 from proxy.memory.write.facts_window import (
     WINDOW_KEY,
@@ -72,8 +74,16 @@ def fact_record(job_id: str, i: int, user_id: str, found: Found, text: str) -> M
 class FactJobs:
     """Queues a user's exchanges for extraction and handles the ``facts`` jobs that extract from them."""
 
-    def __init__(self, settings: WriterSettings, store: MemoryStore, queue: JobQueue, extractor: Extractor) -> None:
+    def __init__(
+        self,
+        settings: WriterSettings,
+        store: MemoryStore,
+        queue: JobQueue,
+        extractor: Extractor,
+        events: MemoryEvents | None = None,
+    ) -> None:
         self.settings = settings
+        self._events = events or NoEvents()
         self._store = store
         self._queue = queue
         self._extractor = extractor
@@ -257,21 +267,7 @@ class FactJobs:
         return [Neighbour(hit.record.id, hit.record.text, hit.score) for hit in hits]
 
     async def _apply(self, user_id: str, plan: Plan, record: MemoryRecord) -> None:
-        # Subjects are linked before the fact is stored: once a fact can be found, so can its subjects.
-        if plan.action == "add":
-            await self._subjects.link(record)
-            await self._store.add([record])
-        elif plan.action == "supersede" and plan.target_id is not None:
-            await self._subjects.link(record)
-            if await self._store.get(user_id, plan.target_id) is None:
-                await self._store.add([record])  # the target went meanwhile (forgotten, or superseded by a retry)
-            else:
-                await self._store.supersede(user_id, plan.target_id, record)
-                await self._subjects.unlink(user_id, plan.target_id)
-        elif plan.action == "invalidate" and plan.target_id is not None:
-            await self._store.update(user_id, plan.target_id, valid=False)
-            await self._subjects.unlink(user_id, plan.target_id)
-        log.info("memory.fact", action=plan.action, fact_id=record.id, target_id=plan.target_id)
+        await apply_plan(self._store, self._subjects, self._events, user_id, plan, record)
 
 
 def _found_to_json(found: Found) -> dict[str, Any]:

@@ -15,3 +15,4 @@ FACTS_JOB: Final = "facts"
 SUMMARY_JOB: Final = "summary"
 INSIGHTS_JOB: Final = "insights"
 INSIGHTS_DEDUPE_KEY: Final = "insights"  # every trigger of a user's insights collapses into one pending job
+WEBHOOK_JOB: Final = "webhook"  # one signed delivery of one event to one configured receiver

@@ -36,6 +36,7 @@ class ExchangePayload(BaseModel):
     context: tuple[tuple[str, str], ...] = ()
     tool_results: tuple[str, ...] = ()  # stored as turns of role "tool"; never a source of facts
     tool_calls: tuple[str, ...] = ()  # the reply's tool calls, stored as assistant turns
+    traceparent: str | None = None  # the request's span, when tracing is on (``memory.spans``)
 
 
 class FactsPayload(ExchangePayload):
@@ -66,6 +67,7 @@ def exchange_payload(exchange: Exchange, screens: ExtractionSettings | None = No
         context=tuple(exchange.context),
         tool_results=exchange.tool_results,
         tool_calls=exchange.tool_calls,
+        traceparent=exchange.traceparent,
     )
     return redacted_payload(payload, screens or ExtractionSettings()).model_dump(mode="json")
 

@@ -17,6 +17,7 @@ from types import TracebackType
 
 import structlog
 
+from proxy.memory import spans
 from proxy.memory.store.faults import is_storage_fault
 from proxy.memory.write.job_types import GiveUp, JobError, JobState, QueueDatabaseError, RetryLater, WaitForConfig
 from proxy.memory.write.queue import Handler, Job, JobQueue
@@ -145,7 +146,10 @@ class JobRunner:
         request_id = job.payload.get("request_id")
         started = time.perf_counter()
         try:
-            with structlog.contextvars.bound_contextvars(job_id=job.id, job_kind=job.kind, request_id=request_id):
+            with (
+                structlog.contextvars.bound_contextvars(job_id=job.id, job_kind=job.kind, request_id=request_id),
+                spans.job_span(f"memproxy.job.{job.kind}", job.payload.get("traceparent"), attempt=job.attempt),
+            ):
                 await self._attempt(job)
         except asyncio.CancelledError:
             await asyncio.shield(self._release_quietly(job))

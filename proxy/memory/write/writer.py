@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import structlog
 
 from proxy.memory.embedders.base import QueryCache
+from proxy.memory.events import MemoryEvents
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import MemoryRecord
@@ -55,6 +56,7 @@ class Writer:
         queue: JobQueue,
         extractor: Extractor,
         query_vectors: QueryCache | None = None,
+        events: MemoryEvents | None = None,
     ) -> None:
         self.settings = settings
         self._store = store
@@ -63,7 +65,7 @@ class Writer:
         self._query_vectors = query_vectors
         self._queue = queue
         self._extractor = extractor
-        self._facts = FactJobs(settings, store, queue, extractor)
+        self._facts = FactJobs(settings, store, queue, extractor, events)
         self._summaries = SummaryJobs(settings, store, queue, extractor)
 
     def handlers(self) -> dict[str, Handler]:
