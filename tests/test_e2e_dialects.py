@@ -4,6 +4,7 @@ without a key). A fact told in one dialect is injected into the others'; other `
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import urllib.request
@@ -76,16 +77,31 @@ def translating(upstream: str, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield started
 
 
+OPENED: list[openai.OpenAI | anthropic.Anthropic] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    """Every SDK client a test opened is closed after it (no socket left to the garbage collector)."""
+    yield
+    while OPENED:
+        OPENED.pop().close()
+
+
 def openai_client(url: str, user: str | None = None) -> openai.OpenAI:
     """The OpenAI SDK pointed at memproxy (``user``: as ``X-Memory-User``)."""
     headers = {"X-Memory-User": user} if user else None
-    return openai.OpenAI(base_url=url, api_key=OPENAI_KEY, max_retries=0, default_headers=headers)
+    client = openai.OpenAI(base_url=url, api_key=OPENAI_KEY, max_retries=0, default_headers=headers)
+    OPENED.append(client)
+    return client
 
 
 def anthropic_client(url: str, user: str | None = None) -> anthropic.Anthropic:
     """The Anthropic SDK pointed at memproxy (its base URL has no ``/v1``)."""
     headers = {"X-Memory-User": user} if user else None
-    return anthropic.Anthropic(base_url=_root(url), api_key=ANTHROPIC_KEY, max_retries=0, default_headers=headers)
+    client = anthropic.Anthropic(base_url=_root(url), api_key=ANTHROPIC_KEY, max_retries=0, default_headers=headers)
+    OPENED.append(client)
+    return client
 
 
 def last(upstream: str, path: str) -> dict[str, Any]:
@@ -218,11 +234,13 @@ def test_a_fact_told_in_each_dialect_reaches_the_others(proxy: tuple[Process, st
     eventually(ask_chat)
 
 
-def test_agents_sdk_runner_with_a_tool(proxy: tuple[Process, str], upstream: str) -> None:
+async def test_agents_sdk_runner_with_a_tool(proxy: tuple[Process, str], upstream: str) -> None:
     """The Agents SDK's ``Runner`` on its default model (the Responses API) runs a tool call through memproxy,
     with the user's memory in the first request."""
     agents = pytest.importorskip("agents")
     agents.set_tracing_disabled(True)
+    told = [{"role": "user", "content": "My dog is called Biscuit"}]
+    openai_client(proxy[1], "dana").chat.completions.create(model="gpt-test", messages=told)
     client = openai.AsyncOpenAI(base_url=proxy[1], api_key=OPENAI_KEY, max_retries=0,
                                 default_headers={"X-Memory-User": "dana"})  # fmt: skip
     agents.set_default_openai_client(client, use_for_tracing=False)
@@ -233,14 +251,18 @@ def test_agents_sdk_runner_with_a_tool(proxy: tuple[Process, str], upstream: str
         return f"sunny in {city}"
 
     agent = agents.Agent(name="helper", instructions="Be brief.", tools=[get_weather])
-
-    def run() -> bool:
-        result = agents.Runner.run_sync(agent, "What is the weather where my dog Biscuit and I are?")
-        assert result.final_output == "tool said: sunny in Paris"
-        first = [r for r in received(upstream) if r.get("path") == "/v1/responses"][-2]
-        return "Biscuit" in json.dumps(first["json"].get("instructions"))
-
-    eventually(run)
+    deadline = time.monotonic() + 60
+    try:
+        while True:  # until the fact told above is stored and carried in the first request's instructions
+            result = await agents.Runner.run(agent, "What is the weather where my dog Biscuit and I are?")
+            assert result.final_output == "tool said: sunny in Paris"
+            first = [r for r in received(upstream) if r.get("path") == "/v1/responses"][-2]
+            if "Biscuit" in json.dumps(first["json"].get("instructions")) or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.3)
+    finally:
+        await client.close()
+    assert "Biscuit" in json.dumps(first["json"].get("instructions"))
 
 
 def test_translation_answers_the_anthropic_sdk_through_chat_completions(
