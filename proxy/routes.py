@@ -104,4 +104,4 @@ def add_relayed_routes(app: web.Application) -> None:
     """Every other ``/v1`` path, any method, relayed without memory (``proxy.passthrough``): registered after
     every other route, so that a route of memproxy's own always matches first."""
     app.router.add_route("*", "/v1/messages/{tail:.+}", anthropic_path)
-    app.router.add_route("*", "/v1/{tail:.+}", openai_path)
+    app.router.add_route("*", r"/v1/{tail:(?!memory(?:/|$)).+}", openai_path)  # never the management API
