@@ -52,7 +52,7 @@ from proxy.app import engine_settings
 from proxy.config import Settings, load_settings
 from proxy.engine import MemoryEngine
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.store.vector_cache import estimated_bytes
+from proxy.memory.store.user_vectors import estimated_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results" / "scale.json"
 BASE = 10_000  # memories of readpath.py's user; past them, variants

@@ -11,9 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.store import vector_cache
+from proxy.memory.store import exact_search, user_vectors
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
-from proxy.memory.store.vector_cache import READS_IDLE_S, UserVectors, VectorCache, estimated_bytes
+from proxy.memory.store.user_vectors import UserVectors, estimated_bytes
+from proxy.memory.store.vector_cache import READS_IDLE_S, VectorCache
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -120,7 +121,7 @@ def test_a_loaded_entry_scans_only_its_pools_rows_and_still_finds_the_exact_top_
     for rid in gone:
         current.pop(rid, None)
     query = unit_rows(1, seed + 1)[0]
-    with patch.object(vector_cache, "_RUN_GAP", 0), patch.object(vector_cache, "_FULL_SCAN_SHARE", 2.0):
+    with patch.object(user_vectors, "_RUN_GAP", 0), patch.object(user_vectors, "_FULL_SCAN_SHARE", 2.0):
         found = entry.search_pools(query, pools)  # runs scanned one by one, however small
     for pool, got in zip(pools, found, strict=True):
         expected = _brute_force(current, query, pool)
@@ -416,17 +417,17 @@ def test_top_k_takes_equal_scores_in_row_order() -> None:
     """Among equal scores at the cut, the earlier rows come in, and the best come first."""
     scores = np.array([0.5, 0.9, 0.5, 0.1, 0.5, 0.9], dtype=np.float32)
     rows = np.array([10, 11, 12, 13, 14, 15])
-    assert vector_cache._top_k(scores, rows, 3) == ([11, 15, 10], pytest.approx([0.9, 0.9, 0.5]))
-    assert vector_cache._top_k(scores, rows, 4) == ([11, 15, 10, 12], pytest.approx([0.9, 0.9, 0.5, 0.5]))
-    assert vector_cache._top_k(scores, rows, 9)[0] == [11, 15, 10, 12, 14, 13]
-    assert vector_cache._top_k(scores[:0], rows[:0], 3) == ([], [])
+    assert exact_search.top_k(scores, rows, 3) == ([11, 15, 10], pytest.approx([0.9, 0.9, 0.5]))
+    assert exact_search.top_k(scores, rows, 4) == ([11, 15, 10, 12], pytest.approx([0.9, 0.9, 0.5, 0.5]))
+    assert exact_search.top_k(scores, rows, 9)[0] == [11, 15, 10, 12, 14, 13]
+    assert exact_search.top_k(scores[:0], rows[:0], 3) == ([], [])
 
 
 def test_top_k_ranks_nan_scores_last() -> None:
     """A NaN score (a stored vector of NaNs) takes no place from a number, and fills in only after them."""
     scores = np.array([0.5, np.nan, 0.3, np.nan], dtype=np.float32)
     rows = np.array([10, 11, 12, 13])
-    assert vector_cache._top_k(scores, rows, 2) == ([10, 12], pytest.approx([0.5, 0.3]))
-    found, values = vector_cache._top_k(scores, rows, 3)
+    assert exact_search.top_k(scores, rows, 2) == ([10, 12], pytest.approx([0.5, 0.3]))
+    found, values = exact_search.top_k(scores, rows, 3)
     assert found == [10, 12, 11]
     assert np.isnan(values[2])

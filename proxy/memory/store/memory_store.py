@@ -44,6 +44,7 @@ from proxy.memory.pieces import TermVectors, memory_pieces, term_vectors_of
 from proxy.memory.store.background import BatchWriter, Submission, Ticker
 from proxy.memory.store.consistency import repair_keyword_index, table_keyword_docs
 from proxy.memory.store.datadir import DataDir
+from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.ids import check_user_id, valid_record_id
 from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
@@ -51,7 +52,7 @@ from proxy.memory.store.reads import StoreReader
 from proxy.memory.store.records import Kind, MemoryRecord, arrow_rows, utcnow
 from proxy.memory.store.table import MemoryTable
 from proxy.memory.store.touches import TouchBuffer, touch_chunks
-from proxy.memory.store.vector_cache import VectorCache, single_thread_blas
+from proxy.memory.store.vector_cache import VectorCache
 
 __all__ = ["DocumentEmbedder", "MemoryStore", "StoreSettings"]
 

@@ -30,7 +30,8 @@ from proxy.memory.store.keyword import KeywordIndex, keyword_filter
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, from_row
 from proxy.memory.store.table import RECORD_COLUMNS, MemoryTable
 from proxy.memory.store.touches import TouchBuffer
-from proxy.memory.store.vector_cache import UserVectors, VectorCache, estimated_bytes
+from proxy.memory.store.user_vectors import UserVectors, estimated_bytes
+from proxy.memory.store.vector_cache import VectorCache
 
 
 class Hit(NamedTuple):

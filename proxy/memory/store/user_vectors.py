@@ -1,0 +1,428 @@
+"""One user's records in RAM for exact vector search: the vector matrix, the filter columns and the records.
+
+An entry holds every record of the user (history included) as a vector matrix, filter columns (kind,
+created_at, valid, alive) and the records themselves, materialised lazily from the Arrow rows loaded from
+LanceDB. A loaded entry keeps its rows ordered by (kind, created_at), records added later after them, so that a
+search scores only the runs of rows its pools can return (facts of all time and the window's turns, not years of
+older turns): the scan is memory-bound, and after the pause between two requests it runs from RAM.
+``vector_cache.VectorCache`` holds the entries under one byte budget.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, cast
+
+import numpy as np
+import numpy.typing as npt
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from proxy.memory.store.exact_search import KIND_CODES, dot, kind_table, top_k
+from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordColumns
+
+_RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
+_ID_OVERHEAD_BYTES = 120
+_LIST_INT_BYTES = 40  # an int in a Python list (the object and its slot), with its row's flag
+_PY_ROW_BYTES = 1_000  # the loaded columns as Python objects, per row, text aside (measured ~750 B)
+_MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a handful of memories (64 rows of 384
+# float32 is 96 KB, empty)
+_COMPACT_AFTER = 64  # deleted rows an entry tolerates before it may compact
+_RUN_GAP = 64  # runs of rows to scan this close are scanned as one (a gemv call costs about as much as 64 rows)
+_FULL_SCAN_SHARE = 0.9  # runs covering this share of the rows: one scan of them all
+
+
+def grown(capacity: int) -> int:
+    """The capacity after ``capacity`` filled up: half as much again (doubling left a user's matrix up to half
+    empty, a third on average, under ``bench/writes.py --mode sustained``), still amortised O(1) copies per
+    append."""
+    return max(_MIN_CAPACITY, capacity + capacity // 2)
+
+
+def micros(at: datetime) -> int:
+    """A timezone-aware datetime as integer microseconds since the epoch."""
+    return int(at.timestamp() * 1_000_000)
+
+
+def estimated_bytes(rows: int, dim: int) -> int:
+    """What an entry of ``rows`` records of dimension ``dim`` is expected to cost, before loading it."""
+    return rows * (dim * 4 + _PY_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
+
+
+class UserVectors:
+    """One user's records, vectors and filter columns; search is exact (dot product of unit vectors)."""
+
+    def __init__(self, user_id: str, dim: int, rows: pa.Table | None = None) -> None:
+        self.user_id = user_id
+        self.dim = dim
+        self.ids: list[str] = []
+        self.index: dict[str, int] = {}
+        self.n = 0
+        self.dead = 0
+        self.generation = 0
+        # Columns as Python lists: a hit becomes a record far faster than Arrow's take + to_pylist of a few
+        # rows. Costs memory: counted in ``nbytes``.
+        vectors_only = ("embedding", PIECES)
+        scalars = None if rows is None else rows.drop_columns([c for c in vectors_only if c in rows.column_names])
+        self._columns = RecordColumns(scalars) if scalars is not None else None
+        self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
+        # Each loaded row's word pieces (``memory.pieces``) as Arrow holds them: row ``base``'s are
+        # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]`` (Python
+        # lists: a lookup of numpy scalars costs several times as much, for the memories term matching scores). Records
+        # written since the load keep theirs in ``_fresh_pieces`` (None: none), by id.
+        self._piece_values, self._piece_offsets, self._piece_held = _pieces_columns(rows)
+        self._fresh_pieces: dict[str, npt.NDArray[np.int64] | None] = {}
+        self._fresh_bytes = 0
+        self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
+        self._records: list[MemoryRecord | None] = []
+        self._materialised = 0
+        # Rows [0, _sorted) are ordered by (kind code, created_at); ``_blocks[code]`` is that kind's (start, end)
+        # among them. Rows after them (added since the load) are in no order: a search always scans them.
+        self._sorted = 0
+        self._blocks: list[tuple[int, int]] = [(0, 0)] * len(KIND_CODES)
+        self._alloc(max(_MIN_CAPACITY, rows.num_rows if rows is not None else 0))
+        if rows is not None:
+            self._load(rows)
+
+    def _alloc(self, capacity: int) -> None:
+        # Transposed (dim x capacity): query @ vectors is OpenBLAS's fastest single-thread gemv here, faster than
+        # einsum or matmul over rows.
+        self.vectors = np.zeros((self.dim, capacity), dtype=np.float32)
+        self.created = np.zeros(capacity, dtype=np.int64)
+        self.kind = np.zeros(capacity, dtype=np.int8)
+        self.valid = np.zeros(capacity, dtype=np.bool_)
+        self.alive = np.zeros(capacity, dtype=np.bool_)
+
+    def _load(self, rows: pa.Table) -> None:
+        count = rows.num_rows
+        if count == 0:
+            return
+        created = rows["created_at"].cast(pa.int64()).to_numpy()
+        codes = np.asarray([KIND_CODES[kind] for kind in rows["kind"].to_pylist()], dtype=np.int8)
+        order = np.lexsort((created, codes))  # by kind, then time: see ``_scan_ranges``
+        flat = pc.list_flatten(rows["embedding"].combine_chunks()).to_numpy(zero_copy_only=False)
+        self.vectors[:, :count] = flat.reshape(count, self.dim)[order].T
+        self.created[:count] = created[order]
+        self.kind[:count] = codes[order]
+        self.valid[:count] = rows["valid"].to_numpy(zero_copy_only=False)[order]
+        self.alive[:count] = True
+        ids = rows["id"].to_pylist()
+        self._base = order.tolist()
+        self.ids = [ids[base] for base in self._base]
+        self.index = {record_id: row for row, record_id in enumerate(self.ids)}
+        self._records = [None] * count
+        self.n = count
+        self._sorted_prefix(count)
+
+    def _sorted_prefix(self, count: int) -> None:
+        """Note that rows [0, count) are ordered by (kind, created_at) and find each kind's block among them."""
+        codes = self.kind[:count]
+        self._sorted = count
+        self._blocks = [
+            (int(np.searchsorted(codes, code, "left")), int(np.searchsorted(codes, code, "right")))
+            for code in range(len(KIND_CODES))
+        ]
+
+    @property
+    def live(self) -> int:
+        """How many records the entry holds (deleted ones excluded)."""
+        return self.n - self.dead
+
+    @property
+    def nbytes(self) -> int:
+        """Approximate memory held by the entry."""
+        arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
+        arrays += self._piece_values.nbytes + len(self._piece_offsets) * _LIST_INT_BYTES
+        arrays += self._fresh_bytes
+        rows = self._columns_bytes
+        extra = self._materialised * _RECORD_OVERHEAD_BYTES + len(self.ids) * _ID_OVERHEAD_BYTES
+        return arrays + rows + extra
+
+    def upsert(
+        self, record: MemoryRecord, vector: npt.NDArray[np.float32], pieces: npt.NDArray[np.int64] | None = None
+    ) -> None:
+        """Add a record or replace the one with the same id (new text, vector, validity...), with its word pieces
+        (None: none kept)."""
+        row = self.index.get(record.id)
+        code, created = KIND_CODES[str(record.kind)], micros(record.created_at)
+        if row is not None and row < self._sorted and (self.kind[row] != code or self.created[row] != created):
+            self._forget(row, record.id)  # it would leave its place in the order: it goes after the sorted rows
+            row = None
+        if row is None:
+            row = self._append_slot(record.id)
+        elif self._base[row] >= 0 and self._records[row] is None:
+            self._materialised += 1
+        self.vectors[:, row] = vector
+        self.created[row] = created
+        self.kind[row] = code
+        self.valid[row] = record.valid
+        self._records[row] = record.replace(embedding=None)
+        self._drop_fresh_pieces(record.id)
+        self._fresh_pieces[record.id] = pieces
+        self._fresh_bytes += _pieces_bytes(pieces)
+
+    def _append_slot(self, record_id: str) -> int:
+        if self.n == self.vectors.shape[1]:
+            self._grow(grown(self.vectors.shape[1]))
+        row = self.n
+        self.n += 1
+        self.alive[row] = True
+        self.ids.append(record_id)
+        self.index[record_id] = row
+        self._base.append(-1)
+        self._records.append(None)
+        self._materialised += 1
+        return row
+
+    def _arrays(self) -> list[npt.NDArray[Any]]:
+        return [self.vectors, self.created, self.kind, self.valid, self.alive]
+
+    def _grow(self, capacity: int) -> None:
+        old = self._arrays()
+        self._alloc(capacity)
+        for new, previous in zip(self._arrays(), old, strict=True):
+            new[..., : self.n] = previous[..., : self.n]  # the vectors' rows are along the last axis
+
+    def patch(self, ids: Sequence[str], **changes: object) -> None:
+        """Change fields that do not touch the vector or the filters (``last_accessed_at``, say)."""
+        for record_id, record in zip(ids, self.records(ids), strict=True):
+            if record is not None and any(getattr(record, name) != value for name, value in changes.items()):
+                self._records[self.index[record_id]] = record.replace(**changes)  # (a flush repeats a touch)
+
+    def touch(self, record_id: str, at: datetime) -> None:
+        """Note an access time on one record, unless it already shows a later one."""
+        record = self.records([record_id])[0]
+        if record is not None and (record.last_accessed_at is None or record.last_accessed_at < at):
+            self._records[self.index[record_id]] = record.replace(last_accessed_at=at)
+
+    def remove(self, ids: Sequence[str]) -> int:
+        """Forget these records; returns how many were present."""
+        removed = 0
+        for record_id in ids:
+            row = self.index.get(record_id)
+            if row is None:
+                continue
+            self._forget(row, record_id)
+            removed += 1
+        if self.dead > _COMPACT_AFTER and self.dead * 2 > self.n:
+            self._compact()
+        return removed
+
+    def _forget(self, row: int, record_id: str) -> None:
+        """Mark a row deleted (counted in ``dead`` until a compaction drops it)."""
+        self.dead += 1
+        del self.index[record_id]
+        self._drop_fresh_pieces(record_id)
+        self.alive[row] = False
+        if self._records[row] is not None:
+            self._materialised -= 1
+        self._records[row] = None
+
+    def _compact(self) -> None:
+        """Drop deleted rows and order the others by (kind, created_at) again; new arrays, so a search running
+        on the old ones stays correct."""
+        alive = np.flatnonzero(self.alive[: self.n])
+        keep = alive[np.lexsort((self.created[alive], self.kind[alive]))]
+        old = self._arrays()
+        ids, base, records = self.ids, self._base, self._records
+        self._alloc(grown(len(keep)))
+        for new, previous in zip(self._arrays(), old, strict=True):
+            new[..., : len(keep)] = previous[..., keep]  # alive rows stay alive
+        self.ids = [ids[row] for row in keep]
+        self._base = [base[row] for row in keep]
+        self._records = [records[row] for row in keep]
+        self.index = {record_id: row for row, record_id in enumerate(self.ids)}
+        self.n, self.dead = len(keep), 0
+        self._sorted_prefix(self.n)
+        self.generation += 1
+
+    def search(
+        self,
+        query: npt.NDArray[np.float32],
+        k: int,
+        kinds: Sequence[Kind] | None,
+        since: datetime | None,
+        until: datetime | None,
+        include_invalid: bool,
+    ) -> list[tuple[str, float]]:
+        """Top ``k`` (id, cosine) among live records matching the filters; safe to run in a worker thread."""
+        pool = Pool(k, tuple(kinds or ()), since, until, include_invalid)
+        return self.search_pools(query, [pool])[0]
+
+    def search_pools(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[list[tuple[str, float]]]:
+        """Top (id, cosine) of each pool; the query's scores against every row are computed at most once."""
+        ids = self.ids
+        return [
+            [(ids[row], score) for row, score in zip(rows, scores, strict=True)]
+            for rows, scores in self.search_rows(query, pools)
+        ]
+
+    def search_rows(self, query: npt.NDArray[np.float32], pools: Sequence[Pool]) -> list[tuple[list[int], list[float]]]:
+        """``search_pools`` as (rows, cosines) per pool, best first: rows of live records, for ``records_at``
+        (no id per hit to make and look up again). Valid until the entry next changes."""
+        n = self.n
+        runs = [self._pool_runs(pool) for pool in pools]
+        scores: npt.NDArray[np.float32] | None = None
+        out: list[tuple[list[int], list[float]]] = []
+        for pool, pool_runs in zip(pools, runs, strict=True):
+            rows = self._pool_rows(pool, n, pool_runs)
+            if pool.k <= 0 or rows.size == 0:
+                out.append(([], []))
+                continue
+            if scores is None:  # the pools' runs of rows at once: gathering columns costs more than scoring runs
+                scores = self._scores(query, runs, n)
+            out.append(top_k(scores[rows], rows, pool.k))
+        return out
+
+    def _scores(
+        self, query: npt.NDArray[np.float32], runs: Sequence[list[tuple[int, int]]], n: int
+    ) -> npt.NDArray[np.float32]:
+        """The query's cosine with every row the pools (their ``_pool_runs``) can return (NaN for the others)."""
+        ranges = self._scan_ranges(runs, n)
+        if sum(hi - lo for lo, hi in ranges) >= _FULL_SCAN_SHARE * n:
+            return dot(query, self.vectors[:, :n])
+        scores = np.full(n, np.nan, dtype=np.float32)
+        for lo, hi in ranges:
+            scores[lo:hi] = dot(query, self.vectors[:, lo:hi])
+        return scores
+
+    def _scan_ranges(self, runs: Sequence[list[tuple[int, int]]], n: int) -> list[tuple[int, int]]:
+        """Sorted, disjoint runs of rows holding every row any of the pools can return: their ``_pool_runs``
+        (per kind asked, the part of its block inside the pool's time bounds) and the rows added since the load."""
+        every = [(self._sorted, n)] if self._sorted < n else []
+        for pool_runs in runs:
+            every += pool_runs
+        every.sort()
+        merged: list[tuple[int, int]] = []
+        for lo, hi in every:
+            if merged and lo <= merged[-1][1] + _RUN_GAP:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+            else:
+                merged.append((lo, hi))
+        return merged
+
+    def _pool_runs(self, pool: Pool) -> list[tuple[int, int]]:
+        """Runs of the sorted rows (ascending) holding the pool's kinds within its time bounds: each kind's
+        block, cut to the bounds by the block's order by time."""
+        codes = sorted({KIND_CODES[str(kind)] for kind in pool.kinds}) if pool.kinds else range(len(KIND_CODES))
+        created = self.created
+        runs: list[tuple[int, int]] = []
+        for code in codes:
+            lo, hi = self._blocks[code]
+            if lo < hi and pool.since is not None:
+                lo += int(np.searchsorted(created[lo:hi], micros(pool.since), "left"))
+            if lo < hi and pool.until is not None:
+                hi = lo + int(np.searchsorted(created[lo:hi], micros(pool.until), "right"))
+            if lo < hi:
+                runs.append((lo, hi))
+        return runs
+
+    def _pool_rows(self, pool: Pool, n: int, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.intp]:
+        """Rows of live records in the pool, ascending: within its runs of sorted rows (``_pool_runs``) only
+        liveness and validity are left to check; the rows added since the load are checked on every filter.
+        (One mask over all rows per pool cost 3-4x as much: the read path searches three pools.)"""
+        alive, valid = self.alive, self.valid
+        parts = [
+            lo + np.flatnonzero(alive[lo:hi] if pool.include_invalid else alive[lo:hi] & valid[lo:hi])
+            for lo, hi in runs
+        ]
+        if self._sorted < n:
+            parts.append(self._sorted + np.flatnonzero(self._mask_at(slice(self._sorted, n), pool)))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.intp)
+
+    def _mask_at(self, at: slice | npt.NDArray[np.intp], pool: Pool) -> npt.NDArray[np.bool_]:
+        """Whether each row of ``at`` (rows [0, n) or some of them) is live and in the pool."""
+        mask = self.alive[at].copy()
+        if not pool.include_invalid:
+            mask &= self.valid[at]
+        if pool.kinds:
+            mask &= kind_table(pool.kinds)[self.kind[at]]
+        if pool.since is not None:
+            mask &= self.created[at] >= micros(pool.since)
+        if pool.until is not None:
+            mask &= self.created[at] <= micros(pool.until)
+        return mask
+
+    def rows_in_pool(self, ids: Sequence[str], pool: Pool) -> tuple[list[int], list[int]]:
+        """The rows of those ``ids`` whose records are live and in ``pool`` (ids found by another index, which
+        may be older than the cache), and each one's position in ``ids``; checked on the filter columns at
+        once, for ``records_at``."""
+        index = self.index
+        rows = np.fromiter(map(index.get, ids, itertools.repeat(-1)), dtype=np.intp, count=len(ids))
+        held = np.flatnonzero(rows >= 0)
+        kept = held[self._mask_at(rows[held], pool)]
+        return rows[kept].tolist(), kept.tolist()
+
+    def _drop_fresh_pieces(self, record_id: str) -> None:
+        if record_id in self._fresh_pieces:
+            self._fresh_bytes -= _pieces_bytes(self._fresh_pieces.pop(record_id))
+
+    def pieces_of(self, ids: Sequence[str]) -> list[npt.NDArray[np.int64] | None]:
+        """The word pieces kept for these records (None where none are: unknown ids, rows written without)."""
+        fresh, index, base, held = self._fresh_pieces, self.index, self._base, self._piece_held
+        values, offsets = self._piece_values, self._piece_offsets
+        out: list[npt.NDArray[np.int64] | None] = []
+        for record_id in ids:
+            if record_id in fresh:
+                out.append(fresh[record_id])
+                continue
+            row = index.get(record_id)
+            at = -1 if row is None else base[row]
+            out.append(values[offsets[at] : offsets[at + 1]] if at >= 0 and held[at] else None)
+        return out
+
+    def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
+        """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
+        rows = [self.index.get(record_id) for record_id in ids]
+        self.records_at([row for row in rows if row is not None])  # materialises the missing ones
+        return [self._records[row] if row is not None else None for row in rows]
+
+    def records_at(self, rows: Sequence[int]) -> list[MemoryRecord]:
+        """The records of live rows (``search_rows``'), materialised from the loaded columns once."""
+        records = self._records
+        pending = [row for row in rows if records[row] is None]
+        for row in pending:
+            records[row] = cast("RecordColumns", self._columns).record(self._base[row])
+        self._materialised += len(pending)
+        return cast("list[MemoryRecord]", [records[row] for row in rows])
+
+    def vector(self, record_id: str) -> npt.NDArray[np.float32]:
+        """The stored vector of a cached record (a read-only copy: the column is reused as the user changes)."""
+        vector = self.vectors[:, self.index[record_id]].copy()
+        vector.setflags(write=False)
+        return vector
+
+    def _live_rows(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> npt.NDArray[np.intp]:
+        """Rows of live records of ``kinds`` (all kinds when empty), invalid ones only if ``include_invalid``."""
+        pool = Pool(0, tuple(kinds or ()), include_invalid=include_invalid)
+        return self._pool_rows(pool, self.n, self._pool_runs(pool))
+
+    def keys(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> pa.Table:
+        """(id, created_at in microseconds) of live records matching the filters, as ``MemoryTable.keys``."""
+        rows = self._live_rows(kinds, include_invalid)
+        return pa.table({"id": [self.ids[row] for row in rows.tolist()], "created_at": self.created[rows]})
+
+    def ordered_ids(self, kinds: Sequence[Kind] | None, include_invalid: bool) -> list[str]:
+        """Ids of live records, newest first (created_at, then id, descending)."""
+        rows = self._live_rows(kinds, include_invalid)
+        rows_sorted = sorted(rows.tolist(), key=lambda row: (int(self.created[row]), self.ids[row]), reverse=True)
+        return [self.ids[row] for row in rows_sorted]
+
+
+def _pieces_bytes(pieces: npt.NDArray[np.int64] | None) -> int:
+    return 100 + (0 if pieces is None else pieces.nbytes)  # the array, or None, and its dict entry
+
+
+def _pieces_columns(rows: pa.Table | None) -> tuple[npt.NDArray[np.int64], list[int], list[bool]]:
+    """The loaded rows' ``pieces`` column as (values, offsets, held): one array and two lists, not an array per
+    row. A table without the column (older, or a test's) holds none."""
+    count = rows.num_rows if rows is not None else 0
+    if rows is None or PIECES not in rows.column_names or count == 0:
+        return np.zeros(0, np.int64), [0] * (count + 1), [False] * count
+    column = rows[PIECES].combine_chunks()
+    values = column.values.to_numpy(zero_copy_only=False).astype(np.int64)  # term matching's dtype
+    offsets: list[int] = column.offsets.to_pylist()
+    held: list[bool] = column.is_valid().to_pylist()
+    return values, offsets, held
