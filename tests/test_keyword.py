@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tantivy import Document, Index, SchemaBuilder
 
-from proxy.memory.store.keyword import (
+from proxy.memory.store.keyword import KeywordIndex
+from proxy.memory.store.keyword_schema import (
     KeywordDoc,
     KeywordFilter,
-    KeywordIndex,
     cjk_analyzer,
     cjk_bigrams,
     cjk_runs,

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pytest
 
 from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
-from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
+from proxy.memory.store.keyword import KeywordIndex
+from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
 from tests.support.embedder import HashingEmbedder

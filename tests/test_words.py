@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.store.keyword import stem_analyzer, word_analyzer
+from proxy.memory.store.keyword_schema import stem_analyzer, word_analyzer
 from proxy.memory.words import stem, terms, words
 
 

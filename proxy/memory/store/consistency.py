@@ -14,7 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
 
-from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
+from proxy.memory.store.keyword import KeywordIndex
+from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.table import MemoryTable
 
 log = structlog.get_logger(__name__)

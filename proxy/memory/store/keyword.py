@@ -1,176 +1,54 @@
 """The keyword arm: a Tantivy BM25 index of every memory's text, scoped by user.
 
-Fields: ``id`` (raw, stored), ``user_id`` (raw, indexed only), ``kind`` (raw), ``text`` (words: Tantivy's
-default pipeline of simple tokenizer, long-token removal and lowercasing), ``text_stem`` (the same words
-without English stop words, Snowball-stemmed; word queries match this field, so "hiking" finds "hikes";
-a query made only of stop words matches ``text`` instead),
-``text_cjk`` (character bigrams of the CJK runs of the text, so Korean, Japanese and Chinese queries match
-inside words), ``created_us`` (microseconds, exact range filters), ``valid`` and ``sig`` (a digest of the
-indexed fields, stored, which lets the store's startup repair find documents that disagree with LanceDB), and
-``hex_id``, ``id_hi``, ``id_lo`` (fast columns: a generated id's two 64-bit halves, which a search reads
-instead of each hit's stored document).
-An index written before ``text_stem`` existed no longer matches the schema and is rebuilt from LanceDB.
-
-Queries are built from terms through Tantivy's query API: the query text goes through the same analyzers
-as the documents and each resulting token becomes a term query, so no user text or id is ever parsed as
-query syntax. The index has one writer, used under one lock; all Tantivy calls run on this module's own
-small thread pool. Each physical index lives in a generation directory named by ``CURRENT``, so a rebuild
-(to purge a forgotten user's bytes from disk, or to rewrite a fragmented index as one segment) swaps
-atomically.
+The fields, analyzers and documents are ``keyword_schema``'s. Queries are built from terms through Tantivy's
+query API: the query text goes through the same analyzers as the documents and each resulting token becomes a
+term query, so no user text or id is ever parsed as query syntax. The index has one writer, used under one lock;
+all Tantivy calls run on this module's own small thread pool. Each physical index lives in a generation
+directory named by ``CURRENT``, so a rebuild (to purge a forgotten user's bytes from disk, or to rewrite a
+fragmented index as one segment) swaps atomically.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
-import re
 import shutil
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar, cast
 
-import numpy as np
-import orjson
 import tantivy
 from tantivy import (
     FieldType,
-    Filter,
     Index,
     Occur,
     Query,
-    SchemaBuilder,
-    TextAnalyzerBuilder,
-    Tokenizer,
 )
 
 from proxy.memory.errors import StoreError
-from proxy.memory.store.records import Kind, MemoryRecord
-
-WORDS = "memproxy_words"
-STEMS = "memproxy_stems"
-CJK = "memproxy_cjk"
-MAX_QUERY_TERMS = 64
-MAX_TOKEN_CHARS = 40
-_CJK_RUN = re.compile(
-    "[\u1100-\u11ff\u3040-\u30ff\u3130-\u318f\u3400-\u4dbf\u4e00-\u9fff\ua960-\ua97f"
-    "\uac00-\ud7af\uf900-\ufaff\uff66-\uff9f\U00020000-\U0002fa1f]+"
+from proxy.memory.store.keyword_schema import (
+    CJK,
+    STEMS,
+    WORDS,
+    KeywordDoc,
+    KeywordFilter,
+    cjk_analyzer,
+    cjk_bigrams,
+    document_json,
+    id_from_halves,
+    ids_from_halves,
+    index_schema,
+    stem_analyzer,
+    word_analyzer,
 )
+
+MAX_QUERY_TERMS = 64
 _T = TypeVar("_T")
-
-
-def word_analyzer() -> tantivy.TextAnalyzer:
-    """The words pipeline, identical to Tantivy's ``default`` tokenizer."""
-    builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
-    return builder.filter(Filter.lowercase()).build()
-
-
-def stem_analyzer() -> tantivy.TextAnalyzer:
-    """The words pipeline without English stop words, then the English Snowball stemmer."""
-    builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
-    builder = builder.filter(Filter.lowercase()).filter(Filter.stopword("english"))
-    return builder.filter(Filter.stemmer("english")).build()
-
-
-def cjk_analyzer() -> tantivy.TextAnalyzer:
-    """Character bigrams, applied to each CJK run separately."""
-    return TextAnalyzerBuilder(Tokenizer.ngram(2, 2)).build()
-
-
-def cjk_runs(text: str) -> list[str]:
-    """Maximal runs of Hangul, kana and CJK ideographs of two characters or more."""
-    return [run for run in _CJK_RUN.findall(text) if len(run) >= 2]
-
-
-def cjk_bigrams(text: str) -> list[str]:
-    """The bigrams the ``text_cjk`` field holds for ``text`` (what ``Tokenizer.ngram(2, 2)`` yields)."""
-    return [run[i : i + 2] for run in cjk_runs(text) for i in range(len(run) - 1)]
 
 
 def _unique(tokens: Iterable[str], limit: int) -> list[str]:
     return list(dict.fromkeys(tokens))[:limit]
-
-
-@dataclass(frozen=True, slots=True)
-class KeywordDoc:
-    """What the keyword index holds of one record."""
-
-    id: str
-    user_id: str
-    kind: str
-    text: str
-    created_us: int
-    valid: bool
-
-    @classmethod
-    def of(cls, record: MemoryRecord) -> KeywordDoc:
-        """The document for a record."""
-        created_us = int(record.created_at.timestamp() * 1_000_000)
-        return cls(record.id, record.user_id, str(record.kind), record.text, created_us, record.valid)
-
-    @property
-    def sig(self) -> str:
-        """A digest of every indexed field; equal signatures mean the document is up to date."""
-        parts = (self.user_id, self.kind, str(self.created_us), "1" if self.valid else "0", self.text)
-        return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=12).hexdigest()
-
-
-def _schema() -> tantivy.Schema:
-    builder = SchemaBuilder()
-    builder.add_text_field("id", stored=True, tokenizer_name="raw", index_option="basic")
-    builder.add_text_field("user_id", tokenizer_name="raw", index_option="basic")
-    builder.add_text_field("kind", tokenizer_name="raw", index_option="basic")
-    builder.add_text_field("text", tokenizer_name=WORDS, index_option="freq")
-    builder.add_text_field("text_stem", tokenizer_name=STEMS, index_option="freq")
-    builder.add_text_field("text_cjk", tokenizer_name=CJK, index_option="freq")
-    builder.add_integer_field("created_us", indexed=True, fast=True)
-    builder.add_boolean_field("valid", indexed=True)
-    builder.add_text_field("sig", stored=True, tokenizer_name="raw", index_option="basic")
-    # A generated id (32 lowercase hex digits) as two fast 64-bit halves: a search reads a hit's id from these
-    # columns instead of loading its stored document (~2 us a hit, 120 hits a request). Other ids: doc().
-    builder.add_boolean_field("hex_id", fast=True)
-    builder.add_integer_field("id_hi", fast=True)
-    builder.add_integer_field("id_lo", fast=True)
-    return builder.build()
-
-
-_HEX_ID = re.compile(r"[0-9a-f]{32}")
-_I64 = 1 << 63  # the halves are unsigned 64-bit numbers stored as signed ones
-
-
-def id_halves(record_id: str) -> tuple[bool, int, int]:
-    """Whether the id is a generated one, and its two halves as signed 64-bit numbers (0, 0 when it is not)."""
-    if _HEX_ID.fullmatch(record_id) is None:
-        return False, 0, 0
-    return True, int(record_id[:16], 16) - _I64, int(record_id[16:], 16) - _I64
-
-
-def id_from_halves(high: int, low: int) -> str:
-    """The generated id ``id_halves`` split."""
-    return f"{high + _I64:016x}{low + _I64:016x}"
-
-
-def _document_json(doc: KeywordDoc) -> str:
-    """The document as Tantivy JSON (about 3x cheaper to build and add than a ``Document`` of keywords)."""
-    hex_id, high, low = id_halves(doc.id)
-    fields = {
-        "id": doc.id,
-        "hex_id": hex_id,
-        "id_hi": high,
-        "id_lo": low,
-        "user_id": doc.user_id,
-        "kind": doc.kind,
-        "text": doc.text,
-        "text_stem": doc.text,
-        "text_cjk": cjk_runs(doc.text),
-        "created_us": doc.created_us,
-        "valid": doc.valid,
-        "sig": doc.sig,
-    }
-    return orjson.dumps(fields).decode()
 
 
 class _Generation:
@@ -178,7 +56,7 @@ class _Generation:
 
     def __init__(self, path: Path, heap_bytes: int) -> None:
         self.path = path
-        self.schema = _schema()
+        self.schema = index_schema()
         path.mkdir(parents=True, exist_ok=True)
         try:
             self.index = Index(self.schema, path=str(path), reuse=True)
@@ -216,31 +94,8 @@ def _hit_ids(searcher: tantivy.Searcher, addresses: list[Any]) -> list[str]:
     ]
 
 
-def ids_from_halves(highs: Sequence[int], lows: Sequence[int]) -> list[str]:
-    """``id_from_halves`` of many pairs at once: the halves as big-endian unsigned words, hex-encoded in one
-    call and cut into ids (~0.2 against ~0.45 us an id formatted alone; ~120 hits a request)."""
-    words = np.empty((len(highs), 2), dtype=">u8")
-    words[:, 0] = np.asarray(highs, dtype=np.int64).view(np.uint64) ^ _SIGN
-    words[:, 1] = np.asarray(lows, dtype=np.int64).view(np.uint64) ^ _SIGN
-    text = words.tobytes().hex()
-    return [text[start : start + 32] for start in range(0, len(text), 32)]
-
-
-_SIGN = np.uint64(1 << 63)  # adding 2**63 to a signed 64-bit number's bits is flipping its top bit
-
-
 class _Unusable(Exception):
     """An index directory that cannot be opened (corrupt, or from another schema)."""
-
-
-@dataclass(frozen=True, slots=True)
-class KeywordFilter:
-    """Which documents of one user a keyword query may match."""
-
-    kinds: tuple[str, ...] = ()
-    since_us: int | None = None
-    until_us: int | None = None
-    include_invalid: bool = False
 
 
 class KeywordIndex:
@@ -332,7 +187,7 @@ class KeywordIndex:
     def _upsert(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
         for doc in docs:
             gen.writer.delete_documents_by_term("id", doc.id)
-            gen.writer.add_json(_document_json(doc))
+            gen.writer.add_json(document_json(doc))
 
     async def remove(self, user_id: str, ids: Sequence[str]) -> None:
         """Delete the user's documents with these ids (visible after ``commit``)."""
@@ -392,7 +247,7 @@ class KeywordIndex:
     @staticmethod
     def _add_all(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:
         for doc in docs:
-            gen.writer.add_json(_document_json(doc))
+            gen.writer.add_json(document_json(doc))
 
     # reads ----------------------------------------------------------------------------------------------
 
@@ -488,19 +343,7 @@ def _filter_clauses(schema: tantivy.Schema, where: KeywordFilter) -> list[tuple[
 
 def _any_kind(schema: tantivy.Schema, kinds: Sequence[str]) -> Query:
     """Documents of any of ``kinds``, scored 1 as a term set query would be: a disjunction of term queries
-    finds the same documents with the same scores at less than half the cost of a search (0.64 -> 0.28 ms for
-    the read path's two pools at 10k documents: the term set query walks an automaton over the terms)."""
+    finds the same documents with the same scores at less than half the cost of a search (the term set query
+    walks an automaton over the terms)."""
     either = Query.boolean_query([(Occur.Should, Query.term_query(schema, "kind", kind)) for kind in kinds])
     return Query.const_score_query(either, 1.0)
-
-
-def keyword_filter(
-    kinds: Sequence[Kind] | None, since: datetime | None, until: datetime | None, include_invalid: bool
-) -> KeywordFilter:
-    """The filter for a search's arguments."""
-    return KeywordFilter(
-        kinds=tuple(str(kind) for kind in kinds or ()),
-        since_us=int(since.timestamp() * 1_000_000) if since is not None else None,
-        until_us=int(until.timestamp() * 1_000_000) if until is not None else None,
-        include_invalid=include_invalid,
-    )

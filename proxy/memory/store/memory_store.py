@@ -47,7 +47,8 @@ from proxy.memory.store.datadir import DataDir
 from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.ids import check_user_id, valid_record_id
-from proxy.memory.store.keyword import KeywordDoc, KeywordIndex
+from proxy.memory.store.keyword import KeywordIndex
+from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.reads import StoreReader
 from proxy.memory.store.records import Kind, MemoryRecord, arrow_rows, utcnow
 from proxy.memory.store.table import MemoryTable

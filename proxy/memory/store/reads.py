@@ -26,7 +26,8 @@ from proxy.memory.errors import StoreError
 from proxy.memory.store.cursors import page_keys
 from proxy.memory.store.filters import due_filter, record_filter
 from proxy.memory.store.ids import check_user_id
-from proxy.memory.store.keyword import KeywordIndex, keyword_filter
+from proxy.memory.store.keyword import KeywordIndex
+from proxy.memory.store.keyword_schema import keyword_filter
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, from_row
 from proxy.memory.store.table import RECORD_COLUMNS, MemoryTable
 from proxy.memory.store.touches import TouchBuffer

@@ -20,7 +20,7 @@ from proxy.memory.store.cluster import ClusterSettings
 from proxy.memory.store.consistency import table_keyword_docs
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.filters import record_filter
-from proxy.memory.store.keyword import KeywordDoc
+from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.lease import Lease
 from proxy.memory.store.manifest import RemoteManifest
 from proxy.memory.store.memory_store import DocumentEmbedder, MemoryStore, StoreSettings
