@@ -28,8 +28,9 @@ from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.features import FeatureBoard, guard_handlers
 from proxy.memory.read import text_caches
+from proxy.memory.read.block import MemoryItem
 from proxy.memory.read.candidates import Candidate
-from proxy.memory.read.injection import MemoryItem, choose
+from proxy.memory.read.injection import choose
 from proxy.memory.read.injection import inject as inject_block
 from proxy.memory.read.placement import (
     BlockPlan,

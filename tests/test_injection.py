@@ -11,24 +11,21 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.read.injection import (
+from proxy.memory.read.block import (
     CLOSE_TAG,
     OPEN_TAG,
     PREAMBLE,
     MemoryItem,
     Section,
-    _best_window,
-    _chunked,
-    _held,
-    estimate_tokens,
-    excerpt,
-    inject,
     item_from_record,
     line_cost,
     quote,
     render_item,
 )
+from proxy.memory.read.excerpts import _best_window, _chunked, _held, excerpt
+from proxy.memory.read.injection import inject
 from proxy.memory.read.retrieval_settings import InjectionSettings
+from proxy.memory.read.tokens import estimate_tokens
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.text_cap import cap_text
 

@@ -14,8 +14,10 @@ import pytest
 import tiktoken
 from tokenizers import Tokenizer
 
-from proxy.memory.read.injection import MemoryItem, Section, estimate_tokens, inject, quote
+from proxy.memory.read.block import MemoryItem, Section, quote
+from proxy.memory.read.injection import inject
 from proxy.memory.read.retrieval_settings import InjectionSettings
+from proxy.memory.read.tokens import estimate_tokens
 
 Count = Callable[[str], int]
 

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from proxy.dialects import CHAT, MESSAGES, RESPONSES
-from proxy.memory.read.injection import MemoryItem, Section
+from proxy.memory.read.block import MemoryItem, Section
 from proxy.memory.read.placement import (
     BlockPlan,
     CachedBudgets,

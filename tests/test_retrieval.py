@@ -13,8 +13,9 @@ import pytest
 
 from proxy.memory.errors import EmbedderError, StoreError
 from proxy.memory.read.arms import at_hand, entity_hits
+from proxy.memory.read.block import Section
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate
-from proxy.memory.read.injection import Section, inject
+from proxy.memory.read.injection import inject
 from proxy.memory.read.names import NameIndex
 from proxy.memory.read.read_cache import ReadCache
 from proxy.memory.read.rerank import Reranker, RerankSettings

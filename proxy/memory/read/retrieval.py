@@ -23,9 +23,9 @@ from typing import Any
 from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.pieces import term_vectors_of
 from proxy.memory.read.arms import Found, entity_hits, run_arms
+from proxy.memory.read.block import MemoryItem
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord
 from proxy.memory.read.fusion import fuse, is_gated
-from proxy.memory.read.injection import MemoryItem
 from proxy.memory.read.names import NameIndex, text_name_scores
 from proxy.memory.read.query import Query, build_query
 from proxy.memory.read.read_cache import ReadCache, RetrievalStore

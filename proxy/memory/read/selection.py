@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import datetime, timedelta
 
+from proxy.memory.read.block import MemoryItem, Section, item_from_record
 from proxy.memory.read.candidates import PAST_KINDS, Candidate
-from proxy.memory.read.injection import MemoryItem, Section, item_from_record
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.read.scoring import final_scale, recency
 from proxy.memory.store.records import Kind, MemoryRecord

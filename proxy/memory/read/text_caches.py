@@ -1,18 +1,20 @@
 """The read path's per-text caches (token costs, excerpts, normalised texts, written names, term pieces, word
 stems): what the memories read most often cost to prepare, kept so that the same memories injected request
 after request are prepared once. ``clear`` empties them all; ``MemoryEngine.release_idle`` calls it once no user
-is cached any more, so that a process whose readers went idle hands their memory back (they refill at ~30 us a
-text on the next reads).
+is cached any more, so that a process whose readers went idle hands their memory back
+(they refill on the next reads).
 """
 
 from __future__ import annotations
 
 from proxy.memory import words
-from proxy.memory.read import injection, names, term_match
+from proxy.memory.read import block, excerpts, injection, names, term_match
 
 
 def clear() -> None:
     """Empty every per-text cache of the read path."""
+    block.clear_caches()
+    excerpts.clear_caches()
     injection.clear_caches()
     names.written_names.cache_clear()
     term_match.text_pieces.cache_clear()
