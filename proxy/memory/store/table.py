@@ -2,8 +2,8 @@
 
 LanceDB is the source of truth. One table holds every kind of memory of every user (``records.py``); the
 manifest beside it (``manifest.py``) names the live table and the embedding model it was built with. Every
-read and delete goes through a filter of ``filters.py``, scoped to one user. The indexes (Bitmap on
-``user_id``, BTree on ``id``, HNSW-SQ cosine on ``embedding`` past a size) are created as the table grows;
+read and delete goes through a filter of ``filters.py``, scoped to one user. The indexes (``indexes.py``:
+Bitmap on ``user_id``, BTree on ``id``, HNSW-SQ cosine on ``embedding`` past a size) are created as the table grows;
 writes are batched by ``background.BatchWriter`` and compaction runs on ``background.Ticker``.
 """
 
@@ -23,9 +23,9 @@ import numpy.typing as npt
 import pyarrow as pa
 import pyarrow.compute as pc
 import structlog
-from lancedb.index import Bitmap, BTree, HnswSq
 
 from proxy.memory.errors import EmbedderMismatch, StoreError
+from proxy.memory.store import indexes
 from proxy.memory.store.filters import record_filter, sql_in, sql_string
 from proxy.memory.store.gate import ReadGate
 from proxy.memory.store.ids import check_user_id, valid_record_id
@@ -40,10 +40,6 @@ _IN_CHUNK = 512
 # A replica that lost the claim to create the shared table waits this long for the winner's before it creates
 # the table itself (the winner died between its claim and its creation).
 CREATOR_WAIT_S = 30.0
-# HNSW build parameters, cheaper than Lance's defaults (m 20, ef_construction 300): indexing 30k x 384
-# took 44 s instead of 160 s on two busy cores.
-ANN_M = 16
-ANN_EF_CONSTRUCTION = 100
 _PURGE_CLEANUP = timedelta(milliseconds=1)  # every version but the latest (0 would warn about readers)
 _T = TypeVar("_T")
 
@@ -66,9 +62,6 @@ class SharedTable:
     manifests: Any
     read_consistency: timedelta
     purge_cleanup: timedelta
-
-
-_SCALAR_INDEXES: tuple[tuple[str, type[Bitmap | BTree]], ...] = (("user_id", Bitmap), ("id", BTree))
 
 
 class MemoryTable:
@@ -261,10 +254,7 @@ class MemoryTable:
                 await self.table.optimize(cleanup_older_than=self.shared.purge_cleanup)
 
     async def _rebuild_scalar_indexes(self) -> None:
-        if await self.table.count_rows() == 0:
-            return
-        for column, config in _SCALAR_INDEXES:
-            await self.table.create_index(column, config=config(), replace=True)
+        await indexes.rebuild_scalar_indexes(self.table)
 
     async def optimize(self, cleanup_older_than: timedelta) -> None:
         """Compact small fragments, fold new rows into the indexes, drop old versions, add scalar indexes."""
@@ -272,41 +262,23 @@ class MemoryTable:
         await self.ensure_scalar_indexes()
 
     async def _indexed_columns(self) -> dict[tuple[str, ...], str]:
-        return {tuple(index.columns): index.name for index in await self.table.list_indices()}
-
-    async def _missing_scalar_indexes(self) -> list[tuple[str, type[Bitmap | BTree]]]:
-        """The scalar indexes the table lacks (none while it holds no rows)."""
-        if await self.table.count_rows() == 0:
-            return []
-        have = await self._indexed_columns()
-        return [(column, config) for column, config in _SCALAR_INDEXES if (column,) not in have]
+        return await indexes.indexed_columns(self.table)
 
     async def lacks_scalar_indexes(self) -> bool:
-        """Whether the table holds rows but not both scalar indexes (a store written in one go, or imported,
-        before its first maintenance round): every read, update and delete by id or user then scans it whole."""
-        return bool(await self._missing_scalar_indexes())
+        """Whether the table holds rows but not both scalar indexes (``indexes.missing_scalar_indexes``)."""
+        return bool(await indexes.missing_scalar_indexes(self.table))
 
     async def ensure_scalar_indexes(self) -> None:
-        """Create the Bitmap (``user_id``) and BTree (``id``) indexes if missing (fast: seconds at 1M rows)."""
-        for column, config in await self._missing_scalar_indexes():
-            await self.table.create_index(column, config=config())
+        """Create the Bitmap (``user_id``) and BTree (``id``) indexes if missing."""
+        await indexes.ensure_scalar_indexes(self.table)
 
     async def ensure_ann_index(self, min_rows: int) -> bool:
-        """Build the HNSW-SQ (cosine) index once the table has ``min_rows``; True if one was built.
-
-        Slow (minutes for 100k rows on two busy cores), so the store runs it outside its write lock:
-        an index build commits alongside appends and deletes without conflict.
-        """
-        if ("embedding",) in await self._indexed_columns() or await self.table.count_rows() < min_rows:
-            return False
-        config = HnswSq(distance_type="cosine", m=ANN_M, ef_construction=ANN_EF_CONSTRUCTION)
-        await self.table.create_index("embedding", config=config)
-        return True
+        """Build the HNSW-SQ (cosine) index once the table has ``min_rows``; True if one was built
+        (``indexes.ensure_ann_index``)."""
+        return await indexes.ensure_ann_index(self.table, min_rows)
 
     async def _drop_ann_index(self) -> None:
-        name = (await self._indexed_columns()).get(("embedding",))
-        if name is not None:
-            await self.table.drop_index(name)
+        await indexes.drop_ann_index(self.table)
 
     # reads ----------------------------------------------------------------------------------------------
 
