@@ -65,7 +65,7 @@ async def run_variant(
         settings = StoreSettings(path=Path(tmp), **overrides)
         async with MemoryStore(settings, HashingEmbedder(dim=DIM, model_id="bench/synthetic")) as store:
             if variant != "shipped":
-                store._maybe_stored = lambda ids: ids  # type: ignore[method-assign]
+                store.writes.maybe_stored = lambda ids: ids  # type: ignore[method-assign]
             windows, current = [], []
             for start in range(0, len(records), per_append):
                 began = time.perf_counter()
@@ -85,7 +85,7 @@ async def touch_cost(store: MemoryStore, records: list[MemoryRecord], touched: i
     for record in picked:
         await store.touch(record.user_id, [record.id])
     began = time.perf_counter()
-    await store._flush_touches()  # what the ticker runs every store.touch_flush_s
+    await store.writes.flush_touches()  # what the ticker runs every store.touch_flush_s
     return {"records": len(picked), "seconds": round(time.perf_counter() - began, 3)}
 
 

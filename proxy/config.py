@@ -30,8 +30,8 @@ from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.read.rerank import RerankSettings
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.cluster import ClusterSettings
-from proxy.memory.store.memory_store import StoreSettings, StoreTuning
 from proxy.memory.store.objectstore import StorageLocation
+from proxy.memory.store.settings import StoreSettings, StoreTuning
 from proxy.memory.write.extraction import ExtractionSettings
 from proxy.memory.write.job_types import JobQueueSettings, JobQueueTuning
 from proxy.memory.write.settings import WriterSettings

@@ -15,6 +15,7 @@ from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.store.write_vectors import WriteVectors
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 TEXTS = [
@@ -98,7 +99,7 @@ async def test_ranking_is_the_same_with_kept_pieces_and_without(
                      for q in QUESTIONS]  # fmt: skip
         assert any(kept.term_pieces("maya", [c.record.id], vectors_of(local))[0] is not None
                    for result in with_kept for c in result.candidates)  # fmt: skip
-    monkeypatch.setattr(MemoryStore, "_pieces", lambda self, texts: None)
+    monkeypatch.setattr(WriteVectors, "pieces", lambda self, texts: None)
     async with MemoryStore(StoreSettings(path=tmp_path / "bare"), local) as bare:
         await bare.add(memories("maya"))
         without = [await retrieve(bare, local, [{"role": "user", "content": q}], "maya", settings, now)

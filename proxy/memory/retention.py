@@ -3,7 +3,7 @@ are deleted for good, by a sweep that runs now and then.
 
 The read path never injects a memory past its ``expires_at`` (``read.selection``), so the sweep only has to
 catch up, not be on time. A sweep is one scan of four columns of the whole table for the rows due
-(``StoreReader.due_for_deletion``), then one delete per user that has some (``MemoryStore.delete_many``: one
+(``StoreReads.due_for_deletion``), then one delete per user that has some (``MemoryStore.delete_many``: one
 LanceDB commit and one keyword commit). Summaries, facts, insights and subjects never age out; turns do only
 when ``turn_retention_days`` is above 0. Each expired memory deleted is announced (``memory.deleted`` with
 ``reason: "expired"``); turns aged out are not (they were never announced).

@@ -1,6 +1,7 @@
 """Reading the store: every read scoped to one user, served from the vector cache or LanceDB, with touches applied.
 
-``StoreReader`` is the read half of ``memory_store.MemoryStore`` (which adds the writes and the lifecycle).
+``StoreReads`` is what ``memory_store.MemoryStore`` reads with, beside its ``writes.StoreWrites``; both work on
+the parts the store owns (``StoreParts``).
 Keyword hits are resolved against LanceDB's records (or the cache, which is never older than LanceDB), so a
 record deleted from LanceDB is never returned even while the keyword index still holds it. Every record
 returned carries the user's pending access time (``touches.TouchBuffer``).
@@ -12,7 +13,7 @@ import asyncio
 import builtins
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import NamedTuple, cast
 
@@ -23,12 +24,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from proxy.memory.errors import StoreError
+from proxy.memory.pieces import TermVectors, term_vectors_of
 from proxy.memory.store.cursors import page_keys
 from proxy.memory.store.filters import due_filter, record_filter
 from proxy.memory.store.ids import check_user_id
 from proxy.memory.store.keyword import KeywordIndex
 from proxy.memory.store.keyword_schema import keyword_filter
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, from_row
+from proxy.memory.store.settings import DocumentEmbedder
 from proxy.memory.store.table import RECORD_COLUMNS, MemoryTable
 from proxy.memory.store.touches import TouchBuffer
 from proxy.memory.store.user_vectors import UserVectors, estimated_bytes
@@ -36,14 +39,14 @@ from proxy.memory.store.vector_cache import VectorCache
 
 
 class Hit(NamedTuple):
-    """One search result: the record (without its vector) and its score (a tuple: ~240 are made a request,
-    at a quarter of a frozen dataclass's cost)."""
+    """One search result: the record (without its vector) and its score (a tuple: hundreds are made a request,
+    at a fraction of a frozen dataclass's cost)."""
 
     record: MemoryRecord
     score: float
 
 
-# ``Hit(*pair)`` in C: a NamedTuple's own ``__new__`` is a Python function (~0.35 against ~0.17 us a hit)
+# ``Hit(*pair)`` in C: a NamedTuple's own ``__new__`` is a Python function, twice as slow
 _hit = cast("Callable[[tuple[MemoryRecord, float]], Hit]", functools.partial(tuple.__new__, Hit))
 
 
@@ -62,24 +65,35 @@ class Page:
     next_cursor: str | None
 
 
-class StoreReader:
-    """The reads of every memory of every user (the base of ``MemoryStore``, which owns the parts)."""
+@dataclass(frozen=True, slots=True)
+class StoreParts:
+    """What the store owns and its reads and writes share: the table of record, the keyword index, the vector
+    cache, the pending access times, and the new records not yet published to the cache (by user)."""
 
-    def __init__(
-        self, table: MemoryTable, keyword: KeywordIndex, cache: VectorCache, touches: TouchBuffer, dim: int
-    ) -> None:
-        self._lance = table
-        self._keyword = keyword
-        self._cache = cache
-        self._touches = touches
-        self._dim = dim
-        # New records LanceDB holds and Tantivy does not yet (the write's keyword commit, tens of ms): a user's
-        # load into the vector cache and LanceDB's own vector search leave them out, so that no read ranks them
-        # on the dense arm alone; the write's publish then brings them into the cache (``MemoryStore._publish``).
-        self._unpublished: dict[str, set[str]] = {}
+    table: MemoryTable
+    keyword: KeywordIndex
+    cache: VectorCache
+    touches: TouchBuffer
+    # New records LanceDB holds and Tantivy does not yet (the write's keyword commit): a user's load into the
+    # vector cache and LanceDB's own vector search leave them out, so that no read ranks them on the dense arm
+    # alone; the write's publish then brings them into the cache (``StoreWrites._publish``).
+    unpublished: dict[str, set[str]] = field(default_factory=dict)
+
+
+class StoreReads:
+    """The reads of every memory of every user, on the parts ``MemoryStore`` owns."""
+
+    def __init__(self, parts: StoreParts, embedder: DocumentEmbedder) -> None:
+        self._lance = parts.table
+        self._keyword = parts.keyword
+        self._cache = parts.cache
+        self._touches = parts.touches
+        self._unpublished = parts.unpublished
+        self._embedder = embedder
+        self._dim = embedder.dim
         # Whether a vector search went to LanceDB (its user not in the cache): only then does an ANN index pay
-        # for its build (minutes of both cores and GBs of RAM at 100k rows, while the chat waits).
-        self.searched_lance = cache.max_bytes == 0
+        # for its build (long, on every core and with GBs of RAM at 100k rows, while the chat waits).
+        self.searched_lance = parts.cache.max_bytes == 0
 
     @property
     def cache(self) -> VectorCache:
@@ -91,9 +105,20 @@ class StoreReader:
         vectors and records are in the cache, and they are this embedder's."""
         return self._lance.mismatch is None and self._cache.peek(user_id) is not None
 
-    def _check_model(self) -> None:
+    def check_model(self) -> None:
+        """Raise ``EmbedderMismatch`` when the table's vectors are not this embedder's."""
         if self._lance.mismatch is not None:
             raise self._lance.mismatch
+
+    def term_pieces(
+        self, user_id: str, ids: Sequence[str], vectors: TermVectors
+    ) -> builtins.list[npt.NDArray[np.int64] | None]:
+        """The word pieces kept for these records of the user, where the vector cache holds them (None where it
+        does not, and for all of them when ``vectors`` are not this store's model's)."""
+        entry = self._cache.peek(user_id)
+        if entry is None or vectors is not term_vectors_of(self._embedder):
+            return [None] * len(ids)
+        return entry.pieces_of(ids)
 
     async def get(self, user_id: str, id: str) -> MemoryRecord | None:
         """One record of the user, or None."""
@@ -138,7 +163,7 @@ class StoreReader:
 
     async def user_turns(self, user_id: str, since: datetime, until: datetime) -> builtins.list[MemoryRecord]:
         """The user's valid turns created in [since, until], newest first (as ``list`` orders them), in one
-        columnar read: for 10k turns ``list`` pages through keys and records at ~10x the CPU.
+        columnar read: ``list`` pages through keys and records at many times the CPU.
 
         Each record's ``embedding`` is a read-only row of one float32 matrix (not a list of Python floats).
         """
@@ -175,7 +200,7 @@ class StoreReader:
     ) -> builtins.list[builtins.list[Hit]]:
         """The records nearest to ``query`` (cosine) in each pool of the user's records, in one pass."""
         check_user_id(user_id)
-        self._check_model()
+        self.check_model()
         vector = np.asarray(query, dtype=np.float32).reshape(-1)
         if vector.shape != (self._dim,):
             raise StoreError(f"query vector has shape {vector.shape}, expected ({self._dim},)")
@@ -183,7 +208,7 @@ class StoreReader:
         if entry is None:
             self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
-        found = entry.search_rows(vector, pools)  # ~0.3 ms of single-thread BLAS: less than a thread hop costs
+        found = entry.search_rows(vector, pools)  # single-thread BLAS, cheaper than a hop to a thread
         # cached records carry their pending access times already (``_load_user``)
         return [list(map(_hit, zip(entry.records_at(rows), scores, strict=True))) for rows, scores in found]
 

@@ -26,7 +26,7 @@ from proxy.memory.store.manifest import RemoteManifest
 from proxy.memory.store.memory_store import DocumentEmbedder, MemoryStore, StoreSettings
 from proxy.memory.store.objectstore import ObjectStore
 from proxy.memory.store.records import MemoryRecord
-from proxy.memory.store.table import MemoryTable, SharedTable
+from proxy.memory.store.table import SharedTable
 
 
 class ReplicatedStore(MemoryStore):
@@ -43,7 +43,6 @@ class ReplicatedStore(MemoryStore):
         allow_mismatch: bool = False,
         health: StorageHealth | None = None,
     ) -> None:
-        super().__init__(settings, embedder, allow_mismatch=allow_mismatch, health=health)
         shared = SharedTable(
             uri=cluster.location.child("lance"),
             storage_options=cluster.location.lance_options(),
@@ -51,17 +50,12 @@ class ReplicatedStore(MemoryStore):
             read_consistency=timedelta(seconds=cluster.sync_interval_s),
             purge_cleanup=timedelta(seconds=max(60.0, 4 * cluster.sync_interval_s)),
         )
-        self._lance = MemoryTable(
-            settings.path / "lance",
-            embedder.model_id,
-            embedder.dim,
-            allow_mismatch=allow_mismatch,
-            shared=shared,
-            cache_bytes=settings.lance_cache_bytes,
+        self.feed = ChangeFeed(objects, replica, lookback_s=max(30.0, cluster.settle_s * 2))
+        super().__init__(
+            settings, embedder, allow_mismatch=allow_mismatch, health=health, shared=shared, announce=self.feed.publish
         )
         self.cluster = cluster
         self.objects = objects
-        self.feed = ChangeFeed(objects, replica, lookback_s=max(30.0, cluster.settle_s * 2))
         self.lease = Lease(objects, replica, cluster.lease_s)
         self._listeners: list[Callable[[str], Awaitable[object]]] = []
         self._forget_listeners: list[Callable[[str], Awaitable[object]]] = []
@@ -80,12 +74,6 @@ class ReplicatedStore(MemoryStore):
         return self
 
     # writes announce themselves before and after their commit ----------------------------------------
-
-    async def _write_new(self, records: list[MemoryRecord]) -> None:
-        users = {record.user_id for record in records}
-        await self.feed.publish(users)
-        await super()._write_new(records)
-        await self.feed.publish(users)
 
     async def update(self, user_id: str, id: str, **changes: Any) -> MemoryRecord | None:
         """As ``MemoryStore.update``, announced to the other replicas."""
@@ -112,7 +100,7 @@ class ReplicatedStore(MemoryStore):
         await self.feed.publish([user_id], op="forget")
         counts = await super().forget_user(user_id, purge=False)
         if any(counts.values()):  # the purge is the lease holder's, noted on object storage
-            self._dir.purge_done()
+            self.writes.data_dir.purge_done()
             await self.objects.put(f"purges/{now_ms():013d}-{uuid.uuid4().hex[:8]}", b"1")
         await self._notify(user_id)
         await self.feed.publish([user_id], op="forget")
@@ -127,7 +115,7 @@ class ReplicatedStore(MemoryStore):
             return
         for user_id in users:
             self._cache.drop(user_id)
-        async with self._lock:
+        async with self.writes.lock:
             await self._lance.table.checkout_latest()
             docs = [doc for user_id in users async for batch in self._user_keyword_docs(user_id) for doc in batch]
             for user_id in users:
@@ -149,8 +137,8 @@ class ReplicatedStore(MemoryStore):
         """Another replica forgot the user: drop their queued jobs here, then any row a job wrote meanwhile."""
         for listener in self._forget_listeners:
             await listener(user_id)
-        await self._drain_writes()
-        async with self._lock:
+        await self.writes.drain()
+        async with self.writes.lock:
             await self._lance.table.checkout_latest()
             late = await self._lance.count(user_id)
             if late:
@@ -168,14 +156,14 @@ class ReplicatedStore(MemoryStore):
     async def optimize(self) -> None:
         """Compaction, index builds and purges, on the lease holder only."""
         if not self.lease.held:
-            if self._needs_repair:  # a local keyword-index write failed: that repair is ours
-                async with self._lock:
+            if self.writes.needs_repair:  # a local keyword-index write failed: that repair is ours
+                async with self.writes.lock:
                     await self.repair()
-                    self._needs_repair = False
+                    self.writes.needs_repair = False
             return
         pending = await self.objects.list("purges/")
         if pending:
-            self._dir.mark_purge()
+            self.writes.data_dir.mark_purge()
         await super().optimize()
         for key in pending:
             await self.objects.delete(key)
