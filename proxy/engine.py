@@ -13,17 +13,17 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
-from datetime import datetime
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import structlog
 
 from insights.leader import LeaderInsightScheduler
-from insights.scheduler import InsightJobs, InsightScheduler, request_insights
+from insights.scheduler import InsightJobs, InsightScheduler
 from insights.service import InsightSettings
 from proxy.announced import AnnouncedAdmin
 from proxy.chat import arms_entries
+from proxy.engine_admin import EngineAdmin
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.features import FeatureBoard, guard_handlers
@@ -52,8 +52,7 @@ from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.journal import Journal
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.objectstore import ObjectStore
-from proxy.memory.store.reads import Page
-from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
+from proxy.memory.store.records import utcnow
 from proxy.memory.store.replicated import ReplicatedStore
 from proxy.memory.store.runtime import ClusterRuntime
 from proxy.memory.write.extraction import ExtractionSettings, Extractor
@@ -143,9 +142,10 @@ class MemoryEngine:
             events=self.events,
         )  # fmt: skip
         stated = StatedFacts(settings.writer, self.store, extractor, self.events, self.latest.model)
-        self._admin = AnnouncedAdmin(self, self.store, self.events, stated)
         self.names = NameIndexCache()
         self.ledger = ConversationLedger(settings.injection.conversations_cache_bytes)
+        operations = EngineAdmin(self.store, self.jobs, self.latest, self.search, self._changed, self.names.invalidate)
+        self._admin = AnnouncedAdmin(operations, self.store, self.events, stated)
         self.reranker = Reranker(settings.rerank)
         self._stack = contextlib.AsyncExitStack()
         self._ready = False
@@ -368,115 +368,8 @@ class MemoryEngine:
 
     @property
     def admin(self) -> MemoryAdmin:
-        """The management operations: the engine's own methods below, each change announced (``AnnouncedAdmin``)."""
+        """The management operations (``engine_admin.EngineAdmin``), each change announced (``AnnouncedAdmin``)."""
         return self._admin
-
-    async def user_ids(self) -> list[str]:
-        """Every user with at least one record."""
-        return await self.store.user_ids()
-
-    async def get_memory(self, user_id: str, id: str) -> MemoryRecord | None:
-        """One record of the user (history included), or None."""
-        return await self.store.get(user_id, id)
-
-    async def list_memories(
-        self,
-        user_id: str,
-        kinds: Sequence[Kind] | None = None,
-        *,
-        limit: int = 50,
-        cursor: str | None = None,
-        include_invalid: bool = False,
-    ) -> Page:
-        """The user's records, newest first, ``limit`` at a time (``ValueError`` for a bad cursor)."""
-        return await self.store.list(user_id, kinds, limit=limit, cursor=cursor, include_invalid=include_invalid)
-
-    def export_user(self, user_id: str) -> AsyncIterator[str]:
-        """Every record of the user, history included, oldest first, as JSON lines."""
-        return self.store.export(user_id)
-
-    async def add_fact(
-        self, user_id: str, text: str, importance: int | None = None, category: str | None = None,
-        expires_at: datetime | None = None,
-    ) -> MemoryRecord:  # fmt: skip
-        """A fact the user (or an operator) states directly: embedded, indexed and searchable at once."""
-        record = MemoryRecord(
-            user_id=user_id,
-            kind=Kind.FACT,
-            text=text,
-            importance=importance or 5,
-            category=category,
-            meta='{"source": "manual"}',
-            expires_at=expires_at,
-        )
-        [stored] = await self.store.add([record])
-        self.names.invalidate(user_id)
-        return stored
-
-    async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
-        """Bulk add of the user's records, idempotent by id (one store submission); returns the ids that were new."""
-        present = {record.id for record in await self.store.get_many(user_id, [r.id for r in records])}
-        new = [record for record in records if record.id not in present]
-        if new:
-            await self.store.add(new)
-            self.names.invalidate(user_id)
-        return [record.id for record in new]
-
-    async def edit(
-        self, user_id: str, id: str, text: str | None = None, importance: int | None = None,
-        expires_at: datetime | None = None,
-    ) -> MemoryRecord | None:  # fmt: skip
-        """Edit a memory; a text edit keeps the old version as history (superseded by the new one)."""
-        current = await self.store.get(user_id, id)
-        if current is None or not current.valid:
-            return None
-        if text is None or text == current.text:
-            changes = {"importance": importance, "expires_at": expires_at}
-            changes = {name: value for name, value in changes.items() if value is not None}
-            return await self.store.update(user_id, id, **changes) if changes else current
-        new = current.replace(
-            expires_at=expires_at or current.expires_at,
-            id=new_id(),
-            text=text,
-            embedding=None,
-            importance=importance or current.importance,
-            created_at=utcnow(),
-            updated_at=utcnow(),
-            superseded_by=None,
-        )
-        stored = await self.store.supersede(user_id, id, new)
-        self._changed(user_id)
-        return stored
-
-    async def delete(self, user_id: str, id: str) -> bool:
-        """Delete one memory for good."""
-        deleted = await self.store.delete(user_id, id)
-        self._changed(user_id)
-        return deleted
-
-    async def forget_user(self, user_id: str) -> dict[str, int]:
-        """Every trace of the user: queued jobs first (so none writes after), then the store and caches."""
-        jobs = await self.jobs.forget_user(user_id)
-        self.latest.forget(user_id)
-        counts = await self.store.forget_user(user_id)
-        self._changed(user_id)
-        return {**counts, "jobs": jobs}
-
-    async def regenerate_insights(self, user_id: str) -> str:
-        """Queue an insight regeneration for the user now (collapses with pending triggers)."""
-        return await request_insights(self.jobs, user_id, reason="manual")
-
-    async def dead_letters(self, limit: int = 100) -> list[dict[str, Any]]:
-        """Memory jobs that failed every attempt, the most recently failed first."""
-        return await self.jobs.dead_letters(limit)
-
-    async def requeue_dead_letter(self, job_id: str) -> bool:
-        """Give a dead job a fresh set of attempts; whether there was one."""
-        return await self.jobs.requeue(job_id)
-
-    async def job(self, job_id: str) -> dict[str, Any] | None:
-        """One job's row, or None."""
-        return await self.jobs.get(job_id)
 
     # --------------------------------------------------------------------------------------------- metrics
 
