@@ -26,8 +26,7 @@ from proxy.engine import EngineSettings, MemoryEngine
 from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
 from proxy.header_bytes import install_header_check
-from proxy.management import add_management_routes
-from proxy.management_ops import add_operations_routes
+from proxy.management import add_management_routes, add_operations_routes
 from proxy.mcp_server import add_mcp_routes
 from proxy.memory.features import FeatureBoard, ReportingLLM
 from proxy.memory.service import MemoryService, NullMemory

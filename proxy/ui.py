@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from proxy.errors import NotFound
-from proxy.management_http import Handler
+from proxy.management.shared import Handler
 
 WEB_DIR = Path(__file__).resolve().parent / "web"
 WEB_FILES = {"app.js": "application/javascript", "style.css": "text/css"}

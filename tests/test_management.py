@@ -17,7 +17,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from proxy.app import build_app
-from proxy.management import OPENAPI_PATH
+from proxy.management.memories import OPENAPI_PATH
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.state import STATE
 from tests.fake_upstream import FakeUpstream

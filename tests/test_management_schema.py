@@ -15,8 +15,8 @@ from aiohttp import web
 from schemathesis.specs.openapi.checks import negative_data_rejection, positive_data_acceptance
 
 from proxy.app import build_app
-from proxy.management import OPENAPI_PATH
-from proxy.management_http import MAX_TEXT_CHARS, NOT_WHITESPACE, Text
+from proxy.management.memories import OPENAPI_PATH
+from proxy.management.shared import MAX_TEXT_CHARS, NOT_WHITESPACE, Text
 from tests.support.live_app import admin_settings, live_app
 
 DOCUMENT = json.loads(OPENAPI_PATH.read_text())

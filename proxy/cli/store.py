@@ -1,5 +1,5 @@
 """The operator commands that open the configuration or the data directory: ``config``, ``export``, ``import``,
-``migrate`` and ``eval`` (parsers in ``proxy.cli_ops``).
+``migrate`` and ``eval`` (parsers in ``proxy.cli.ops``).
 
 Exit codes: 0 done, 1 failed (the store refused, the data directory is in use...), 2 bad configuration or bad
 input (the message names the key, or the line).

@@ -1,7 +1,7 @@
 """Operator commands of ``memproxy``: ``config``, ``export``, ``import``, ``migrate``, ``eval``, ``dead-letters``.
 
 Only the parsers live here (cheap to import). ``config``, ``export``, ``import``, ``migrate`` and ``eval`` open
-the configuration and the data directory themselves and run in ``proxy.cli_store`` (stop the server first, one
+the configuration and the data directory themselves and run in ``proxy.cli.store`` (stop the server first, one
 process owns a data directory; a running server takes bulk adds at ``POST .../memories:batch`` instead).
 ``dead-letters`` speaks to a running server's management API like ``memproxy memories``.
 """
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from proxy.cli_memory import (
+from proxy.cli.memory import (
     EXIT_OK,
     Client,
     CommandError,

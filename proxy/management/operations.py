@@ -7,8 +7,8 @@
 - ``GET /v1/memory/dead-letters``: memory jobs (fact extraction, summaries, insights) that failed every attempt.
 - ``POST /v1/memory/dead-letters/{job_id}/requeue``: give one a fresh set of attempts.
 
-Same rules as ``proxy.management`` (``proxy.management_http``): admin key, user id checked, pydantic bodies, 503
-when memory is off; everything goes through the engine's management seam (``MemoryAdmin``).
+Same rules as ``proxy.management.memories`` (``proxy.management.shared``): admin key, user id checked, pydantic
+bodies, 503 when memory is off; everything goes through the engine's management seam (``MemoryAdmin``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from proxy.errors import NotFound, ProxyError
-from proxy.management_http import (
+from proxy.management.shared import (
     PREFIX,
     USER,
     Body,

@@ -21,7 +21,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from proxy.errors import BadRequest, NotFound
-from proxy.management_http import (
+from proxy.management.shared import (
     PREFIX,
     USER,
     Body,
@@ -40,7 +40,7 @@ from proxy.management_http import (
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.ui import add_ui_routes
 
-OPENAPI_PATH = Path(__file__).resolve().parent / "openapi.json"
+OPENAPI_PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 EXPORT_CHUNK_BYTES = 64 * 1024
 KINDS = frozenset(str(kind) for kind in Kind)
 

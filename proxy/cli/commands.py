@@ -8,10 +8,10 @@ import importlib.metadata
 from collections.abc import Sequence
 from pathlib import Path
 
-from proxy.cli_memory import add_memory_commands, run_memory_command
-from proxy.cli_ops import add_ops_commands
+from proxy.cli.memory import add_memory_commands, run_memory_command
+from proxy.cli.ops import add_ops_commands
 
-# Commands that open the configuration or the data directory (proxy.cli_store); the others speak HTTP.
+# Commands that open the configuration or the data directory (proxy.cli.store); the others speak HTTP.
 _STORE_COMMANDS = ("export", "import", "migrate", "eval", "config")
 
 
@@ -50,12 +50,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         # of CPU to import, and the memory-management commands only speak HTTP to a running server.
         importlib.import_module("proxy.server").run_command(args)
     elif args.command in _STORE_COMMANDS:
-        raise SystemExit(importlib.import_module("proxy.cli_store").run_store_command(args))
+        raise SystemExit(importlib.import_module("proxy.cli.store").run_store_command(args))
     elif hasattr(args, "ops_handler"):
         raise SystemExit(args.ops_handler(args))
     else:
         raise SystemExit(run_memory_command(args))
-
-
-if __name__ == "__main__":
-    main()

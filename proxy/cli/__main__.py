@@ -1,0 +1,5 @@
+"""``python -m proxy.cli``: the ``memproxy`` command."""
+
+from proxy.cli.commands import main
+
+main()
