@@ -1,9 +1,9 @@
 """The management seam with every change announced: what the management API and the MCP server call.
 
-``AnnouncedAdmin`` is the engine's ``MemoryAdmin`` (its own methods, passed in) plus the events of what they
-change (``proxy.memory.events``: ``memory.created`` for added memories, ``memory.updated`` for edits,
-``memory.deleted``, ``user.forgotten``) and ``remember``, which takes a fact the way the write path does
-(``proxy.memory.write.stated``). Reads pass straight through.
+``AnnouncedAdmin`` is the engine's ``MemoryAdmin``: its operations (``engine_admin.EngineAdmin``, passed in)
+plus the events of what they change (``proxy.memory.events``: ``memory.created`` for added memories,
+``memory.updated`` for edits, ``memory.deleted``, ``user.forgotten``) and ``remember``, which takes a fact the way
+the write path does (``proxy.memory.write.stated``). Reads pass straight through.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any, Protocol
 
 from proxy.memory.events import MemoryEvents
-from proxy.memory.service import MemoryAdmin, RecordPage, SearchPreview
+from proxy.memory.service import MemoryOperations, RecordPage, SearchPreview
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.stated import Stated, StatedFacts
 
@@ -27,7 +27,7 @@ class RecordReader(Protocol):
 class AnnouncedAdmin:
     """The management operations of ``inner``, each change announced through ``events``."""
 
-    def __init__(self, inner: MemoryAdmin, store: RecordReader, events: MemoryEvents, stated: StatedFacts) -> None:
+    def __init__(self, inner: MemoryOperations, store: RecordReader, events: MemoryEvents, stated: StatedFacts) -> None:
         self._inner = inner
         self._store = store
         self._events = events

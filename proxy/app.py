@@ -229,7 +229,7 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
             state.router = build_router(settings.upstream, settings.routes, session)
             state.targets = build_targets(settings, state.router, session)
             state.memory = await open_memory_or_unavailable(stack, factory(settings, metrics))
-            await report_features(settings, getattr(state.memory, "features", None))
+            await report_features(settings, state.memory.features)
             # after the memory service, so closed before it: commits still running reach the queue first
             state.commits = await stack.enter_async_context(ExchangeCommitter(state.memory, metrics))
             yield

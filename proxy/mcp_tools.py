@@ -21,7 +21,7 @@ from typing import Any
 import mcp.types as types
 from mcp.server.lowlevel import Server
 
-from proxy.memory.service import ManagedMemory, MemoryAdmin, MemoryService, TakesStatedFacts
+from proxy.memory.service import MemoryAdmin, MemoryService
 from proxy.memory.store.records import Kind, MemoryRecord, newest_generation, utcnow
 
 USER_KEY = "memproxy_user"  # where the shell puts the request's user in the ASGI scope's state
@@ -113,10 +113,10 @@ class MemoryTools:
         self._memory = memory
 
     def _admin(self) -> MemoryAdmin:
-        memory = self._memory()
-        if not isinstance(memory, ManagedMemory):
+        admin = self._memory().admin
+        if admin is None:
             raise ToolRefused("memory is disabled or not available on this server")
-        return memory.admin
+        return admin
 
     async def call(self, name: str, user_id: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
         """Run tool ``name`` for ``user_id``."""
@@ -135,10 +135,7 @@ class MemoryTools:
         return {"memories": [{key: row.get(key) for key in keys} for row in rows[:limit]]}
 
     async def _add_memory(self, user_id: str, arguments: Mapping[str, Any]) -> dict[str, Any]:
-        admin = self._admin()
-        if not isinstance(admin, TakesStatedFacts):
-            raise ToolRefused("this server cannot take memories")
-        stated = await admin.remember(user_id, str(arguments["text"]), _expiry(arguments.get("expires_at")))
+        stated = await self._admin().remember(user_id, str(arguments["text"]), _expiry(arguments.get("expires_at")))
         if stated.record is None:
             raise ToolRefused(f"not stored: {stated.reason or stated.outcome}")
         return {"outcome": stated.outcome, "memory": memory_dict(stated.record)}

@@ -31,7 +31,7 @@ from proxy.dialects import ChatView, Dialect, Reply, ReplyReader
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, stream_error_event
 from proxy.identity import Identity, Mode, identify, log_user
 from proxy.memory import spans
-from proxy.memory.service import Exchange, Injection, StorageStatus
+from proxy.memory.service import Exchange, Injection
 from proxy.memory.store.ids import valid_app_id
 from proxy.state import AppState
 from proxy.telemetry import record_retrieve
@@ -349,7 +349,7 @@ def storage_degraded(state: AppState) -> str | None:
     """Why stored writes fail now: the commit path's reason (exchanges spooled), else the data directory's
     fault; None when writes work (or before start-up has made the commit path)."""
     memory = state.memory
-    fault = memory.storage_fault if isinstance(memory, StorageStatus) else None
+    fault = memory.storage_fault
     commits = getattr(state, "commits", None)
     return (commits.degraded if commits is not None else None) or fault
 

@@ -72,7 +72,7 @@ async def readyz(request: web.Request) -> web.Response:
     memory = state.memory
     storage = storage_degraded(state)
     ready = not state.stopping
-    features = readiness(getattr(memory, "features", None), state.settings)
+    features = readiness(memory.features, state.settings)
     body: dict[str, Any] = {"status": "ready" if ready else "not ready", "memory": memory.ready, "features": features}
     if storage:
         body["storage"] = storage

@@ -30,7 +30,6 @@ from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.heap import QUIET_CHECK_S, QuietTrimmer, arrow_on_system_malloc, fix_mmap_threshold, freeze_startup_objects
 from proxy.logs import configure_logging
 from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.service import HasJobs, ReleasesIdle
 from proxy.memory.store.background import Ticker
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.migrations import SchemaError
@@ -149,17 +148,16 @@ class AppRunner(web.AppRunner):
 
 
 def release_idle(app: web.Application) -> int:
-    """The memory service's ``release_idle`` (users dropped from its caches), once it has one."""
+    """The memory service's ``release_idle`` (users dropped from its caches), once the service is up."""
     state = app.get(STATE)
-    memory = state.memory if state is not None else None
-    return memory.release_idle() if isinstance(memory, ReleasesIdle) else 0
+    return state.memory.release_idle() if state is not None else 0
 
 
 async def jobs_busy(app: web.Application) -> bool | None:
     """Whether a memory job is due or running (None while the memory service is not up, or has no queue)."""
     state = app.get(STATE)
     memory = state.memory if state is not None else None
-    if not isinstance(memory, HasJobs) or not memory.ready:
+    if memory is None or not memory.ready:
         return None
     try:
         return await asyncio.wait_for(memory.jobs_busy(), timeout=2.0)

@@ -28,6 +28,8 @@ import structlog
 from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from proxy.engine import MemoryEngine
+from proxy.memory.features import FeatureBoard
 from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import RetrievalSettings
 from proxy.memory.service import Exchange, Injection, MemoryAdmin
@@ -140,11 +142,11 @@ class _Sample:
 class ShadowMemory:
     """Wraps the memory engine: same answers, plus shadow comparisons on a sample, run by an owned worker.
 
-    Everything else (the management operations, features, gauges...) is the engine's, reached through it.
+    The rest of ``MemoryService`` (storage fault, features, management, idle release, jobs) is the engine's.
     """
 
     def __init__(
-        self, engine: Any, settings: ShadowSettings, metrics: Metrics, *, rng: random.Random | None = None
+        self, engine: MemoryEngine, settings: ShadowSettings, metrics: Metrics, *, rng: random.Random | None = None
     ) -> None:
         self._engine = engine
         self._settings = settings
@@ -155,25 +157,33 @@ class ShadowMemory:
         self._waiting: OrderedDict[tuple[str, str], _Sample] = OrderedDict()
         self._task: asyncio.Task[None] | None = None
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
-
     @property
     def ready(self) -> bool:
         """The engine's readiness."""
-        return bool(self._engine.ready)
+        return self._engine.ready
 
-    def release_idle(self) -> int:
-        """The engine's (defined here, not reached through ``__getattr__``: from Python 3.12 a runtime protocol
-        check such as ``ReleasesIdle`` looks attributes up statically)."""
-        released: int = self._engine.release_idle()
-        return released
+    @property
+    def storage_fault(self) -> str | None:
+        """The engine's storage fault."""
+        return self._engine.storage_fault
+
+    @property
+    def features(self) -> FeatureBoard:
+        """The engine's feature board."""
+        return self._engine.features
 
     @property
     def admin(self) -> MemoryAdmin:
         """The engine's management operations (shadow comparisons never change what they see)."""
-        admin: MemoryAdmin = self._engine.admin
-        return admin
+        return self._engine.admin
+
+    def release_idle(self) -> int:
+        """The engine's idle release."""
+        return self._engine.release_idle()
+
+    async def jobs_busy(self) -> bool:
+        """Whether the engine has a job due or running."""
+        return await self._engine.jobs_busy()
 
     async def __aenter__(self) -> ShadowMemory:
         self._task = asyncio.create_task(self._run(), name="memory-shadow")

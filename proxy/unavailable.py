@@ -26,9 +26,19 @@ class UnavailableMemory:
     """No memory, because its storage could not open; says why on every request."""
 
     ready = False
+    features = None
+    admin = None
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+    def release_idle(self) -> int:
+        """Nothing cached."""
+        return 0
+
+    async def jobs_busy(self) -> None:
+        """No job queue."""
+        return
 
     @property
     def storage_fault(self) -> str:

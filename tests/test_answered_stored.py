@@ -31,7 +31,7 @@ import pytest
 
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.service import Exchange, Injection
+from proxy.memory.service import Exchange, Injection, NullMemory
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind
 from proxy.memory.write.job_types import JobQueueSettings
@@ -274,8 +274,8 @@ def _jobs_of(data: Path, tokens: list[str]) -> list[Any]:
         ]
 
 
-class SlowRecordMemory:
-    """A memory seam whose commit takes 0.5 s (a slow disk), counting what it records."""
+class SlowRecordMemory(NullMemory):
+    """A memory seam whose commit takes 0.5 s (a slow disk), counting what it records (the rest: ``NullMemory``'s)."""
 
     ready = True
 

@@ -14,7 +14,7 @@ from aiohttp import ClientSession
 
 from proxy.config import Settings
 from proxy.memory.read.placement import BlockPlan
-from proxy.memory.service import Exchange, Injection, MemoryService
+from proxy.memory.service import Exchange, Injection, MemoryService, NullMemory
 from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -215,8 +215,9 @@ async def test_hostile_user_id_is_400(make_proxy: ProxyFactory, fake: FakeUpstre
     assert fake.requests == []
 
 
-class RecordingMemory:
-    """A memory seam that injects one system message and records exchanges (tests the shell only)."""
+class RecordingMemory(NullMemory):
+    """A memory seam that injects one system message and records exchanges (tests the shell only); the rest of
+    the protocol is ``NullMemory``'s."""
 
     ready = True
 

@@ -29,7 +29,7 @@ from pydantic import (
 
 from proxy.errors import BadRequest, ServiceUnavailable, Unauthorized
 from proxy.identity import log_user
-from proxy.memory.service import ManagedMemory, MemoryAdmin
+from proxy.memory.service import MemoryAdmin
 from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
 from proxy.state import STATE, AppState
 
@@ -161,10 +161,10 @@ def admin_only(handler: Handler) -> Handler:
 
 def memory_admin(request: web.Request) -> MemoryAdmin:
     """The memory engine's management operations; 503 ``memory_disabled`` when memory is off."""
-    memory = _state(request).memory
-    if not isinstance(memory, ManagedMemory):
+    admin = _state(request).memory.admin
+    if admin is None:
         raise ServiceUnavailable("memory is disabled on this server (memory.enabled = false)", code="memory_disabled")
-    return memory.admin
+    return admin
 
 
 def path_user(request: web.Request) -> str:

@@ -2,9 +2,9 @@
 
 The shell asks ``MemoryService.inject`` for the messages to send upstream (read path) and hands the finished
 exchange to ``MemoryService.record`` (write path). ``NullMemory`` is the pure passthrough used when memory is
-switched off. The management API works through ``ManagedMemory.admin`` (``MemoryAdmin``): a service without it
-has no memory to manage. The shell's handlers never reach past this seam into the store or the job queue (one
-exception left: the shadow evaluator, ``proxy/shadow.py``, runs retrieval on the engine's own parts).
+switched off. The management API works through ``MemoryService.admin`` (``MemoryAdmin``): a service whose
+``admin`` is None has no memory to manage. The shell's handlers never reach past this seam into the store or the
+job queue (one exception left: the shadow evaluator, ``proxy/shadow.py``, runs retrieval on the engine's own parts).
 """
 
 from __future__ import annotations
@@ -12,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import AsyncIterator, Mapping, Sequence
 from datetime import datetime
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 
 from pydantic import SecretStr
 
+from proxy.memory.features import FeatureBoard
 from proxy.memory.read.placement import BlockPlan
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.stated import Stated
@@ -54,11 +55,40 @@ class Exchange:
 
 
 class MemoryService(Protocol):
-    """Read path and write path as the HTTP shell sees them."""
+    """Memory as the HTTP shell sees it: the read path, the write path, and what the shell reports and manages.
+
+    Every service implements all of it (the engine, ``NullMemory``, ``unavailable.UnavailableMemory``,
+    ``shadow.ShadowMemory``), so the shell calls each member directly: a service without a storage, a feature
+    board, management or a job queue says so with ``None`` (or 0 users released).
+    """
 
     @property
     def ready(self) -> bool:
         """Whether every memory component has loaded."""
+        ...
+
+    @property
+    def storage_fault(self) -> str | None:
+        """``component:reason`` while writes to the data directory fail (the shell says so in the headers)."""
+        ...
+
+    @property
+    def features(self) -> FeatureBoard | None:
+        """Which memory features are live or off, and why (``/readyz``, the startup report); None: none."""
+        ...
+
+    @property
+    def admin(self) -> MemoryAdmin | None:
+        """The management operations; None when there is no memory to manage (the shell answers 503)."""
+        ...
+
+    def release_idle(self) -> int:
+        """Drop what is cached for users not read lately (``proxy.heap`` asks); how many users were dropped."""
+        ...
+
+    async def jobs_busy(self) -> bool | None:
+        """Whether a memory job is due or running now (``proxy.recycle`` restarts only when none is); None: the
+        service has no job queue."""
         ...
 
     async def inject(
@@ -89,34 +119,6 @@ class MemoryService(Protocol):
         ...
 
 
-@runtime_checkable
-class StorageStatus(Protocol):
-    """A memory service that can say its storage is failing (the shell then says so in the headers)."""
-
-    @property
-    def storage_fault(self) -> str | None:
-        """``component:reason`` while writes to the data directory fail, else None."""
-        ...
-
-
-@runtime_checkable
-class ReleasesIdle(Protocol):
-    """A memory service that can hand back what it caches for users who went idle (``proxy.heap`` asks)."""
-
-    def release_idle(self) -> int:
-        """Drop what is cached for users not read lately; returns how many users were dropped."""
-        ...
-
-
-@runtime_checkable
-class HasJobs(Protocol):
-    """A memory service with a job queue (``proxy.recycle`` restarts only when nothing is due or running)."""
-
-    async def jobs_busy(self) -> bool:
-        """Whether a memory job is due or running now."""
-        ...
-
-
 class RecordPage(Protocol):
     """One page of a user's records, newest first, and the cursor of the next (None at the end)."""
 
@@ -136,7 +138,7 @@ class SearchPreview:
     injected_block: str
 
 
-class MemoryAdmin(Protocol):
+class MemoryOperations(Protocol):
     """What operators may see and do with what memory keeps (the management API and its operator routes)."""
 
     async def user_ids(self) -> list[str]:
@@ -218,23 +220,12 @@ class MemoryAdmin(Protocol):
         ...
 
 
-@runtime_checkable
-class TakesStatedFacts(Protocol):
-    """Management that also takes facts the way the write path does (screens, reconcile, subjects): the MCP
-    server's ``add_memory``."""
+class MemoryAdmin(MemoryOperations, Protocol):
+    """The management operations, and facts taken the way the write path takes them (the MCP server's tools)."""
 
     async def remember(self, user_id: str, text: str, expires_at: datetime | None = None) -> Stated:
-        """Screen, reconcile and store ``text`` as one of the user's facts."""
-        ...
-
-
-@runtime_checkable
-class ManagedMemory(Protocol):
-    """A memory service whose memories can be managed (the engine; not ``NullMemory`` or an unavailable one)."""
-
-    @property
-    def admin(self) -> MemoryAdmin:
-        """The management operations."""
+        """Screen, reconcile and store ``text`` as one of the user's facts, the way the write path takes facts
+        (the MCP server's ``add_memory``)."""
         ...
 
 
@@ -242,6 +233,17 @@ class NullMemory:
     """No memory: every request passes through unchanged and nothing is stored."""
 
     ready = True
+    storage_fault = None
+    features = None
+    admin = None
+
+    def release_idle(self) -> int:
+        """Nothing cached."""
+        return 0
+
+    async def jobs_busy(self) -> None:
+        """No job queue."""
+        return
 
     async def inject(
         self,
