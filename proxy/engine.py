@@ -232,6 +232,7 @@ class MemoryEngine:
                 await self.objects.ensure_bucket()
             await stack.enter_async_context(self.embedder)
             await stack.enter_async_context(self.store)
+            stack.callback(text_caches.clear)  # the read path's per-text caches go with the engine
             stack.push_async_callback(self.names.aclose)  # read-cache loads stop before the store closes
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)

@@ -112,5 +112,6 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
 
 
 def clear_caches() -> None:
-    """Empty this module's per-text cache (``text_caches.clear``)."""
+    """Empty this module's per-text and per-query caches (``text_caches.clear``)."""
     _chunked.cache_clear()
+    _query_stems.cache_clear()

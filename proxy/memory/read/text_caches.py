@@ -1,8 +1,11 @@
 """The read path's per-text caches (token costs, excerpts, normalised texts, written names, term pieces, word
 stems): what the memories read most often cost to prepare, kept so that the same memories injected request
-after request are prepared once. ``clear`` empties them all; ``MemoryEngine.release_idle`` calls it once no user
-is cached any more, so that a process whose readers went idle hands their memory back
-(they refill on the next reads).
+after request are prepared once.
+
+They are module-level (pure functions of a text, so one process's engines may share them safely) and bounded in
+bytes; the memory engine owns their lifetime: ``clear`` empties them all, and ``MemoryEngine`` calls it from
+``release_idle`` once no user is cached any more (a process whose readers went idle hands their memory back; they
+refill on the next reads) and when it closes. Every module-level cache of the read path is listed here.
 """
 
 from __future__ import annotations
