@@ -1,5 +1,5 @@
-"""Pure helpers for chat completion requests: validation, the messages the write path learns from, and the
-entries of the ``X-Memory-Arms`` response header."""
+"""Pure helpers for chat completion requests: validation (and the checks every dialect's body shares), the
+messages the write path learns from, and the entries of the ``X-Memory-Arms`` response header."""
 
 from __future__ import annotations
 
@@ -17,26 +17,33 @@ def arms_entries(arms: Iterable[str], degraded: Mapping[str, str]) -> list[str]:
     return [*arms, *(f"degraded={name}:{reason}" for name, reason in degraded.items())]
 
 
-def parse_chat_request(raw: bytes) -> dict[str, Any]:
-    """The request body as a dict; ``BadRequest`` naming the field when it is malformed."""
+def load_object(raw: bytes) -> dict[str, Any]:
+    """The body as a JSON object, or a 400."""
     try:
         body = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"request body is not valid JSON: {exc.msg}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object", code="invalid_json")
-    _check_model(body)
-    _check_messages(body)
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest("'stream' must be a boolean", param="stream", code="invalid_type")
     return body
 
 
-def _check_model(body: Mapping[str, Any]) -> None:
+def check_model_and_stream(body: Mapping[str, Any]) -> None:
+    """``model`` a non-empty string, ``stream`` a boolean if present (400s naming the field)."""
     if "model" not in body:
         raise BadRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
     if not isinstance(body["model"], str) or not body["model"]:
         raise BadRequest("'model' must be a non-empty string", param="model", code="invalid_type")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise BadRequest("'stream' must be a boolean", param="stream", code="invalid_type")
+
+
+def parse_chat_request(raw: bytes) -> dict[str, Any]:
+    """The request body as a dict; ``BadRequest`` naming the field when it is malformed."""
+    body = load_object(raw)
+    check_model_and_stream(body)
+    _check_messages(body)
+    return body
 
 
 def _check_messages(body: Mapping[str, Any]) -> None:

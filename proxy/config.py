@@ -2,8 +2,9 @@
 
 Sources, later ones winning: the defaults below, a TOML file (``--config`` or ``MEMPROXY_CONFIG``), environment
 variables ``MEMPROXY_<SECTION>__<KEY>`` (nested keys joined by ``__``), then command-line flags. Only
-``load_settings`` reads the environment. ``config/memproxy.toml`` holds every key with a comment and loads to
-exactly ``Settings()`` (a test checks it).
+``load_settings`` reads the environment. ``config/memproxy.toml`` holds, with a comment each, the keys an
+operator sets and loads to exactly ``Settings()``; the tuning keys are documented in ``docs/tuning.md`` (tests
+check both).
 """
 
 from __future__ import annotations

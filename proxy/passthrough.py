@@ -22,7 +22,7 @@ from aiohttp import web
 from proxy.bounds import RequestTimeout
 from proxy.dialects.anthropic_upstream import AnthropicUpstream
 from proxy.dialects.messages import MESSAGES, view_messages
-from proxy.errors import PayloadTooLarge, ServiceUnavailable
+from proxy.errors import PayloadTooLarge, ProxyError, ServiceUnavailable
 from proxy.memory.read.tokens import estimate_tokens
 from proxy.state import STATE
 from proxy.upstream import map_client_errors
@@ -47,23 +47,33 @@ def _request_headers(headers: Mapping[str, str]) -> dict[str, str]:
     return {name: value for name, value in headers.items() if name.lower() not in _DROPPED_REQUEST}
 
 
-async def _body(request: web.Request, limit: int, timeout_s: float) -> AsyncIterator[bytes]:
-    """The request body as it arrives, cut off past ``limit`` bytes or ``timeout_s`` seconds."""
-    if request.content_length is not None and request.content_length > limit:
-        raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-    deadline, seen = time.monotonic() + timeout_s, 0
-    while True:
-        try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                chunk = await request.content.readany()
-        except TimeoutError:
-            raise RequestTimeout(f"the request body did not arrive within {timeout_s:g} s") from None
-        if not chunk:
-            return
-        seen += len(chunk)
-        if seen > limit:
+class _Body:
+    """The request body as it arrives, cut off past ``limit`` bytes or ``timeout_s`` seconds; the refusal is kept
+    (``failure``) because the client session reports it as its own connection error."""
+
+    def __init__(self, request: web.Request, limit: int, timeout_s: float) -> None:
+        if request.content_length is not None and request.content_length > limit:
             raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        yield chunk
+        self._request, self._limit, self._timeout_s = request, limit, timeout_s
+        self.failure: ProxyError | None = None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        """The chunks, as the upstream request sends them."""
+        deadline, seen = time.monotonic() + self._timeout_s, 0
+        while True:
+            try:
+                async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+                    chunk = await self._request.content.readany()
+            except TimeoutError:
+                self.failure = RequestTimeout(f"the request body did not arrive within {self._timeout_s:g} s")
+                raise self.failure from None
+            if not chunk:
+                return
+            seen += len(chunk)
+            if seen > self._limit:
+                self.failure = PayloadTooLarge(f"request body exceeds the limit of {self._limit} bytes")
+                raise self.failure
+            yield chunk
 
 
 async def relay(request: web.Request, url: str, auth: Mapping[str, str]) -> web.StreamResponse:
@@ -71,16 +81,22 @@ async def relay(request: web.Request, url: str, auth: Mapping[str, str]) -> web.
     state = request.app[STATE]
     server = state.settings.server
     headers = {**_request_headers(request.headers), **auth}
-    data = _body(request, server.max_body_bytes, server.body_timeout_s) if request.body_exists else None
+    body = _Body(request, server.max_body_bytes, server.body_timeout_s) if request.body_exists else None
     session = state.router.default.session
-    with map_client_errors():
-        async with session.request(request.method, url, params=request.query, data=data, headers=headers) as reply:
-            out = {k: v for k, v in reply.headers.items() if k.lower() not in _DROPPED_RESPONSE}
-            response = web.StreamResponse(status=reply.status, headers=out)
-            await response.prepare(request)
-            async for chunk in reply.content.iter_chunked(CHUNK):
-                await response.write(chunk)
-            await response.write_eof()
+    try:
+        with map_client_errors():
+            data = body.chunks() if body is not None else None
+            async with session.request(request.method, url, params=request.query, data=data, headers=headers) as reply:
+                out = {k: v for k, v in reply.headers.items() if k.lower() not in _DROPPED_RESPONSE}
+                response = web.StreamResponse(status=reply.status, headers=out)
+                await response.prepare(request)
+                async for chunk in reply.content.iter_chunked(CHUNK):
+                    await response.write(chunk)
+                await response.write_eof()
+    except ProxyError:
+        if body is not None and body.failure is not None:  # the client's body, not the upstream, failed
+            raise body.failure from None
+        raise
     state.metrics.requests.labels("relay", str(reply.status)).inc()
     log.info("request.relayed", method=request.method, path=request.path, status=reply.status)
     return response

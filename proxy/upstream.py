@@ -138,7 +138,9 @@ class Upstream(Protocol):
         ...
 
 
-class _AiohttpReply:
+class AiohttpReply:
+    """An aiohttp response as an ``UpstreamReply``."""
+
     def __init__(self, response: aiohttp.ClientResponse, ttfb_s: float) -> None:
         self._response = response
         self.status = response.status
@@ -206,7 +208,7 @@ class OpenAICompatibleUpstream:
         url = self._base_url + path
         with map_client_errors():
             async with self._session.post(url, data=data, headers=self._headers(headers)) as response:
-                yield _AiohttpReply(response, time.perf_counter() - started)
+                yield AiohttpReply(response, time.perf_counter() - started)
 
     async def models(self, headers: Mapping[str, str]) -> tuple[int, bytes]:
         """The upstream's ``GET /models`` answer (status, body)."""

@@ -242,6 +242,7 @@ class DialectRoutes:
         app.router.add_post("/v1/messages", self._messages)
         app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/files", self._files)
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
         body: dict[str, Any] = await request.json(loads=orjson.loads)
@@ -313,6 +314,15 @@ class DialectRoutes:
             return refused
         await self._json(request)
         return web.json_response({"input_tokens": 42})
+
+    async def _files(self, request: web.Request) -> web.Response:
+        """A multipart upload: its parts' names and sizes, and the query it came with."""
+        if (refused := openai_key_missing(request)) is not None:
+            return refused
+        parts = {}
+        async for part in await request.multipart():
+            parts[str(part.name)] = len(await part.read())  # type: ignore[union-attr]
+        return web.json_response({"object": "file", "id": "file-fake", "parts": parts, "query": dict(request.query)})
 
     async def _embeddings(self, request: web.Request) -> web.Response:
         if (refused := openai_key_missing(request)) is not None:

@@ -353,3 +353,12 @@ def test_a_previous_response_id_chain_is_one_conversation(proxy: tuple[Process, 
     chain = {by_text[t] for t in ("My bike is a green Brompton", "I ride it to work", "On Fridays I take the train")}
     assert len(chain) == 1
     assert by_text["A different chat altogether"] not in chain
+
+
+def test_a_file_upload_streams_through(proxy: tuple[Process, str]) -> None:
+    """``files.create`` (multipart, a few MB) reaches the upstream whole, with the client's key."""
+    content = bytes(range(256)) * 8192  # 2 MiB
+    answer = openai_client(proxy[1]).files.create(file=("data.jsonl", content), purpose="batch")
+    assert answer.id == "file-fake"
+    assert answer.model_extra is not None
+    assert answer.model_extra["parts"]["file"] == len(content)

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from proxy.upstream import UpstreamReply, map_client_errors
+from proxy.upstream import AiohttpReply, UpstreamReply, map_client_errors
 
 MESSAGES_PATH = "/v1/messages"
 DEFAULT_VERSION = "2023-06-01"
@@ -27,23 +27,6 @@ FORWARDED = frozenset(
 )
 # Response headers relayed to the client (lower case, or a prefix ending with "-").
 RELAYED_PREFIXES = ("anthropic-", "retry-after", "request-id")
-
-
-class _Reply:
-    def __init__(self, response: aiohttp.ClientResponse, ttfb_s: float) -> None:
-        self._response = response
-        self.status = response.status
-        self.headers: Mapping[str, str] = response.headers
-        self.ttfb_s = ttfb_s
-
-    async def chunks(self) -> AsyncIterator[bytes]:
-        with map_client_errors():
-            async for chunk in self._response.content.iter_any():
-                yield chunk
-
-    async def read(self) -> bytes:
-        with map_client_errors():
-            return await self._response.read()
 
 
 class AnthropicUpstream:
@@ -78,7 +61,7 @@ class AnthropicUpstream:
         started = time.perf_counter()
         with map_client_errors():
             async with self.session.post(self.base_url + path, data=data, headers=self.headers(headers)) as response:
-                yield _Reply(response, time.perf_counter() - started)
+                yield AiohttpReply(response, time.perf_counter() - started)
 
 
 def relayed_anthropic_headers(headers: Mapping[str, str]) -> dict[str, str]:

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.errors import BadRequest
 from proxy.memory.read.placement import BlockPlan
 
 
@@ -111,27 +110,6 @@ class EventStream:
                 except orjson.JSONDecodeError:
                     continue
         return out
-
-
-def load_object(raw: bytes) -> dict[str, Any]:
-    """The body as a JSON object, or a 400."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc.msg}", code="invalid_json") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object", code="invalid_json")
-    return body
-
-
-def check_model_and_stream(body: Mapping[str, Any]) -> None:
-    """``model`` a non-empty string, ``stream`` a boolean if present (400s naming the field)."""
-    if "model" not in body:
-        raise BadRequest("you must provide a model parameter", param="model", code="missing_required_parameter")
-    if not isinstance(body["model"], str) or not body["model"]:
-        raise BadRequest("'model' must be a non-empty string", param="model", code="invalid_type")
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise BadRequest("'stream' must be a boolean", param="stream", code="invalid_type")
 
 
 def loads_or_none(data: bytes) -> Any:

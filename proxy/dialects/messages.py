@@ -17,7 +17,8 @@ from typing import Any
 
 import orjson
 
-from proxy.dialects.base import ChatView, EventStream, Reply, check_model_and_stream, load_object, loads_or_none
+from proxy.chat import check_model_and_stream, load_object
+from proxy.dialects.base import ChatView, EventStream, Reply, loads_or_none
 from proxy.errors import BadRequest
 from proxy.memory.read.injection import appended
 from proxy.memory.read.placement import BlockPlan

@@ -12,7 +12,6 @@ object); Responses through ``text.format`` of type ``json_schema``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from types import TracebackType
 from typing import Any
@@ -22,7 +21,6 @@ from pydantic import SecretStr
 
 from proxy.memory.write.latest_chat import CURRENT_USER, LatestChats
 from proxy.memory.write.llm import (
-    CONFIG_STATUSES,
     JSON,
     KeySource,
     LLMBadOutput,
@@ -30,7 +28,10 @@ from proxy.memory.write.llm import (
     LLMUnavailable,
     UsageObserver,
     parse_json_object,
-    status_error,
+    pick_key,
+    post_for_json,
+    rejecting,
+    report_usage,
 )
 
 ANTHROPIC_VERSION = "2023-06-01"
@@ -118,13 +119,6 @@ class DialectLLM:
             await self._session.close()
             self._session = None
 
-    def _key(self) -> tuple[str, bool]:
-        configured = self._api_key.get_secret_value()
-        if configured or self._keys is None:
-            return configured, False
-        held = self._keys.key(self._route)
-        return held or "", held is not None
-
     def _headers(self, key: str) -> dict[str, str]:
         if self._dialect == "messages":
             return {"anthropic-version": ANTHROPIC_VERSION, **({"x-api-key": key} if key else {})}
@@ -137,24 +131,13 @@ class DialectLLM:
         if self._session is None:
             raise LLMUnavailable("the memory LLM client is not open")
         build = anthropic_request if self._dialect == "messages" else responses_request
-        key, held = self._key()
-        try:
-            body = build(model, messages, schema, schema_name, self._temperature)
-            async with self._session.post(self._url, json=body, headers=self._headers(key)) as response:
-                text, status = await response.text(), response.status
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
-        if status != 200:
-            if held and status in CONFIG_STATUSES and self._keys is not None:
-                self._keys.rejected(self._route, key)
-            raise status_error(status, text, sent_key=bool(key))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            raise LLMBadOutput("the upstream answered with a body that is not JSON") from None
-        if self._on_usage is not None and isinstance(data, Mapping):
-            usage = data.get("usage")
-            self._on_usage(schema_name, model, usage if isinstance(usage, Mapping) else {})
+        key, held = pick_key(self._api_key, self._keys, self._route)
+        body = build(model, messages, schema, schema_name, self._temperature)
+        rejected = rejecting(self._keys, self._route, key, held)
+        data = await post_for_json(
+            self._session, self._url, body, self._headers(key), sent_key=bool(key), on_rejected=rejected
+        )
+        report_usage(self._on_usage, schema_name, model, data)
         return anthropic_answer(data, schema_name) if self._dialect == "messages" else responses_answer(data)
 
 

@@ -146,6 +146,48 @@ def status_error(status: int, body: str, *, sent_key: bool = True) -> LLMError:
     return LLMBadOutput(detail)
 
 
+def pick_key(configured: SecretStr, keys: KeySource | None, route: str) -> tuple[str, bool]:
+    """The key a memory-side call sends (the configured one, else the user's held key on ``route``) and whether
+    it is a held client key."""
+    if configured.get_secret_value() or keys is None:
+        return configured.get_secret_value(), False
+    held = keys.key(route)
+    return held or "", held is not None
+
+
+async def post_for_json(
+    session: aiohttp.ClientSession,
+    url: str,
+    body: JSON,
+    headers: Mapping[str, str],
+    *,
+    sent_key: bool,
+    on_rejected: Callable[[], None] | None = None,
+) -> Any:
+    """POST ``body`` and parse the JSON answer: ``LLMUnavailable`` when unreachable, ``status_error`` for a
+    non-200 (``on_rejected`` first, for 401/403), ``LLMBadOutput`` for a body that is not JSON."""
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            text, status = await response.text(), response.status
+    except (aiohttp.ClientError, TimeoutError) as error:
+        raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
+    if status != 200:
+        if on_rejected is not None and status in CONFIG_STATUSES:
+            on_rejected()
+        raise status_error(status, text, sent_key=sent_key)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        raise LLMBadOutput("the upstream answered with a body that is not JSON") from None
+
+
+def rejecting(keys: KeySource | None, route: str, key: str, held: bool) -> Callable[[], None] | None:
+    """What to do when the upstream rejects a held key: stop using it (nothing for a configured key)."""
+    if not held or keys is None:
+        return None
+    return lambda: keys.rejected(route, key)
+
+
 class OpenAICompatibleSettings(BaseModel):
     """An OpenAI-compatible server for memory-side calls."""
 
@@ -190,14 +232,6 @@ class OpenAICompatibleLLM:
             await self._session.close()
             self._session = None
 
-    def _key(self) -> tuple[str, bool]:
-        """The key to send and whether it is a held client key."""
-        configured = self._settings.api_key.get_secret_value()
-        if configured or self._keys is None:
-            return configured, False
-        held = self._keys.key(self._route)
-        return held or "", held is not None
-
     async def complete_json(
         self, model: str, messages: list[dict[str, Any]], schema: dict[str, Any], schema_name: str
     ) -> dict[str, Any]:
@@ -210,22 +244,10 @@ class OpenAICompatibleLLM:
             "temperature": self._settings.temperature,
             "response_format": response_format(schema, schema_name),
         }
-        key, held = self._key()
+        key, held = pick_key(self._settings.api_key, self._keys, self._route)
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        try:
-            async with self._session.post(self._url, json=body, headers=headers) as response:
-                text = await response.text()
-                status = response.status
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise LLMUnavailable(f"cannot reach the memory LLM: {type(error).__name__}") from None
-        if status != 200:
-            if held and status in CONFIG_STATUSES and self._keys is not None:
-                self._keys.rejected(self._route, key)
-            raise status_error(status, text, sent_key=bool(key))
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
-            raise LLMBadOutput("the upstream answered with a body that is not JSON") from None
+        rejected = rejecting(self._keys, self._route, key, held)
+        data = await post_for_json(self._session, self._url, body, headers, sent_key=bool(key), on_rejected=rejected)
         report_usage(self._on_usage, schema_name, model, data)
         return parse_completion(data)
 
