@@ -30,13 +30,10 @@ import structlog
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from insights.clustering import Cluster
-from proxy.memory.errors import MemoryLayerError
-from proxy.memory.read.block import month_year
-from proxy.memory.read.tokens import estimate_tokens
-from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.write.identifiers import identifier_reason
-from proxy.memory.write.instructions import injection_reason
-from proxy.memory.write.llm import LLMBadOutput, LLMClient
+from proxy.memory import MemoryLayerError
+from proxy.memory.read import estimate_tokens, month_year
+from proxy.memory.store import Kind, MemoryRecord
+from proxy.memory.write import LLMBadOutput, LLMClient, identifier_reason, injection_reason
 
 log = structlog.get_logger("memproxy.insights")
 

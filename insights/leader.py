@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from insights.scheduler import InsightScheduler
 from insights.service import InsightSettings
-from proxy.memory.store.replicated import ReplicatedStore
-from proxy.memory.write.queue import JobQueue
+from proxy.memory.store import ReplicatedStore
+from proxy.memory.write import JobQueue
 
 
 class LeaderInsightScheduler(InsightScheduler):

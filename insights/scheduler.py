@@ -27,14 +27,19 @@ from typing import Any
 import structlog
 
 from insights.service import InsightSettings, regenerate
-from proxy.memory.errors import MemoryLayerError
-from proxy.memory.events import MemoryEvents, NoEvents, memory_dict
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.records import Kind
-from proxy.memory.write.job_kinds import INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
-from proxy.memory.write.job_types import RetryLater, WaitForConfig
-from proxy.memory.write.llm import LLMClient, LLMUnavailable
-from proxy.memory.write.queue import Handler, Job, JobQueue
+from proxy.memory import MemoryEvents, MemoryLayerError, NoEvents, memory_dict
+from proxy.memory.store import Kind, MemoryStore
+from proxy.memory.write import (
+    INSIGHTS_DEDUPE_KEY,
+    INSIGHTS_JOB,
+    Handler,
+    Job,
+    JobQueue,
+    LLMClient,
+    LLMUnavailable,
+    RetryLater,
+    WaitForConfig,
+)
 
 log = structlog.get_logger("memproxy.insights")
 

@@ -30,9 +30,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from insights.clustering import Cluster, cluster_messages
 from insights.generation import InsightError, InsightRun, UserMessage, generate_insight
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.records import Kind, MemoryRecord, new_id, newest_generation, utcnow
-from proxy.memory.write.llm import LLMClient, LLMUnavailable
+from proxy.memory.store import Kind, MemoryRecord, MemoryStore, new_id, newest_generation, utcnow
+from proxy.memory.write import LLMClient, LLMUnavailable
 
 log = structlog.get_logger("memproxy.insights")
 

@@ -12,10 +12,9 @@ from collections.abc import AsyncIterator, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
-from proxy.memory.events import MemoryEvents
-from proxy.memory.service import MemoryOperations, RecordPage, SearchPreview
-from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.write.stated import Stated, StatedFacts
+from proxy.memory import MemoryEvents, MemoryOperations, RecordPage, SearchPreview
+from proxy.memory.store import Kind, MemoryRecord
+from proxy.memory.write import Stated, StatedFacts
 
 
 class RecordReader(Protocol):

@@ -28,12 +28,13 @@ from proxy.feature_report import FeatureCollector, report_features
 from proxy.header_bytes import install_header_check
 from proxy.management import add_management_routes, add_operations_routes
 from proxy.mcp_server import add_mcp_routes
-from proxy.memory.features import FeatureBoard, ReportingLLM
-from proxy.memory.service import MemoryService, NullMemory
-from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
-from proxy.memory.write.latest_chat import LatestChats
-from proxy.memory.write.llm import (
+from proxy.memory import FeatureBoard, MemoryService, NullMemory, ReportingLLM
+from proxy.memory.write import (
+    ANTHROPIC_ROUTE,
+    DialectLLM,
+    DialectRouter,
     KeySource,
+    LatestChats,
     LiteLLMClient,
     LiteLLMSettings,
     LLMClient,

@@ -26,7 +26,7 @@ from multidict import CIMultiDictProxy
 
 from proxy.errors import BadRequest, PayloadTooLarge, ProxyError
 from proxy.identity import CONVERSATION_HEADER, MODE_HEADER, USER_HEADER
-from proxy.memory.text_cap import cap_text
+from proxy.memory import cap_text
 from proxy.paths import is_relayed
 
 MAX_JSON_DEPTH = 64

@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest
-from proxy.memory.read.query import message_text
+from proxy.memory.read import message_text
 
 
 def arms_entries(arms: Iterable[str], degraded: Mapping[str, str]) -> list[str]:

@@ -25,8 +25,8 @@ from types import TracebackType
 
 import structlog
 
-from proxy.memory.service import Exchange, MemoryService
-from proxy.memory.store.faults import fault_reason, is_storage_fault
+from proxy.memory import Exchange, MemoryService
+from proxy.memory.store import fault_reason, is_storage_fault
 from proxy.metrics import Metrics
 
 log = structlog.get_logger("memproxy.commit")

@@ -27,16 +27,10 @@ from pydantic import (
 
 from insights.service import InsightSettings
 from proxy.config_secrets import SecretReferenceError, expand_references, file_variables
-from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.read.rerank import RerankSettings
-from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.store.cluster import ClusterSettings
-from proxy.memory.store.objectstore import StorageLocation
-from proxy.memory.store.settings import StoreSettings, StoreTuning
-from proxy.memory.write.extraction import ExtractionSettings
-from proxy.memory.write.job_types import JobQueueSettings, JobQueueTuning
-from proxy.memory.write.settings import WriterSettings
-from proxy.memory.write.webhooks import WebhookSettings
+from proxy.memory.embedders import EmbedderSettings
+from proxy.memory.read import InjectionSettings, RerankSettings, RetrievalSettings
+from proxy.memory.store import ClusterSettings, StorageLocation, StoreSettings, StoreTuning
+from proxy.memory.write import ExtractionSettings, JobQueueSettings, JobQueueTuning, WebhookSettings, WriterSettings
 from proxy.shadow import ShadowSettings
 from proxy.telemetry_settings import TelemetrySettings
 

@@ -24,48 +24,57 @@ from insights.service import InsightSettings
 from proxy.announced import AnnouncedAdmin
 from proxy.chat import arms_entries
 from proxy.engine_admin import EngineAdmin
-from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.features import FeatureBoard, guard_handlers
-from proxy.memory.read import text_caches
-from proxy.memory.read.block import MemoryItem
-from proxy.memory.read.candidates import Candidate
-from proxy.memory.read.injection import choose
-from proxy.memory.read.injection import inject as inject_block
-from proxy.memory.read.placement import (
+from proxy.memory import Exchange, FeatureBoard, Injection, MemoryAdmin, RetentionSweeper, SearchPreview, guard_handlers
+from proxy.memory.embedders import EmbedderSettings, build_embedder
+from proxy.memory.read import (
     BlockPlan,
     CachedBudgets,
+    Candidate,
     ConversationLedger,
+    InjectionSettings,
+    MemoryItem,
+    NameIndexCache,
     Placement,
     Planned,
+    Reranker,
+    RerankSettings,
+    RetrievalResult,
+    RetrievalSettings,
+    choose,
     plan_cached,
     plan_simple,
+    retrieve,
+    text_caches,
 )
-from proxy.memory.read.read_cache import NameIndexCache
-from proxy.memory.read.rerank import Reranker, RerankSettings
-from proxy.memory.read.retrieval import RetrievalResult, retrieve
-from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
-from proxy.memory.retention import RetentionSweeper
-from proxy.memory.service import Exchange, Injection, MemoryAdmin, SearchPreview
-from proxy.memory.store.cluster import ClusterSettings, replica_name
-from proxy.memory.store.faults import StorageHealth
-from proxy.memory.store.journal import Journal
-from proxy.memory.store.memory_store import MemoryStore, StoreSettings
-from proxy.memory.store.objectstore import ObjectStore
-from proxy.memory.store.records import utcnow
-from proxy.memory.store.replicated import ReplicatedStore
-from proxy.memory.store.runtime import ClusterRuntime
-from proxy.memory.write.extraction import ExtractionSettings, Extractor
-from proxy.memory.write.job_types import JobQueueSettings, QueueMetrics
-from proxy.memory.write.latest_chat import LatestChats
-from proxy.memory.write.llm import LLMClient
-from proxy.memory.write.payloads import exchange_payload
-from proxy.memory.write.queue import JobQueue
-from proxy.memory.write.runner import JobRunner
-from proxy.memory.write.settings import WriterSettings
-from proxy.memory.write.stated import StatedFacts
-from proxy.memory.write.webhooks import Webhooks, WebhookSettings
-from proxy.memory.write.writer import Writer
+from proxy.memory.read import inject as inject_block
+from proxy.memory.store import (
+    ClusterRuntime,
+    ClusterSettings,
+    Journal,
+    MemoryStore,
+    ObjectStore,
+    ReplicatedStore,
+    StorageHealth,
+    StoreSettings,
+    replica_name,
+    utcnow,
+)
+from proxy.memory.write import (
+    ExtractionSettings,
+    Extractor,
+    JobQueue,
+    JobQueueSettings,
+    JobRunner,
+    LatestChats,
+    LLMClient,
+    QueueMetrics,
+    StatedFacts,
+    Webhooks,
+    WebhookSettings,
+    Writer,
+    WriterSettings,
+    exchange_payload,
+)
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -12,12 +12,9 @@ from datetime import datetime
 from typing import Any
 
 from insights.scheduler import request_insights
-from proxy.memory.service import SearchPreview
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.reads import Page
-from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
-from proxy.memory.write.latest_chat import LatestChats
-from proxy.memory.write.queue import JobQueue
+from proxy.memory import SearchPreview
+from proxy.memory.store import Kind, MemoryRecord, MemoryStore, Page, new_id, utcnow
+from proxy.memory.write import JobQueue, LatestChats
 
 
 class EngineAdmin:

@@ -15,7 +15,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from proxy.memory.store.faults import fault_reason, is_storage_fault
+from proxy.memory.store import fault_reason, is_storage_fault
 
 log = structlog.get_logger("memproxy.errors")
 

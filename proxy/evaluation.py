@@ -31,12 +31,9 @@ import uvloop
 from tqdm import tqdm
 
 from proxy.config import Settings, StorageSettings
-from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.read.read_cache import NameIndexCache
-from proxy.memory.read.rerank import Reranker
-from proxy.memory.read.retrieval import retrieve
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.embedders import build_embedder
+from proxy.memory.read import NameIndexCache, Reranker, retrieve
+from proxy.memory.store import Kind, MemoryRecord, MemoryStore
 from proxy.transfer import content_id
 
 CATEGORIES = {1: "multi-hop", 2: "temporal", 3: "open-domain", 4: "single-hop"}

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from proxy.config import Settings
-from proxy.memory.features import FEATURES, FeatureBoard, FeatureState
+from proxy.memory import FEATURES, FeatureBoard, FeatureState
 
 WaitingSource = Callable[[], tuple[Mapping[str, int], Mapping[str, int]]]
 PROBE_TIMEOUT_S = 5.0

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import BadRequest
-from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
+from proxy.memory.store import APP_ID_RULE, valid_app_id
 
 USER_HEADER = "X-Memory-User"
 CONVERSATION_HEADER = "X-Memory-Conversation"

@@ -27,7 +27,7 @@ from proxy.config import Settings
 from proxy.errors import BadRequest, Forbidden, Unauthorized
 from proxy.identity import USER_HEADER, Identity, Mode
 from proxy.mcp_tools import USER_KEY, MemoryTools, build_server
-from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
+from proxy.memory.store import APP_ID_RULE, valid_app_id
 from proxy.state import STATE
 
 MCP_PATH = "/mcp"

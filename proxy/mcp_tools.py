@@ -21,8 +21,8 @@ from typing import Any
 import mcp.types as types
 from mcp.server.lowlevel import Server
 
-from proxy.memory.service import MemoryAdmin, MemoryService
-from proxy.memory.store.records import Kind, MemoryRecord, newest_generation, utcnow
+from proxy.memory import MemoryAdmin, MemoryService
+from proxy.memory.store import Kind, MemoryRecord, newest_generation, utcnow
 
 USER_KEY = "memproxy_user"  # where the shell puts the request's user in the ASGI scope's state
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from proxy.memory.write.job_types import LATENCY_BUCKETS_S, QueueMetrics, StepLatency
+from proxy.memory.write import LATENCY_BUCKETS_S, QueueMetrics, StepLatency
 
 # Seconds: fine resolution below 10 ms, where the proxy's own stages live.
 _BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -23,7 +23,7 @@ from proxy.bounds import RequestTimeout
 from proxy.dialects.anthropic_upstream import AnthropicUpstream
 from proxy.dialects.messages import MESSAGES, view_messages
 from proxy.errors import PayloadTooLarge, ProxyError, ServiceUnavailable
-from proxy.memory.read.tokens import estimate_tokens
+from proxy.memory.read import estimate_tokens
 from proxy.state import STATE
 from proxy.upstream import map_client_errors
 

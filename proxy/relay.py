@@ -30,9 +30,8 @@ from proxy.commit import Committed
 from proxy.dialects import ChatView, Dialect, Reply, ReplyReader
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, stream_error_event
 from proxy.identity import Identity, Mode, identify, log_user
-from proxy.memory import spans
-from proxy.memory.service import Exchange, Injection
-from proxy.memory.store.ids import valid_app_id
+from proxy.memory import Exchange, Injection, spans
+from proxy.memory.store import valid_app_id
 from proxy.state import AppState
 from proxy.telemetry import record_retrieve
 from proxy.tool_history import new_tool_results

@@ -29,10 +29,8 @@ from proxy.config import ConfigError, Settings, load_settings
 from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.heap import QUIET_CHECK_S, QuietTrimmer, arrow_on_system_malloc, fix_mmap_threshold, freeze_startup_objects
 from proxy.logs import configure_logging
-from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.store.background import Ticker
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.migrations import SchemaError
+from proxy.memory.embedders import build_embedder
+from proxy.memory.store import MemoryStore, SchemaError, Ticker
 from proxy.recycle import Activity, Recycler, inherited_sockets, keep_listening, reexec
 from proxy.state import STATE
 

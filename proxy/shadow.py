@@ -29,11 +29,9 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from proxy.engine import MemoryEngine
-from proxy.memory.features import FeatureBoard
-from proxy.memory.read.retrieval import retrieve
-from proxy.memory.read.retrieval_settings import RetrievalSettings
-from proxy.memory.service import Exchange, Injection, MemoryAdmin
-from proxy.memory.store.records import utcnow
+from proxy.memory import Exchange, FeatureBoard, Injection, MemoryAdmin
+from proxy.memory.read import RetrievalSettings, retrieve
+from proxy.memory.store import utcnow
 from proxy.metrics import Metrics
 
 log = structlog.get_logger("memproxy.shadow")

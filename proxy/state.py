@@ -10,7 +10,7 @@ from aiohttp import web
 from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
 from proxy.dialects.targets import ResponseChains, Targets
-from proxy.memory.service import MemoryService
+from proxy.memory import MemoryService
 from proxy.metrics import Metrics
 from proxy.upstream import Router
 

@@ -22,8 +22,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 
-from proxy.memory import spans
-from proxy.memory.service import Injection
+from proxy.memory import Injection, spans
 from proxy.paths import MEMORY_PATHS
 from proxy.state import STATE
 from proxy.telemetry_settings import TelemetrySettings

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from proxy.memory.read.query import message_text
+from proxy.memory.read import message_text
 from proxy.sse import ReplyAssembler
 
 MAX_TOOL_CHARS = 2000

@@ -31,9 +31,8 @@ import numpy as np
 import orjson
 from pydantic import TypeAdapter, ValidationError
 
-from proxy.memory.store.ids import APP_ID_RULE, valid_app_id, valid_record_id
-from proxy.memory.store.records import Kind, MemoryRecord
-from proxy.memory.text_cap import cap_text
+from proxy.memory import cap_text
+from proxy.memory.store import APP_ID_RULE, Kind, MemoryRecord, valid_app_id, valid_record_id
 
 Format = Literal["memproxy", "mem0", "chatgpt"]
 MAX_TEXT_CHARS = 4000

@@ -16,8 +16,8 @@ from typing import Any
 
 import structlog
 
-from proxy.memory.service import Exchange, Injection, MemoryService
-from proxy.memory.store.faults import fault_reason, is_storage_fault
+from proxy.memory import Exchange, Injection, MemoryService
+from proxy.memory.store import fault_reason, is_storage_fault
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -28,8 +28,8 @@ from proxy.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
-from proxy.memory.lazy import import_litellm
-from proxy.memory.write.routing import route_index
+from proxy.memory import import_litellm
+from proxy.memory.write import route_index
 from proxy.sse import DONE_EVENT, data_event
 
 # Request headers a client may pass on to an OpenAI-compatible upstream (lower case).

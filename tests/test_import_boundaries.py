@@ -4,6 +4,8 @@ the dependency direction of ARCHITECTURE.md.
 - ``proxy/memory/**`` (the memory core) imports nothing from the rest of ``proxy`` (the HTTP shell) nor from
   ``insights``; ``insights/**`` imports nothing from the shell. ``bench/``, ``tests/`` and ``scripts/`` may import
   anything and are not walked.
+- The shell and ``insights`` import the core only through its faces: ``proxy.memory`` and its sub-packages
+  ``read``, ``store``, ``write`` and ``embedders`` (names from their ``__all__``, or their modules).
 - Inside the core: ``proxy.memory.store`` imports nothing from ``read``, ``write`` or ``embedders``;
   ``proxy.memory.read`` nothing from ``write``; ``proxy.memory.write`` nothing from ``read``. A rule applies once
   its importer is a package (a directory with ``__init__.py``) under ``proxy/memory/``.
@@ -23,6 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 WALKED = ("proxy", "insights")
 SHELL, CORE, INSIGHTS = "proxy", "proxy.memory", "insights"
 # importer sub-package of the core -> sub-packages it must not import
+# What the shell and insights may name in an import of the core: the core's faces (each package's ``__all__``).
+FACES = frozenset({CORE, *(f"{CORE}.{sub}" for sub in ("read", "store", "write", "embedders"))})
 CORE_RULES = {
     "store": ("read", "write", "embedders"),
     "read": ("write",),
@@ -38,6 +42,7 @@ class Import:
     target: str
     path: Path
     line: int
+    written: str = ""  # the module name as the import statement writes it (``from <written> import ...``)
 
 
 def _within(name: str, package: str) -> bool:
@@ -74,15 +79,16 @@ def imports_of(root: Path, path: Path, modules: frozenset[str]) -> Iterator[Impo
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
         targets: list[str] = []
+        written = ""
         if isinstance(node, ast.Import):
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
-            source = _resolve(importer, is_package, node)
+            source = written = _resolve(importer, is_package, node)
             targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
         elif isinstance(node, ast.Call) and (dynamic := _dynamic(node)) is not None:
             targets = [dynamic]
         for target in dict.fromkeys(targets):
-            yield Import(importer, target, path, node.lineno)
+            yield Import(importer, target, path, node.lineno, written or target)
 
 
 def core_packages(root: Path) -> frozenset[str]:
@@ -106,6 +112,8 @@ def violation(found: Import, packages: frozenset[str]) -> str | None:
                         return f"{CORE}.{sub} imports {CORE}.{other}"
     elif _within(importer, INSIGHTS) and _within(target, SHELL) and not _within(target, CORE):
         return "insights imports the HTTP shell"
+    if not _within(importer, CORE) and _within(target, CORE) and found.written not in FACES:
+        return f"the core is imported past its faces ({', '.join(sorted(FACES))})"
     return None
 
 
@@ -151,7 +159,7 @@ def test_the_walk_sees_hidden_relative_and_dynamic_imports(tmp_path: Path) -> No
             "proxy/memory/shell.py": "import proxy\n\ndef f():\n    from ..routes import x\n",
             "proxy/memory/dyn.py": "import importlib\nimportlib.import_module('insights.service')\n",
             "insights/__init__.py": "",
-            "insights/service.py": "from proxy.memory.errors import E\nfrom proxy import routes\n",
+            "insights/service.py": "from proxy.memory import E\nfrom proxy import routes\n",
         },
     )
     assert violations(root) == [
@@ -185,4 +193,23 @@ def test_sub_package_rules_apply_once_the_package_exists(tmp_path: Path) -> None
         "(proxy.memory.read imports proxy.memory.write)",
         "proxy/memory/store/records.py:1: proxy.memory.store.records -> proxy.memory.read.fusion "
         "(proxy.memory.store imports proxy.memory.read)",
+    ]
+
+
+def test_the_shell_imports_the_core_through_its_faces(tmp_path: Path) -> None:
+    """The shell (and insights) may name ``proxy.memory`` or one of its sub-packages in an import, never a module
+    behind them."""
+    root = _tree(
+        tmp_path,
+        {
+            "proxy/__init__.py": "",
+            "proxy/routes.py": "from proxy.memory.read import inject\nfrom proxy.memory.read.block import MemoryItem\n",
+            "proxy/memory/__init__.py": "",
+            "proxy/memory/read/__init__.py": "",
+            "proxy/memory/read/block.py": "",
+        },
+    )
+    assert violations(root) == [
+        "proxy/routes.py:2: proxy.routes -> proxy.memory.read.block (the core is imported past its faces "
+        "(proxy.memory, proxy.memory.embedders, proxy.memory.read, proxy.memory.store, proxy.memory.write))"
     ]

@@ -21,11 +21,9 @@ from tqdm import tqdm
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.evaluation import EvalDataError, run_eval_command
 from proxy.logs import configure_logging
-from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.errors import MemoryLayerError
-from proxy.memory.store.memory_store import MemoryStore
-from proxy.memory.store.migrations import SchemaError, migrate_data_dir
-from proxy.memory.store.records import MemoryRecord
+from proxy.memory import MemoryLayerError
+from proxy.memory.embedders import build_embedder
+from proxy.memory.store import MemoryRecord, MemoryStore, SchemaError, migrate_data_dir
 from proxy.transfer import (
     ImportCounts,
     ImportFormatError,

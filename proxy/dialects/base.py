@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from proxy.memory.read.placement import BlockPlan
+from proxy.memory.read import BlockPlan
 
 
 @dataclass(frozen=True, slots=True)

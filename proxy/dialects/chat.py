@@ -7,8 +7,7 @@ from typing import Any
 
 from proxy.chat import parse_chat_request
 from proxy.dialects.base import ChatView, Reply, loads_or_none
-from proxy.memory.read.injection import appended, merge_block
-from proxy.memory.read.placement import BlockPlan
+from proxy.memory.read import BlockPlan, appended, merge_block
 from proxy.sse import reply_from_completion
 from proxy.tool_history import ToolReplyAssembler, reply_tool_calls
 

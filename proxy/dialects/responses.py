@@ -19,8 +19,7 @@ from typing import Any
 from proxy.chat import check_model_and_stream, load_object
 from proxy.dialects.base import ChatView, EventStream, Reply, loads_or_none
 from proxy.errors import BadRequest
-from proxy.memory.read.injection import appended
-from proxy.memory.read.placement import BlockPlan
+from proxy.memory.read import BlockPlan, appended
 from proxy.tool_history import MAX_TOOL_ITEMS, call_text
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})

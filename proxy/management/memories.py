@@ -37,7 +37,7 @@ from proxy.management.shared import (
     read_body,
     read_query,
 )
-from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.store import Kind, MemoryRecord
 from proxy.ui import add_ui_routes
 
 OPENAPI_PATH = Path(__file__).resolve().parent.parent / "openapi.json"

@@ -37,8 +37,8 @@ from proxy.management.shared import (
     read_body,
     read_query,
 )
-from proxy.memory.errors import StoreError
-from proxy.memory.store.records import Kind, MemoryRecord, utcnow
+from proxy.memory import StoreError
+from proxy.memory.store import Kind, MemoryRecord, utcnow
 from proxy.transfer import content_id
 
 MAX_BATCH = 1000

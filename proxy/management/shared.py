@@ -29,8 +29,8 @@ from pydantic import (
 
 from proxy.errors import BadRequest, ServiceUnavailable, Unauthorized
 from proxy.identity import log_user
-from proxy.memory.service import MemoryAdmin
-from proxy.memory.store.ids import APP_ID_RULE, valid_app_id
+from proxy.memory import MemoryAdmin
+from proxy.memory.store import APP_ID_RULE, valid_app_id
 from proxy.state import STATE, AppState
 
 log = structlog.get_logger("memproxy.management")

@@ -6,4 +6,35 @@ shipped model files.
 
 May import: the modules every path shares at the root of ``proxy.memory`` (errors, lazy imports); never the store,
 the read or write paths, the HTTP shell (``proxy.*`` outside ``proxy.memory``) or ``insights``.
+
+What the rest of memproxy may use of it is this package's ``__all__`` (imported on first use).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proxy.memory.embedders.factory import build_embedder
+    from proxy.memory.embedders.settings import EmbedderSettings
+
+# What the face exports, and the module that defines it (imported on first use).
+_WHERE = {
+    "EmbedderSettings": "proxy.memory.embedders.settings",
+    "build_embedder": "proxy.memory.embedders.factory",
+}
+__all__ = [
+    "EmbedderSettings",
+    "build_embedder",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name``, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -7,4 +7,92 @@ storage and the replicas that share a table through it, and the one rule for wha
 May import: the memory core's root (``proxy.memory.errors`` and the other shared modules) and libraries.
 Never imports ``proxy.memory.read``, ``proxy.memory.write``, ``proxy.memory.embedders``, anything else of
 ``proxy`` (the HTTP shell) or ``insights``: the read and write paths build on the store, not the reverse.
+
+What the rest of memproxy may use of it is this package's ``__all__`` (imported on first use).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proxy.memory.store.background import Ticker
+    from proxy.memory.store.cluster import ClusterSettings, replica_name
+    from proxy.memory.store.faults import StorageHealth, fault_reason, is_storage_fault
+    from proxy.memory.store.ids import APP_ID_RULE, valid_app_id, valid_record_id
+    from proxy.memory.store.journal import Journal
+    from proxy.memory.store.memory_store import MemoryStore
+    from proxy.memory.store.migrations import SchemaError, migrate_data_dir
+    from proxy.memory.store.objectstore import ObjectStore, StorageLocation
+    from proxy.memory.store.reads import Page
+    from proxy.memory.store.records import Kind, MemoryRecord, new_id, newest_generation, utcnow
+    from proxy.memory.store.replicated import ReplicatedStore
+    from proxy.memory.store.runtime import ClusterRuntime
+    from proxy.memory.store.settings import StoreSettings, StoreTuning
+
+# What the face exports, and the module that defines it (imported on first use).
+_WHERE = {
+    "APP_ID_RULE": "proxy.memory.store.ids",
+    "ClusterRuntime": "proxy.memory.store.runtime",
+    "ClusterSettings": "proxy.memory.store.cluster",
+    "Journal": "proxy.memory.store.journal",
+    "Kind": "proxy.memory.store.records",
+    "MemoryRecord": "proxy.memory.store.records",
+    "MemoryStore": "proxy.memory.store.memory_store",
+    "ObjectStore": "proxy.memory.store.objectstore",
+    "Page": "proxy.memory.store.reads",
+    "ReplicatedStore": "proxy.memory.store.replicated",
+    "SchemaError": "proxy.memory.store.migrations",
+    "StorageHealth": "proxy.memory.store.faults",
+    "StorageLocation": "proxy.memory.store.objectstore",
+    "StoreSettings": "proxy.memory.store.settings",
+    "StoreTuning": "proxy.memory.store.settings",
+    "Ticker": "proxy.memory.store.background",
+    "fault_reason": "proxy.memory.store.faults",
+    "is_storage_fault": "proxy.memory.store.faults",
+    "migrate_data_dir": "proxy.memory.store.migrations",
+    "new_id": "proxy.memory.store.records",
+    "newest_generation": "proxy.memory.store.records",
+    "replica_name": "proxy.memory.store.cluster",
+    "utcnow": "proxy.memory.store.records",
+    "valid_app_id": "proxy.memory.store.ids",
+    "valid_record_id": "proxy.memory.store.ids",
+}
+__all__ = [
+    "APP_ID_RULE",
+    "ClusterRuntime",
+    "ClusterSettings",
+    "Journal",
+    "Kind",
+    "MemoryRecord",
+    "MemoryStore",
+    "ObjectStore",
+    "Page",
+    "ReplicatedStore",
+    "SchemaError",
+    "StorageHealth",
+    "StorageLocation",
+    "StoreSettings",
+    "StoreTuning",
+    "Ticker",
+    "fault_reason",
+    "is_storage_fault",
+    "migrate_data_dir",
+    "new_id",
+    "newest_generation",
+    "replica_name",
+    "utcnow",
+    "valid_app_id",
+    "valid_record_id",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name``, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

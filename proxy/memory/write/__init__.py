@@ -16,4 +16,145 @@ Owns, by module:
 May import: the memory core's shared root modules (``proxy.memory.errors``, ``service``, ``features``,
 ``text_cap``, ``lazy``), ``proxy.memory.store`` and ``proxy.memory.embedders``. Never ``proxy.memory.read``,
 anything of ``proxy`` outside ``proxy.memory`` (the HTTP shell), nor ``insights`` (which imports from here).
+
+What the rest of memproxy may use of it is this package's ``__all__`` (imported on first use).
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
+    from proxy.memory.write.extraction import ExtractionSettings, Extractor
+    from proxy.memory.write.identifiers import identifier_reason
+    from proxy.memory.write.instructions import injection_reason
+    from proxy.memory.write.job_kinds import INSIGHTS_DEDUPE_KEY, INSIGHTS_JOB
+    from proxy.memory.write.job_types import (
+        LATENCY_BUCKETS_S,
+        JobQueueSettings,
+        JobQueueTuning,
+        QueueMetrics,
+        RetryLater,
+        StepLatency,
+        WaitForConfig,
+    )
+    from proxy.memory.write.latest_chat import LatestChats
+    from proxy.memory.write.llm import (
+        KeySource,
+        LiteLLMClient,
+        LiteLLMSettings,
+        LLMBadOutput,
+        LLMClient,
+        LLMUnavailable,
+        OpenAICompatibleLLM,
+        OpenAICompatibleSettings,
+        PrefixRouter,
+        Route,
+        UsageObserver,
+    )
+    from proxy.memory.write.payloads import exchange_payload
+    from proxy.memory.write.queue import Handler, Job, JobQueue
+    from proxy.memory.write.routing import route_index
+    from proxy.memory.write.runner import JobRunner
+    from proxy.memory.write.settings import WriterSettings
+    from proxy.memory.write.stated import Stated, StatedFacts
+    from proxy.memory.write.webhooks import Webhooks, WebhookSettings
+    from proxy.memory.write.writer import Writer
+
+# What the face exports, and the module that defines it (imported on first use).
+_WHERE = {
+    "ANTHROPIC_ROUTE": "proxy.memory.write.dialect_llm",
+    "DialectLLM": "proxy.memory.write.dialect_llm",
+    "DialectRouter": "proxy.memory.write.dialect_llm",
+    "ExtractionSettings": "proxy.memory.write.extraction",
+    "Extractor": "proxy.memory.write.extraction",
+    "Handler": "proxy.memory.write.queue",
+    "INSIGHTS_DEDUPE_KEY": "proxy.memory.write.job_kinds",
+    "INSIGHTS_JOB": "proxy.memory.write.job_kinds",
+    "Job": "proxy.memory.write.queue",
+    "JobQueue": "proxy.memory.write.queue",
+    "JobQueueSettings": "proxy.memory.write.job_types",
+    "JobQueueTuning": "proxy.memory.write.job_types",
+    "JobRunner": "proxy.memory.write.runner",
+    "KeySource": "proxy.memory.write.llm",
+    "LATENCY_BUCKETS_S": "proxy.memory.write.job_types",
+    "LLMBadOutput": "proxy.memory.write.llm",
+    "LLMClient": "proxy.memory.write.llm",
+    "LLMUnavailable": "proxy.memory.write.llm",
+    "LatestChats": "proxy.memory.write.latest_chat",
+    "LiteLLMClient": "proxy.memory.write.llm",
+    "LiteLLMSettings": "proxy.memory.write.llm",
+    "OpenAICompatibleLLM": "proxy.memory.write.llm",
+    "OpenAICompatibleSettings": "proxy.memory.write.llm",
+    "PrefixRouter": "proxy.memory.write.llm",
+    "QueueMetrics": "proxy.memory.write.job_types",
+    "RetryLater": "proxy.memory.write.job_types",
+    "Route": "proxy.memory.write.llm",
+    "Stated": "proxy.memory.write.stated",
+    "StatedFacts": "proxy.memory.write.stated",
+    "StepLatency": "proxy.memory.write.job_types",
+    "UsageObserver": "proxy.memory.write.llm",
+    "WaitForConfig": "proxy.memory.write.job_types",
+    "WebhookSettings": "proxy.memory.write.webhooks",
+    "Webhooks": "proxy.memory.write.webhooks",
+    "Writer": "proxy.memory.write.writer",
+    "WriterSettings": "proxy.memory.write.settings",
+    "exchange_payload": "proxy.memory.write.payloads",
+    "identifier_reason": "proxy.memory.write.identifiers",
+    "injection_reason": "proxy.memory.write.instructions",
+    "route_index": "proxy.memory.write.routing",
+}
+__all__ = [
+    "ANTHROPIC_ROUTE",
+    "INSIGHTS_DEDUPE_KEY",
+    "INSIGHTS_JOB",
+    "LATENCY_BUCKETS_S",
+    "DialectLLM",
+    "DialectRouter",
+    "ExtractionSettings",
+    "Extractor",
+    "Handler",
+    "Job",
+    "JobQueue",
+    "JobQueueSettings",
+    "JobQueueTuning",
+    "JobRunner",
+    "KeySource",
+    "LLMBadOutput",
+    "LLMClient",
+    "LLMUnavailable",
+    "LatestChats",
+    "LiteLLMClient",
+    "LiteLLMSettings",
+    "OpenAICompatibleLLM",
+    "OpenAICompatibleSettings",
+    "PrefixRouter",
+    "QueueMetrics",
+    "RetryLater",
+    "Route",
+    "Stated",
+    "StatedFacts",
+    "StepLatency",
+    "UsageObserver",
+    "WaitForConfig",
+    "WebhookSettings",
+    "Webhooks",
+    "Writer",
+    "WriterSettings",
+    "exchange_payload",
+    "identifier_reason",
+    "injection_reason",
+    "route_index",
+]
+
+
+def __getattr__(name: str) -> Any:
+    """The exported ``name``, imported from its module on first use."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
