@@ -42,6 +42,7 @@ from bench.loadgen import body, cpu_seconds, percentile
 from proxy.app import engine_settings
 from proxy.config import load_settings
 from proxy.engine import MemoryEngine
+from proxy.memory.service import ReadRequest
 from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.llm import LLMUnavailable
 from tests.support.processes import MEMPROXY, Process, child_env, fake_upstream_process
@@ -142,15 +143,16 @@ async def _read_path(
         for user in cold_users:
             before = counter.total() if counter else 0
             started = time.perf_counter()
-            await engine.inject(user, "bench", {"messages": [SYSTEM, {"role": "user", "content": questions[0]}]})
+            await engine.inject(ReadRequest(user, "bench", [SYSTEM, {"role": "user", "content": questions[0]}]))
             cold.append((time.perf_counter() - started) * 1000)
             cold_requests.append((counter.total() if counter else 0) - before)
         warm, requests = [], 0
         for i, question in enumerate(questions):
             before = counter.total() if counter else 0
             started = time.perf_counter()
-            request = {"messages": [SYSTEM, {"role": "user", "content": question}]}
-            await engine.inject("bench-user", f"bench-{i}", request)
+            await engine.inject(
+                ReadRequest("bench-user", f"bench-{i}", [SYSTEM, {"role": "user", "content": question}])
+            )
             if i >= 20:  # the first ones warm the caches
                 warm.append((time.perf_counter() - started) * 1000)
                 requests += (counter.total() if counter else 0) - before

@@ -46,6 +46,7 @@ from proxy.config import load_settings
 from proxy.engine import MemoryEngine
 from proxy.memory.read.injection import inject
 from proxy.memory.read.retrieval import retrieve
+from proxy.memory.service import ReadRequest
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.write.llm import LLMUnavailable
 
@@ -203,7 +204,7 @@ async def _whole_path(
         if idle:
             await asyncio.sleep(idle_ms / 1000)
         started, cpu_started = time.perf_counter(), time.process_time()
-        result = await engine.inject(user, f"bench-conversation-{i}", body)
+        result = await engine.inject(ReadRequest(user, f"bench-conversation-{i}", body["messages"]))
         (idle_wall if idle else wall).append((time.perf_counter() - started) * 1000)
         (idle_cpu if idle else cpu).append((time.process_time() - cpu_started) * 1000)
         injected += bool(result.injected_ids)

@@ -51,6 +51,7 @@ from bench.readpath import SYSTEM, NoModel, _percentiles, _records, _texts
 from proxy.app import engine_settings
 from proxy.config import Settings, load_settings
 from proxy.engine import MemoryEngine
+from proxy.memory.service import ReadRequest
 from proxy.memory.store.records import Kind, MemoryRecord, new_id, utcnow
 from proxy.memory.store.user_vectors import estimated_bytes
 
@@ -142,7 +143,7 @@ async def _measure(engine: MemoryEngine, user: str, questions: Sequence[str], wa
     for i, question in enumerate(tqdm(questions, desc="  engine.inject", file=sys.stderr, leave=False)):
         body = {"messages": [SYSTEM, {"role": "user", "content": question}]}
         started, cpu_started = time.perf_counter(), time.process_time()
-        result = await engine.inject(user, f"scale-{i}", body)
+        result = await engine.inject(ReadRequest(user, f"scale-{i}", body["messages"]))
         ms = (time.perf_counter() - started) * 1000
         if i == 0:
             first_ms = ms

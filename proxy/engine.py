@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, cast
 
 import structlog
@@ -24,7 +24,16 @@ from insights.service import InsightSettings
 from proxy.announced import AnnouncedAdmin
 from proxy.chat import arms_entries
 from proxy.engine_admin import EngineAdmin
-from proxy.memory import Exchange, FeatureBoard, Injection, MemoryAdmin, RetentionSweeper, SearchPreview, guard_handlers
+from proxy.memory import (
+    Exchange,
+    FeatureBoard,
+    Injection,
+    MemoryAdmin,
+    ReadRequest,
+    RetentionSweeper,
+    SearchPreview,
+    guard_handlers,
+)
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.read import (
     BlockPlan,
@@ -279,27 +288,20 @@ class MemoryEngine:
             explain=explain,
         )
 
-    async def inject(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
-        """Retrieve the user's memories and plan where the block goes in a request with ``messages`` (the chat
-        view of any dialect); ``provider_holds_history``: the provider keeps the earlier turns itself."""
+    async def inject(self, request: ReadRequest) -> Injection:
+        """Retrieve the user's memories and plan where the block goes in the request (its chat view, whatever
+        the API)."""
         started = time.perf_counter()
-        view = cast("list[dict[str, Any]]", messages)  # read only: retrieval never changes the messages
-        result = await self._retrieve(user_id, conversation_id, view, explain=False)
+        view = cast("list[dict[str, Any]]", request.messages)  # read only: retrieval never changes the messages
+        result = await self._retrieve(request.user_id, request.conversation_id, view, explain=False)
         chosen: list[MemoryItem] = []
         if result.items and result.query is not None:
-            chosen = choose(messages, result.items, result.query.terms, self.settings.injection)
-        planned = self._plan(user_id, conversation_id, messages, chosen, provider_holds_history)
+            chosen = choose(request.messages, result.items, result.query.terms, self.settings.injection)
+        planned = self._plan(request, chosen)
         carried = set(planned.carried)
         used = tuple(i.id for i in chosen if i.id in carried)  # what this request's retrieval chose and sent
         if used:
-            await self.store.touch(user_id, used)
+            await self.store.touch(request.user_id, used)
         return Injection(
             plan=planned.plan,
             injected_ids=planned.carried,
@@ -308,42 +310,27 @@ class MemoryEngine:
             retrieval_ms=(time.perf_counter() - started) * 1000,
         )
 
-    def carried(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         """What the conversation already carries, without a retrieval (when one failed or timed out): the cached
         prefix stays whole and the request keeps its earlier memory."""
-        planned = self._plan(user_id, conversation_id, messages, [], provider_holds_history, start=False)
-        return Injection(plan=planned.plan)
+        return Injection(plan=self._plan(request, [], start=False).plan)
 
-    def _plan(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        chosen: Sequence[MemoryItem],
-        provider_holds_history: bool,
-        *,
-        start: bool = True,
-    ) -> Planned:
+    def _plan(self, request: ReadRequest, chosen: Sequence[MemoryItem], *, start: bool = True) -> Planned:
+        """Where ``chosen`` goes in the request (``start``: a conversation without an entry may start one)."""
         settings = self.settings.injection
         placement = Placement(settings.placement)
         if placement is not Placement.CACHED:
-            return plan_simple(placement, messages, chosen)
-        entry = self.ledger.get(user_id, conversation_id)
+            return plan_simple(placement, request.messages, chosen)
+        entry = self.ledger.get(request.user_id, request.conversation_id)
         if entry is not None and entry.expired(utcnow()):  # a carried memory expired: it must not be sent again
             entry = None
         if entry is None and not start:
             return Planned(BlockPlan(), ())
         budgets = CachedBudgets(settings.turn_budget_tokens, settings.conversation_budget_tokens)
-        planned = plan_cached(messages, chosen, entry, budgets, provider_holds_history=provider_holds_history)
+        holds = request.provider_holds_history
+        planned = plan_cached(request.messages, chosen, entry, budgets, provider_holds_history=holds)
         if planned.entry is not None:
-            self.ledger.put(user_id, conversation_id, planned.entry)
+            self.ledger.put(request.user_id, request.conversation_id, planned.entry)
         return planned
 
     async def search(self, user_id: str, query: str, k: int = 10) -> SearchPreview:

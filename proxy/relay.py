@@ -30,7 +30,7 @@ from proxy.commit import Committed
 from proxy.dialects import ChatView, Dialect, Reply, ReplyReader
 from proxy.errors import PayloadTooLarge, ProxyError, UpstreamStatusError, stream_error_event
 from proxy.identity import Identity, Mode, identify, log_user
-from proxy.memory import Exchange, Injection, spans
+from proxy.memory import Exchange, Injection, ReadRequest, spans
 from proxy.memory.store import valid_app_id
 from proxy.state import AppState
 from proxy.telemetry import record_retrieve
@@ -73,9 +73,8 @@ async def _inject(state: AppState, identity: Identity, view: ChatView) -> Inject
         return _degraded(state, identity, view, "busy", started)
     try:  # the deadline counts from the request's arrival, the wait for a slot included
         async with asyncio.timeout_at(deadline):
-            return await state.memory.inject(
-                identity.user_id, identity.conversation_id, view.messages, provider_holds_history=holds
-            )
+            read = ReadRequest(identity.user_id, identity.conversation_id, view.messages, holds)
+            return await state.memory.inject(read)
     except TimeoutError:
         reason = "timeout"
     except Exception as exc:  # the chat never pays for memory failures; the reason goes to the headers
@@ -105,7 +104,7 @@ def _degraded(state: AppState, identity: Identity, view: ChatView, reason: str, 
     user, conversation, holds = identity.user_id or "", identity.conversation_id or "", view.provider_holds_history
     carried = Injection()
     with contextlib.suppress(Exception):  # the chat never pays for memory failures
-        carried = state.memory.carried(user, conversation, view.messages, provider_holds_history=holds)
+        carried = state.memory.carried(ReadRequest(user, conversation, view.messages, holds))
     return Injection(
         plan=carried.plan, degraded={"memory": reason}, retrieval_ms=(time.perf_counter() - started) * 1000
     )

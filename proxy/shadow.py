@@ -29,7 +29,7 @@ from prometheus_client import Counter, Histogram
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from proxy.engine import MemoryEngine
-from proxy.memory import Exchange, FeatureBoard, Injection, MemoryAdmin
+from proxy.memory import Exchange, FeatureBoard, Injection, MemoryAdmin, ReadRequest
 from proxy.memory.read import RetrievalSettings, retrieve
 from proxy.memory.store import utcnow
 from proxy.metrics import Metrics
@@ -194,34 +194,17 @@ class ShadowMemory:
                 await self._task
             self._task = None
 
-    async def inject(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         """The engine's injection, unchanged; a sampled request is queued for a shadow comparison."""
-        injection: Injection = await self._engine.inject(
-            user_id, conversation_id, messages, provider_holds_history=provider_holds_history
-        )
+        injection: Injection = await self._engine.inject(request)
         if self._rng.random() < self._settings.sample_rate:
-            self._take(_Sample(user_id, conversation_id, [dict(m) for m in messages], time.monotonic()))
+            messages = [dict(m) for m in request.messages]
+            self._take(_Sample(request.user_id, request.conversation_id, messages, time.monotonic()))
         return injection
 
-    def carried(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         """The engine's answer."""
-        carried: Injection = self._engine.carried(
-            user_id, conversation_id, messages, provider_holds_history=provider_holds_history
-        )
+        carried: Injection = self._engine.carried(request)
         return carried
 
     async def record(self, exchange: Exchange) -> None:

@@ -11,12 +11,10 @@ and ``/metrics`` counts the degraded requests. Restart memproxy once the directo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping, Sequence
-from typing import Any
 
 import structlog
 
-from proxy.memory import Exchange, Injection, MemoryService
+from proxy.memory import Exchange, Injection, MemoryService, ReadRequest
 from proxy.memory.store import fault_reason, is_storage_fault
 
 log = structlog.get_logger("memproxy.memory")
@@ -45,25 +43,11 @@ class UnavailableMemory:
         """Why memory is off (``unavailable:<errno name>``)."""
         return f"unavailable:{self.reason}"
 
-    async def inject(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         """Nothing to inject; the headers say why."""
         return Injection(degraded={"memory": f"storage:{self.reason}"})
 
-    def carried(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         """Nothing carried."""
         return Injection()
 

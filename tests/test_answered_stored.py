@@ -21,7 +21,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ import pytest
 
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
-from proxy.memory.service import Exchange, Injection, NullMemory
+from proxy.memory.service import Exchange, Injection, NullMemory, ReadRequest
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind
 from proxy.memory.write.job_types import JobQueueSettings
@@ -282,12 +282,10 @@ class SlowRecordMemory(NullMemory):
     def __init__(self) -> None:
         self.recorded: list[Exchange] = []
 
-    async def inject(
-        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         return Injection()
 
-    def carried(self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         return Injection()
 
     async def record(self, exchange: Exchange) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -14,7 +14,7 @@ from aiohttp import ClientSession
 
 from proxy.config import Settings
 from proxy.memory.read.placement import BlockPlan
-from proxy.memory.service import Exchange, Injection, MemoryService, NullMemory
+from proxy.memory.service import Exchange, Injection, MemoryService, NullMemory, ReadRequest
 from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
 from tests.fake_upstream import FakeUpstream
@@ -225,15 +225,13 @@ class RecordingMemory(NullMemory):
         self.exchanges: list[Exchange] = []
         self.fail_inject = False
 
-    async def inject(
-        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         if self.fail_inject:
             raise RuntimeError("store is down")
-        plan = BlockPlan(system=f"memory for {user_id}")
+        plan = BlockPlan(system=f"memory for {request.user_id}")
         return Injection(plan=plan, injected_ids=("m1", "m2"), arms=("dense", "bm25"), retrieval_ms=1.5)
 
-    def carried(self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         return Injection()
 
     async def record(self, exchange: Exchange) -> None:
@@ -322,11 +320,9 @@ async def test_failing_memory_degrades_not_fails(make_proxy: ProxyFactory, fake:
 class SlowMemory(RecordingMemory):
     """A memory seam whose read path takes half a second."""
 
-    async def inject(
-        self, user_id: str, conversation_id: str, messages: Sequence[Mapping[str, Any]], **_: Any
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         await asyncio.sleep(0.5)
-        return await super().inject(user_id, conversation_id, messages)
+        return await super().inject(request)
 
 
 async def test_reads_beyond_capacity_go_on_at_once_without_memory(make_proxy: ProxyFactory) -> None:

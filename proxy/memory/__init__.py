@@ -25,6 +25,7 @@ if TYPE_CHECKING:
         MemoryOperations,
         MemoryService,
         NullMemory,
+        ReadRequest,
         RecordPage,
         SearchPreview,
     )
@@ -44,6 +45,7 @@ _WHERE = {
     "MemoryService": "proxy.memory.service",
     "NoEvents": "proxy.memory.events",
     "NullMemory": "proxy.memory.service",
+    "ReadRequest": "proxy.memory.service",
     "RecordPage": "proxy.memory.service",
     "ReportingLLM": "proxy.memory.features",
     "RetentionSweeper": "proxy.memory.retention",
@@ -67,6 +69,7 @@ __all__ = [
     "MemoryService",
     "NoEvents",
     "NullMemory",
+    "ReadRequest",
     "RecordPage",
     "ReportingLLM",
     "RetentionSweeper",

@@ -34,6 +34,18 @@ class Injection:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class ReadRequest:
+    """What the read path is asked for one request: whose memory, which conversation, the request's chat view
+    (``messages``: chat-shaped, whatever the API), and whether the provider keeps the conversation's earlier
+    turns itself (a Responses request continuing ``previous_response_id``)."""
+
+    user_id: str
+    conversation_id: str
+    messages: Sequence[Mapping[str, Any]]
+    provider_holds_history: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class Exchange:
     """One finished request/reply pair, as the write path receives it."""
 
@@ -91,26 +103,11 @@ class MemoryService(Protocol):
         service has no job queue."""
         ...
 
-    async def inject(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
-        """Retrieve what is known about ``user_id`` and plan where the memory goes in a request whose chat view
-        is ``messages`` (``provider_holds_history``: the provider keeps the conversation's earlier turns)."""
+    async def inject(self, request: ReadRequest) -> Injection:
+        """Retrieve what is known about the request's user and plan where the memory goes in the request."""
         ...
 
-    def carried(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         """What the conversation already carries, without retrieving (the read failed or was skipped)."""
         ...
 
@@ -245,25 +242,11 @@ class NullMemory:
         """No job queue."""
         return
 
-    async def inject(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    async def inject(self, request: ReadRequest) -> Injection:
         """Nothing to inject."""
         return Injection()
 
-    def carried(
-        self,
-        user_id: str,
-        conversation_id: str,
-        messages: Sequence[Mapping[str, Any]],
-        *,
-        provider_holds_history: bool = False,
-    ) -> Injection:
+    def carried(self, request: ReadRequest) -> Injection:
         """Nothing carried."""
         return Injection()
 
