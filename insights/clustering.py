@@ -19,7 +19,7 @@ Method:
 Alternatives measured (2-core machine, all-MiniLM-L6-v2 vectors of LoCoMo's 5,882 chat turns and of the
 test scenario): HDBSCAN(``algorithm="brute"``, cosine) finds the scenario's four topics, but on real chat
 messages it labels most points noise (177 of 211, 229 of 313 for two LoCoMo speakers; all 5,000 with
-``min_cluster_size=50``) and was 4x slower than this method at 5,000 x 384; its cluster count is not bounded
+``min_cluster_size=50``) and was slower than this method on thousands of points; its cluster count is not bounded
 by ``max_clusters`` either. Centring the vectors on the user's mean separates LoCoMo's chit-chat into themes
 but dissolves a one-topic user into noise, so it is not done. Embeddings are L2-normalised first, so
 Euclidean KMeans on them is spherical (cosine) KMeans.
@@ -81,7 +81,7 @@ def cluster_messages(embeddings: npt.ArrayLike, **params: Any) -> list[Cluster]:
     """Themes in ``embeddings`` (one row per message), largest first; outliers belong to none.
 
     Keyword arguments are the fields of ``ClusteringParams``. sklearn runs single-threaded here: on a
-    busy 2-core machine its OpenMP threads spin against each other and KMeans gets 10x slower.
+    busy machine its OpenMP threads spin against each other and KMeans gets much slower.
     """
     settings = ClusteringParams(**params)
     points = _normalise(np.asarray(embeddings, dtype=np.float32))
@@ -108,7 +108,7 @@ def choose_k(sample: Floats, *, k_max: int, seed: int, min_silhouette: float) ->
     from sklearn.cluster import KMeans
     from sklearn.metrics import silhouette_score
 
-    data = sample.astype(np.float64)  # sklearn's float32 distance path upcasts chunk by chunk: 3x slower
+    data = sample.astype(np.float64)  # sklearn's float32 distance path upcasts chunk by chunk, slower
     distances = np.clip(1.0 - data @ data.T, 0.0, 2.0)
     np.fill_diagonal(distances, 0.0)
     n_init = N_INIT_SMALL if len(sample) <= SMALL_SAMPLE else N_INIT_LARGE

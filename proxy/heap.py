@@ -3,11 +3,10 @@ works, and as soon as it goes quiet after work (``QuietTrimmer``).
 
 glibc keeps what the server's threads free (the event loop's, the model's, LanceDB's and Tantivy's pools, the
 job queue's; up to 8 arenas per core) resident until the top of each heap is free, which under steady writes
-it rarely is. ``bench/writes.py --mode sustained --minutes 3`` (one run each): RSS after the drain 1,744 MB
-without the trim, 1,138 MB with it. Capping the arenas (``MALLOC_ARENA_MAX=2``) kept RSS lower still then, but
-hardly now (``--minutes 2``: 402 MB after the drain against 405-419 MB over four runs uncapped): what stays is
-free chunks of a few KB spread over pages that live allocations share; ``proxy.recycle`` hands that back by
-restarting the process in place once it is quiet. Elsewhere (musl, macOS) this is a no-op.
+it rarely is; the trim hands much of it back (``bench/writes.py --mode sustained`` shows RSS after the drain
+with and without it). Capping the arenas (``MALLOC_ARENA_MAX=2``) once kept RSS lower still, but hardly does
+now: what stays is free chunks of a few KB spread over pages that live allocations share; ``proxy.recycle``
+hands that back by restarting the process in place once it is quiet. Elsewhere (musl, macOS) this is a no-op.
 """
 
 from __future__ import annotations
@@ -46,12 +45,10 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
 
     glibc raises this threshold (up to 32 MiB) each time a mapped block is freed, after which the big, short-
     lived buffers of loads, embeddings and LanceDB's writes come from the heap and leave holes there that
-    smaller allocations then pin, which no trim can hand back. ``bench/writes.py --mode sustained --minutes 3``
-    (one run each): after the drain, glibc's own count was 579 MB of heap of which 394 MB free; with the
-    threshold fixed, 288 MB of which 176 MB free, and RSS 867 -> 694 MB after the drain (677 -> 588 a minute
-    later; 313 -> 278 MB before the load), the write side as fast. Buffers reused on the read path keep it
-    from mapping per request (``StaticModel._widened``). An operator's ``MALLOC_MMAP_THRESHOLD_`` or
-    ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...`` is left as it is.
+    smaller allocations then pin, which no trim can hand back. With the threshold fixed, ``bench/writes.py
+    --mode sustained`` leaves a smaller heap, less of it free, and a lower RSS after the drain, the write side
+    as fast. Buffers reused on the read path keep it from mapping per request (``StaticModel._widened``). An
+    operator's ``MALLOC_MMAP_THRESHOLD_`` or ``GLIBC_TUNABLES=glibc.malloc.mmap_threshold=...`` is left as it is.
     """
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return  # the operator chose one (glibc reads both at start-up)
@@ -62,10 +59,9 @@ def fix_mmap_threshold(size: int = MMAP_THRESHOLD_BYTES) -> None:
 
 def arrow_on_system_malloc() -> None:
     """Arrow's buffers (the rows of a user's load, of listings, exports and writes) from the system's malloc,
-    which the trims hand back, instead of pyarrow's bundled mimalloc, which keeps what they freed:
-    ``bench/load.py --skip-litellm`` gave memproxy an RSS of 312-322 MB over c=1/16/64 against 332-343 with
-    ``--env ARROW_DEFAULT_MEMORY_POOL=mimalloc`` (one run each). An operator's ``ARROW_DEFAULT_MEMORY_POOL`` is
-    left as it is."""
+    which the trims hand back, instead of pyarrow's bundled mimalloc, which keeps what they freed (compare
+    ``bench/load.py --skip-litellm`` with and without ``--env ARROW_DEFAULT_MEMORY_POOL=mimalloc``). An
+    operator's ``ARROW_DEFAULT_MEMORY_POOL`` is left as it is."""
     if "ARROW_DEFAULT_MEMORY_POOL" in os.environ:
         return
     import pyarrow  # imported here: only the server calls this (and imports pyarrow with LanceDB anyway)

@@ -11,7 +11,7 @@ job due or running, under 5% of a core over the last check) and its RSS has grow
 level after start-up (the lowest seen at a check since memory came up) and by at least ``min_growth_mb``, the
 server stops as on SIGTERM (in-flight work finishes, the store closes) and re-executes itself: same PID, same
 command line, same listening sockets (inherited through ``MEMPROXY_RESTART_FDS``), so a connection that arrives
-meanwhile waits in the socket's backlog for the new image (~2-3 s) instead of being refused. Everything durable
+meanwhile waits in the socket's backlog for the new image instead of being refused. Everything durable
 stays where it is (the store, the job queue); what is lost is only what any restart loses: caches and counters.
 uWSGI's ``reload-on-rss`` does the same for the same reason. ``server.recycle_rss_growth = 0`` turns it off.
 """

@@ -46,7 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``memproxy`` console script."""
     args = _parser().parse_args(argv)
     if args.command in ("serve", "reindex"):
-        # Imported here, not at the top: the server stack (LanceDB, onnxruntime, litellm clients) costs ~6 s
+        # Imported here, not at the top: the server stack (LanceDB, onnxruntime, litellm clients) costs seconds
         # of CPU to import, and the memory-management commands only speak HTTP to a running server.
         importlib.import_module("proxy.server").run_command(args)
     elif args.command in _STORE_COMMANDS:

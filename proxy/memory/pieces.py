@@ -3,7 +3,7 @@
 A static embedding model's token rows are word vectors (``TermVectors``). Term matching scores a memory by the
 pieces of its first ``MAX_TEXT_TERMS`` content words (``memory_pieces``). The store computes them when it writes
 a memory, beside its vector, and keeps them in the table (``pieces`` column), so that no request pays for them
-(~30 us a memory, for each of the dozens of memories first seen as candidates) and a user loaded again after
+(a tokenisation for each of the dozens of memories first seen as candidates) and a user loaded again after
 idling has them at once; the read path computes (and caches) them only for memories written without them.
 """
 
@@ -43,8 +43,8 @@ class TermVectors(Protocol):
 def term_vectors_of(embedder: object) -> TermVectors | None:
     """The word piece vectors ``embedder`` lends from its ``term_vectors()`` method (the static default, or a
     static query side); None when it has no such method, none to lend, or has not loaded them yet. Looked up by
-    name: an ``isinstance`` check against a runtime protocol walks the protocol's members on every call (~13 us,
-    twice a read)."""
+    name: an ``isinstance`` check against a runtime protocol walks the protocol's members on every call (and
+    it is called twice a read)."""
     lend = getattr(embedder, "term_vectors", None)
     return cast("TermVectors | None", lend()) if callable(lend) else None
 

@@ -4,13 +4,13 @@ The default embedder is a static model (``embedders.static``); this is the trans
 shipped as MiniLM quantised to int8 (``models/all-MiniLM-L6-v2-int8``) and fp32 (``models/all-MiniLM-L6-v2``).
 The int8 model's manifest says its vectors live in the fp32 model's *space* (``space``): ``model_id``, which
 stores record and check, names that space, so the int8 and fp32 models write into one store without a reindex
-(LoCoMo R@10 0.728 with int8 documents and queries against 0.727 with fp32 documents; ~2x less CPU per text).
+(LoCoMo R@10 0.728 with int8 documents and queries against 0.727 with fp32 documents; less CPU per text).
 ``weights_id`` names the weights themselves. A dynamically quantised model scales its activations per call, so
 it embeds each text alone (``per_text``): a text's vector never depends on the texts it was batched with.
 
 The model runs off the event loop in one thread of its own (``worker``: queries first, documents their share);
-queries may go to a lighter query side of the same vector space: a static model (``kind = "static"``, ~0.1 ms
-on the caller's thread) or another ONNX copy (``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
+queries may go to a lighter query side of the same vector space: a static model (``kind = "static"``, cheap
+enough for the caller's thread) or another ONNX copy (``kind = "onnx"``, e.g. int8), named by ``embedder.query_model``.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Which embedding model to use and how to run it (``[embedder]`` of the config).
 
 ``provider = "local"`` (the default) is a model shipped with the package: by default ``models/minilm-static``, a
-static model distilled from all-MiniLM-L6-v2 (a text's vector is the mean of its tokens' rows: ~0.05 ms a text,
-no transformer pass, at LoCoMo retrieval equal to MiniLM's), or, with ``model_path``, MiniLM itself as ONNX
+static model distilled from all-MiniLM-L6-v2 (a text's vector is the mean of its tokens' rows: a table lookup a
+text, no transformer pass, at LoCoMo retrieval equal to MiniLM's), or, with ``model_path``, MiniLM itself as ONNX
 (``models/all-MiniLM-L6-v2-int8`` or ``models/all-MiniLM-L6-v2``); ``"litellm"`` is any remote embedding model
 litellm supports. An ONNX model may answer queries with its own *query side* (``query_model``, a directory
 under ``models/`` whose manifest says which document space it serves): stored vectors stay the document
@@ -31,7 +31,7 @@ class EmbedderSettings(BaseModel):
     model: str = "sentence-transformers/all-MiniLM-L6-v2"  # litellm's model, or the ONNX export's (checked)
     model_path: Path | None = None  # local only; None = the shipped static model, models/minilm-static
     batch_size: int = Field(default=64, ge=1)
-    threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 measured 2x faster on 2 busy cores
+    threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 avoids threads contending for busy cores
     query_cache_size: int = Field(default=4096, ge=0)  # texts; ~1.6 kB each (vector + key)
     # local only: a query-side model under models/ (or a path) for the documents' space; None = the model itself
     query_model: str | None = DEFAULT_QUERY_MODEL

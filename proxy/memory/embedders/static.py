@@ -1,4 +1,4 @@
-"""Static models: a text's vector is the normalised mean of its tokens' rows (~0.1 ms, no thread).
+"""Static models: a text's vector is the normalised mean of its tokens' rows (cheap enough for the loop, no thread).
 
 ``StaticModel`` is the table and its tokenizer; it serves as an ONNX model's query side, or, as
 ``StaticEmbedder``, as the document model itself (the default, ``models/minilm-static``).
@@ -30,7 +30,7 @@ MAX_CACHED_WORDS = 100_000  # word -> token ids kept for ``pieces`` (~100 bytes 
 
 
 class StaticModel:
-    """A static model: a text's vector is the normalised mean of its WordPiece tokens' rows (~0.1 ms, no thread).
+    """A static model: a text's vector is the normalised mean of its WordPiece tokens' rows (no thread needed).
 
     Built by ``scripts/distill_static.py`` from MiniLM, so that its vectors land near MiniLM's own (it can serve
     as MiniLM's query side) and, centred, spread like MiniLM's (the default document model).
@@ -74,7 +74,7 @@ class StaticModel:
 
         For such a text the BERT normaliser only lowercases, and the pre-tokeniser cuts it into runs of letters
         and digits and single punctuation characters, which the WordPiece model then splits (``_learn``): a
-        query's ids without a pass through the whole pipeline (a query's vector in ~32 against ~64 us, warm)."""
+        query's ids without a pass through the whole pipeline, which was most of a warm query's cost."""
         if not text.isascii():
             return None
         folded = text.translate(_BLANKS).lower()
@@ -90,7 +90,7 @@ class StaticModel:
         """The distinct token ids of ``words``, sorted (each word is tokenised once, then cached)."""
         self._know(words)
         word_ids = self._word_ids
-        ids = sorted({i for w in words for i in word_ids[w]})  # cheaper than np.unique at ~30 ids
+        ids = sorted({i for w in words for i in word_ids[w]})  # cheaper than np.unique for a query's few ids
         return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
     def _know(self, words: Sequence[str]) -> None:
@@ -106,8 +106,8 @@ class StaticModel:
     def _learn(self, words: Sequence[str]) -> None:
         """Tokenise and cache ``words``. An ASCII word of letters and digits goes straight to the WordPiece
         model, lowercased: the BERT normaliser would only lowercase it and the pre-tokeniser would leave it
-        whole, and the model alone costs ~0.7 us against ~4.7 for a whole pipeline call (in a memory's first
-        term matching, a new word, a number say, is most of the cost)."""
+        whole, and the model alone costs a fraction of a whole pipeline call (in a memory's first term
+        matching, a new word, a number say, is most of the cost)."""
         others = []
         for word in words:
             if word.isascii() and (word.isalnum() or (len(word) == 1 and word in _PUNCTUATION)):
@@ -122,9 +122,9 @@ class StaticModel:
         """The cosine of every token of ``first`` with every token of ``second`` (their rows of the table), to
         within ~0.003: from unit rows stored as int8 with a scale per row (``unit_int8``).
 
-        Gathering ~1,000 int8 rows and widening them costs a tenth of doing it from the float16 table (numpy's
-        float16 -> float32 conversion is scalar: 0.66 ms for 1,500 rows); the long side goes first in the
-        product, which OpenBLAS runs ~40% faster with a short second side.
+        Gathering int8 rows and widening them is far cheaper than doing it from the float16 table (numpy's
+        float16 -> float32 conversion is scalar); the long side goes first in the product, which OpenBLAS runs
+        faster with a short second side.
         """
         short = self._terms[first].astype(np.float32) * self._scales[first, None]
         with self._widen_lock:  # the widened rows go to one reused buffer (see ``_widened``)
@@ -137,7 +137,7 @@ class StaticModel:
         """The int8 rows of ``ids`` as float32, gathered and widened in buffers kept between calls (grown as
         needed; the caller holds ``_widen_lock``): fresh arrays of ~0.5 and ~1.5 MB a request would each be a
         mapping of their own (the server maps every allocation past 128 KiB, ``proxy.heap``), page faults
-        included (0.98 against 0.69 ms of term matching for 60 memories)."""
+        included, a cost term matching would pay on every request."""
         if self._widen_buffer.shape[0] < len(ids):
             rows = max(len(ids), 2 * self._widen_buffer.shape[0])
             self._gather_buffer = np.empty((rows, self._terms.shape[1]), dtype=np.int8)
@@ -169,11 +169,11 @@ def unit_int8(table: npt.NDArray[np.floating], chunk: int = 256) -> tuple[npt.ND
 class StaticEmbedder(BaseEmbedder):
     """A static model as the document model: documents and queries both embedded by ``StaticModel``.
 
-    ~0.01-0.1 ms a text and no thread of its own; texts are embedded on the caller's thread (a batch of
+    Cheap enough per text to need no thread of its own; texts are embedded on the caller's thread (a batch of
     documents off the loop, in the default executor, when it is big enough to be felt).
     """
 
-    INLINE_TEXTS = 16  # up to this many texts are embedded on the loop (well under a millisecond)
+    INLINE_TEXTS = 16  # up to this many texts are embedded on the loop (too little work to be worth a hop)
 
     def __init__(self, settings: EmbedderSettings, model_dir: Path) -> None:
         super().__init__(settings)
@@ -207,7 +207,7 @@ class StaticEmbedder(BaseEmbedder):
 
     @property
     def queries_inline(self) -> bool:
-        """A query is embedded on the event loop, at once (~0.1 ms): a read waits on nothing for it."""
+        """A query is embedded on the event loop, at once (a table lookup and a mean): a read waits on nothing."""
         return True
 
     async def _load(self) -> None:

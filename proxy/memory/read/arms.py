@@ -280,8 +280,7 @@ def at_hand(store: RetrievalStore, embedder: Embedder, user_id: str) -> bool:
     """Whether every step of a read of ``user_id`` runs without waiting on anything: the store serves the user
     from memory (``at_hand``: their vectors cached) and the embedder embeds a query on the spot
     (``queries_inline``). Such steps gain nothing from running as tasks, and five tasks with their timers
-    cost ~0.3 ms a read (a probe timing run_arms and each step over bench/readpath.py's engine, not kept:
-    2.56 ms against 2.23 for its steps). Looked up by name, as ``term_vectors_of`` does: stores and embedders
+    are a cost of their own on every read. Looked up by name, as ``term_vectors_of`` does: stores and embedders
     without them run their steps concurrently."""
     held = getattr(store, "at_hand", None)
     return bool(getattr(embedder, "queries_inline", False)) and callable(held) and bool(held(user_id))

@@ -57,7 +57,7 @@ def _query_stems(query_terms: tuple[str, ...]) -> npt.NDArray[np.int64]:
 
 def _held(values: npt.NDArray[np.int64], wanted: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
     """``np.isin(values, wanted)`` for a sorted ``wanted``: one binary search per value (np.isin sorts both
-    sides, several times slower for a long turn's stem hashes and a query's few)."""
+    sides, wasted work for a long turn's stem hashes against a query's few)."""
     if not len(wanted):
         return np.zeros(len(values), dtype=np.bool_)
     at = np.minimum(np.searchsorted(wanted, values), len(wanted) - 1)

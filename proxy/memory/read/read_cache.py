@@ -8,8 +8,7 @@ insights ``ttl_s``, 5 minutes by default, newest turns ``recent_ttl_s``, 30 s), 
 (LRU); ``invalidate`` drops a user at once, e.g. after their memories change or they are forgotten.
 Concurrent requests for one user share one load. An expired name index or insight set is still served while
 it reloads in the background, so only a user's first request after start (or after ``invalidate``) pays those
-listings (a few
-hundred milliseconds at 10k memories, ``bench/readpath.py``'s cold figure); a new fact is found by the dense
+listings (``bench/readpath.py``'s cold figure); a new fact is found by the dense
 and keyword arms at once, only its entity lift waits for the next load.
 """
 

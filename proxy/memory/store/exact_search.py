@@ -42,8 +42,8 @@ def top_k(scores: npt.NDArray[np.float32], rows: npt.NDArray[np.intp], k: int) -
     ``rows[i]``. NaN scores (a stored vector of NaNs) rank last.
 
     Chosen by value: the k-th best score from a partition of the scores, then the rows scoring at least that. An
-    argpartition of the negated scores cost more than twice as much, and left which of several equal scores at
-    the cut came in to its selection algorithm.
+    argpartition of the negated scores cost more, and left which of several equal scores at the cut came in to
+    its selection algorithm.
     """
     take = min(k, rows.size)
     if take <= 0:

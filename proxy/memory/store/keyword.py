@@ -264,7 +264,7 @@ class KeywordIndex:
         queries = [(_scoped(gen.schema, user_id, matching, where), k) for k, where in pools]
         if all(query is None or k <= 0 for query, k in queries):
             return [[] for _ in pools]
-        # On the loop: a filtered top-k is well under a millisecond, less than the hop to a worker thread costs
+        # On the loop: a filtered top-k costs less than the hop to a worker thread would
         # (the handoff, the GIL passing twice); writes and commits stay on the workers.
         return self._search_pools(gen, queries)
 
@@ -288,7 +288,7 @@ class KeywordIndex:
         return Query.boolean_query(should) if should else None
 
     def holding(self, ids: Sequence[str]) -> set[str]:
-        """Which of ``ids`` the index holds, any user's (term lookups: well under a millisecond, on the loop)."""
+        """Which of ``ids`` the index holds, any user's (term lookups, cheap enough for the loop)."""
         if not ids:
             return set()
         gen = self._g

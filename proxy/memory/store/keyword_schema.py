@@ -125,7 +125,7 @@ def id_from_halves(high: int, low: int) -> str:
 
 
 def document_json(doc: KeywordDoc) -> str:
-    """The document as Tantivy JSON (several times cheaper to build and add than a ``Document`` of keywords)."""
+    """The document as Tantivy JSON (cheaper to build and add than a ``Document`` of keywords)."""
     hex_id, high, low = id_halves(doc.id)
     fields = {
         "id": doc.id,

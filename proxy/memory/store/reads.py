@@ -46,7 +46,7 @@ class Hit(NamedTuple):
     score: float
 
 
-# ``Hit(*pair)`` in C: a NamedTuple's own ``__new__`` is a Python function, twice as slow
+# ``Hit(*pair)`` in C: a NamedTuple's own ``__new__`` is a Python function, slower
 _hit = cast("Callable[[tuple[MemoryRecord, float]], Hit]", functools.partial(tuple.__new__, Hit))
 
 

@@ -111,8 +111,8 @@ class MemoryRecord:
     expires_at: datetime | None = None
 
     def replace(self, **changes: Any) -> MemoryRecord:
-        """A copy with ``changes`` applied: ``dataclasses.replace``, field by field (4.7 against 13 us, timeit; the
-        read path copies a record for each access time it shows)."""
+        """A copy with ``changes`` applied: ``dataclasses.replace``, field by field, which costs less (the read
+        path copies a record for each access time it shows)."""
         if not changes.keys() <= _FIELD_SET:
             raise TypeError(f"MemoryRecord has no field {sorted(changes.keys() - _FIELD_SET)[0]!r}")
         new = _NEW(MemoryRecord)
@@ -267,7 +267,7 @@ _CONVERSIONS: dict[str, Callable[[Any], Any]] = {
 class RecordColumns:
     """Rows of a pyarrow table as Python columns in the form records hold them (``from_row``'s conversions done
     once per column: kinds as ``Kind``, list values as tuples, ``()`` for null ones). ``record(i)`` is
-    ``from_row`` of row ``i`` without a dict per row (4.0 against 9.1 us, timeit): the store's cache makes a
+    ``from_row`` of row ``i`` without building a dict per row: the store's cache makes a
     record of each loaded row the first time a read returns it.
 
     Tuples rather than lists also keep the cyclic collector's walks short: tuples of strings drop out of them

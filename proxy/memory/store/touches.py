@@ -5,8 +5,8 @@ read, so notes wait here (the latest time per record) until the store's ``memory
 meanwhile every read shows the pending times (the store's cache holds them; records read from LanceDB get
 them here). A record whose access time was written less than ``granularity`` ago is not noted again and keeps
 the written time, in the cache as on disk: recency is
-measured in hours and days, and rewriting the same rows every minute held the store's writes up for 3-11 s
-a minute under a busy chat.
+measured in hours and days, and rewriting the same rows every minute held the store's writes up for a good
+part of every minute under a busy chat.
 """
 
 from __future__ import annotations

@@ -322,7 +322,7 @@ class UserVectors:
     def _pool_rows(self, pool: Pool, n: int, runs: Sequence[tuple[int, int]]) -> npt.NDArray[np.intp]:
         """Rows of live records in the pool, ascending: within its runs of sorted rows (``_pool_runs``) only
         liveness and validity are left to check; the rows added since the load are checked on every filter.
-        (One mask over all rows per pool cost 3-4x as much: the read path searches three pools.)"""
+        (One mask over every row for each pool repeated the whole scan per pool: the read path searches three.)"""
         alive, valid = self.alive, self.valid
         parts = [
             lo + np.flatnonzero(alive[lo:hi] if pool.include_invalid else alive[lo:hi] & valid[lo:hi])

@@ -1,8 +1,8 @@
 """Group commit: concurrent callers that each need a durable write share one transaction and one fsync.
 
-A durable SQLite commit costs one fsync (~4 ms here) and the queue's database runs on one thread, so commits
-issued one by one cap the write path near 250 exchanges/s and queue each caller behind the others' fsyncs
-(p50 67 ms at 32 concurrent callers, measured by ``bench/commit_cost.py``). ``GroupCommit`` lets every caller
+A durable SQLite commit costs one fsync and the queue's database runs on one thread, so commits issued one
+by one cap the write path at one exchange per fsync and queue each caller behind the others' fsyncs
+(``bench/commit_cost.py`` measures both). ``GroupCommit`` lets every caller
 submit its item and wait; one owned flusher task takes everything submitted while the previous batch was being
 written and writes it as the next batch. A single caller pays exactly one commit, as before.
 

@@ -2,7 +2,7 @@
 
 Fact extraction is the write path's most expensive step (a memory-side LLM call). Most chat messages carry
 nothing about the user: tasks ("write a poem about autumn"), questions about the world, acknowledgements
-("thanks!", "ok"). This filter runs in microseconds and lets a message through when it
+("thanks!", "ok"). This filter is a few string checks and lets a message through when it
 
 - speaks about the user (a first-person word: I, I'm, my, me, we, our...), or
 - asks to remember something ("remember", "don't forget", "keep in mind", "note that"), or

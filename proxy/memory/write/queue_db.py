@@ -45,7 +45,7 @@ CREATE UNIQUE INDEX IF NOT EXISTS jobs_debounce ON jobs(user_id, kind, dedupe_ke
     WHERE state = 'pending' AND dedupe_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS jobs_due ON jobs(state, run_after);
 -- claims look for one kind's due jobs: without the kind in the index, a claim of facts jobs walked every due
--- exchange job (~14 ms per kind at 50k queued, on the queue's one thread: the write side stalled under load)
+-- exchange job (a cost that grew with the queue, on the queue's one thread: the write side stalled under load)
 CREATE INDEX IF NOT EXISTS jobs_due_kind ON jobs(state, kind, run_after);
 CREATE INDEX IF NOT EXISTS jobs_lane ON jobs(user_id, kind, state, seq);
 CREATE TABLE IF NOT EXISTS job_state (
