@@ -27,7 +27,7 @@ from proxy.errors import error_middleware
 from proxy.feature_report import FeatureCollector, report_features
 from proxy.header_bytes import install_header_check
 from proxy.management import add_management_routes, add_operations_routes
-from proxy.mcp_server import add_mcp_routes
+from proxy.mcp import add_mcp_routes
 from proxy.memory import FeatureBoard, MemoryService, NullMemory, ReportingLLM
 from proxy.memory.write import (
     ANTHROPIC_ROUTE,

@@ -32,7 +32,7 @@ from proxy.memory.read import InjectionSettings, RerankSettings, RetrievalSettin
 from proxy.memory.store import ClusterSettings, StorageLocation, StoreSettings, StoreTuning
 from proxy.memory.write import ExtractionSettings, JobQueueSettings, JobQueueTuning, WebhookSettings, WriterSettings
 from proxy.shadow import ShadowSettings
-from proxy.telemetry_settings import TelemetrySettings
+from proxy.telemetry import TelemetrySettings
 
 ENV_PREFIX = "MEMPROXY_"
 

@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from proxy.app import build_app
 from proxy.memory import spans
-from proxy.telemetry import otlp_endpoint, switch_on, tracer_provider
-from proxy.telemetry_settings import TelemetrySettings
+from proxy.telemetry import TelemetrySettings
+from proxy.telemetry.tracing import otlp_endpoint, switch_on, tracer_provider
 from tests.fake_upstream import FakeUpstream
 from tests.support.live_app import admin_settings
 from tests.support.polling import eventually

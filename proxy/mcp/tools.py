@@ -8,7 +8,7 @@
 - ``list_memories(limit)``: the user's current facts, newest first;
 - ``get_profile()``: the user's facts and insights in one answer.
 
-Every tool acts for the one user the HTTP request names (``proxy.mcp_server``); no tool takes a user argument.
+Every tool acts for the one user the HTTP request names (``proxy.mcp.server``); no tool takes a user argument.
 Tools answer structured JSON; a refusal is a tool error naming the reason.
 """
 

@@ -1,8 +1,8 @@
 """``/mcp``: memproxy as an MCP server over streamable HTTP, for agents and desktop assistants.
 
 The transport is the official SDK's (``mcp``: its low-level ``Server`` and ``StreamableHTTPSessionManager``, in
-stateless mode with JSON answers), an ASGI app served from aiohttp through ``proxy.asgi_bridge``; the tools are
-``proxy.mcp_tools``. Each HTTP request is checked here first, under the chat path's access rules:
+stateless mode with JSON answers), an ASGI app served from aiohttp through ``proxy.mcp.asgi_bridge``; the tools are
+``proxy.mcp.tools``. Each HTTP request is checked here first, under the chat path's access rules:
 
 - ``Origin``: a browser origin not in ``server.allowed_origins`` is a 403 (the MCP spec's DNS-rebinding rule);
   ``server.allowed_hosts`` applies as on every path (``proxy.access``);
@@ -22,11 +22,11 @@ from mcp.server.streamable_http_manager import StreamableHTTPSessionManager
 from mcp.server.transport_security import TransportSecuritySettings
 
 from proxy.access import client_for, scoped
-from proxy.asgi_bridge import serve_asgi
 from proxy.config import Settings
 from proxy.errors import BadRequest, Forbidden, Unauthorized
 from proxy.identity import USER_HEADER, Identity, Mode
-from proxy.mcp_tools import USER_KEY, MemoryTools, build_server
+from proxy.mcp.asgi_bridge import serve_asgi
+from proxy.mcp.tools import USER_KEY, MemoryTools, build_server
 from proxy.memory.store import APP_ID_RULE, valid_app_id
 from proxy.state import STATE
 

@@ -1,4 +1,4 @@
-"""``[telemetry]``: where OpenTelemetry spans go (``proxy.telemetry``); off unless an endpoint is set."""
+"""``[telemetry]``: where OpenTelemetry spans go (``proxy.telemetry.tracing``); off unless an endpoint is set."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ from aiohttp import web
 from proxy.memory import Injection, spans
 from proxy.paths import MEMORY_PATHS
 from proxy.state import STATE
-from proxy.telemetry_settings import TelemetrySettings
+from proxy.telemetry.settings import TelemetrySettings
 
 log = structlog.get_logger("memproxy.telemetry")
 

@@ -1,0 +1,32 @@
+"""Traces: OpenTelemetry spans over OTLP/HTTP when an endpoint is configured (``tracing``), and the
+``[telemetry]`` settings that say where they go (``settings``).
+
+Each name is imported on first use, as ``proxy.memory`` does: the config loader takes ``TelemetrySettings``
+from here without pulling in the app's state and aiohttp with ``tracing``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from proxy.telemetry.settings import TelemetrySettings
+    from proxy.telemetry.tracing import install_tracing, record_retrieve
+
+# What the face exports, and the module that defines it (imported on first use).
+_WHERE = {
+    "TelemetrySettings": "proxy.telemetry.settings",
+    "install_tracing": "proxy.telemetry.tracing",
+    "record_retrieve": "proxy.telemetry.tracing",
+}
+__all__ = ["TelemetrySettings", "install_tracing", "record_retrieve"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
