@@ -4,6 +4,7 @@ forwarded request a prefix of the next, and the dialects write a plan without to
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from proxy.dialects import CHAT, MESSAGES, RESPONSES
@@ -168,3 +169,15 @@ def test_responses_view_reads_tool_items() -> None:
     assert messages[0] == {"role": "user", "content": "weather?"}
     assert messages[1]["tool_calls"][0]["function"]["name"] == "get_weather"
     assert messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "18C"}
+
+
+def test_a_conversation_carrying_an_expiring_memory_knows_when_it_expires() -> None:
+    """The entry remembers the earliest ``expires_at`` it carries (the engine starts a new stable part then)."""
+    soon = datetime(2030, 1, 1, tzinfo=UTC)
+    expiring = MemoryItem("m9", Section.ABOUT_USER, "a memory that expires", "May 2025", 1.0, expires_at=soon)
+    [messages] = chat_turns(1)
+    entry = plan_cached(messages, [item(1), expiring], None, BUDGETS).entry
+    assert entry is not None
+    assert entry.expires_at == soon
+    assert not entry.expired(soon - timedelta(seconds=1))
+    assert entry.expired(soon)
