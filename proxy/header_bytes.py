@@ -20,6 +20,7 @@ from multidict import CIMultiDict
 
 from proxy.errors import BadRequest
 from proxy.identity import CONVERSATION_HEADER, MODE_HEADER, USER_HEADER
+from proxy.logs import escaped
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 REQUEST_ID_HEADER = "X-Request-Id"
@@ -32,14 +33,6 @@ READ_HEADERS = frozenset(
         "Access-Control-Request-Method", "Anthropic-Version", "Anthropic-Beta",
     )
 )  # fmt: skip
-
-
-def escaped(value: str) -> str:
-    """``value`` as printable text: bytes that were not UTF-8 (surrogate-escaped) as ``\\xNN``."""
-    try:
-        return value.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
-    except UnicodeEncodeError:  # a surrogate that is no escaped byte
-        return value.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _utf8(raw: bytes) -> bool:

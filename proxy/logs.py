@@ -81,7 +81,8 @@ def redact(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[s
     return event
 
 
-def _escaped(text: str) -> str:
+def escaped(text: str) -> str:
+    """``text`` as printable text: bytes that were not UTF-8 (surrogate-escaped) as ``\\xNN``."""
     try:
         return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
     except UnicodeEncodeError:  # a surrogate that is no escaped byte
@@ -91,14 +92,14 @@ def _escaped(text: str) -> str:
 def safe_value(value: Any) -> Any:
     """``value`` with every string (keys included) valid UTF-8 and everything else JSON can hold."""
     if isinstance(value, str):
-        return _escaped(value)
+        return escaped(value)
     if isinstance(value, dict):
         return {safe_value(str(key)): safe_value(item) for key, item in value.items()}
     if isinstance(value, (list, tuple)):
         return [safe_value(item) for item in value]
     if value is None or isinstance(value, (bool, int, float)):
         return value
-    return _escaped(str(value))
+    return escaped(str(value))
 
 
 def _dumps(obj: Any, default: Any = None) -> bytes:

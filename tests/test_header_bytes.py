@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from proxy.access import key_hash
-from proxy.header_bytes import escaped, undecodable
+from proxy.header_bytes import undecodable
+from proxy.logs import escaped
 from tests.support.live_app import admin_settings, live_app
 from tests.support.processes import fake_upstream_process, memproxy_process
 
