@@ -9,8 +9,9 @@ LanceDB, Tantivy or onnxruntime in with it.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
     from proxy.memory.errors import MemoryLayerError, StoreError
@@ -76,17 +77,10 @@ __all__ = [
     "SearchPreview",
     "StoreError",
     "cap_text",
+    "exports_on_first_use",
     "guard_handlers",
     "import_litellm",
     "memory_dict",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """The exported ``name``, imported from its module on first use."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports_on_first_use(__name__, _WHERE)

@@ -7,8 +7,9 @@ from here without pulling in the app's state and aiohttp with ``tracing``.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from proxy.memory import exports_on_first_use
 
 if TYPE_CHECKING:
     from proxy.telemetry.settings import TelemetrySettings
@@ -22,11 +23,4 @@ _WHERE = {
 }
 __all__ = ["TelemetrySettings", "install_tracing", "record_retrieve"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports_on_first_use(__name__, _WHERE)

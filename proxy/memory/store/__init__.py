@@ -13,8 +13,9 @@ What the rest of memproxy may use of it is this package's ``__all__`` (imported 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
     from proxy.memory.store.background import Ticker
@@ -87,12 +88,4 @@ __all__ = [
     "valid_record_id",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    """The exported ``name``, imported from its module on first use."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = exports_on_first_use(__name__, _WHERE)
