@@ -20,18 +20,8 @@ import orjson
 from proxy.chat import check_model_and_stream, load_object
 from proxy.dialects.base import ChatView, EventStream, Reply, loads_or_none
 from proxy.errors import BadRequest
-from proxy.memory.read import BlockPlan, appended
+from proxy.memory.read import BlockPlan, appended, content_text
 from proxy.tool_history import MAX_TOOL_ITEMS, call_text
-
-
-def block_text(content: Any) -> str:
-    """The text of a string content or of its ``text`` blocks."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [b.get("text") for b in content if isinstance(b, Mapping) and b.get("type") == "text"]
-        return "\n".join(t for t in texts if isinstance(t, str))
-    return ""
 
 
 def _tool_calls(content: Any) -> list[dict[str, Any]]:
@@ -48,7 +38,7 @@ def _tool_results(content: Any) -> list[dict[str, Any]]:
     results = []
     for block in content if isinstance(content, list) else []:
         if isinstance(block, Mapping) and block.get("type") == "tool_result":
-            text = block_text(block.get("content"))
+            text = content_text(block.get("content"))
             results.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id") or ""), "content": text})
     return results
 
@@ -57,14 +47,14 @@ def view_messages(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[i
     """The chat messages of a Messages request and, for each, the index of the message it came from."""
     messages: list[dict[str, Any]] = []
     origin: list[int | None] = []
-    system = block_text(body.get("system"))
+    system = content_text(body.get("system"))
     if system:
         messages.append({"role": "system", "content": system})
         origin.append(None)
     for index, message in enumerate(body.get("messages") or []):
         role, content = message.get("role"), message.get("content")
         if role == "assistant":
-            out: dict[str, Any] = {"role": "assistant", "content": block_text(content)}
+            out: dict[str, Any] = {"role": "assistant", "content": content_text(content)}
             if calls := _tool_calls(content):
                 out["tool_calls"] = calls
             messages.append(out)
@@ -73,7 +63,7 @@ def view_messages(body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], list[i
         for result in _tool_results(content):
             messages.append(result)
             origin.append(None)
-        text = block_text(content)
+        text = content_text(content)
         if text or not _tool_results(content):
             messages.append({"role": "user", "content": text})
             origin.append(index)
@@ -138,7 +128,7 @@ def message_reply(message: Any) -> Reply:
     calls = [call_text(str(c["function"]["name"]), str(c["function"]["arguments"])) for c in _tool_calls(content)]
     message_id = message.get("id")
     return Reply(
-        block_text(content), tuple(calls[:MAX_TOOL_ITEMS]), message_id if isinstance(message_id, str) else None
+        content_text(content), tuple(calls[:MAX_TOOL_ITEMS]), message_id if isinstance(message_id, str) else None
     )
 
 

@@ -19,32 +19,23 @@ from typing import Any
 from proxy.chat import check_model_and_stream, load_object
 from proxy.dialects.base import ChatView, EventStream, Reply, loads_or_none
 from proxy.errors import BadRequest
-from proxy.memory.read import BlockPlan, appended
+from proxy.memory.read import BlockPlan, appended, content_text
 from proxy.tool_history import MAX_TOOL_ITEMS, call_text
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") in _TEXT_PARTS]
-        return "\n".join(t for t in texts if isinstance(t, str))
-    return ""
-
-
 def _output_text(output: Any) -> str:
     if isinstance(output, str):
         return output
-    return _text(output)
+    return content_text(output, _TEXT_PARTS)
 
 
 def _message(item: Mapping[str, Any]) -> dict[str, Any] | None:
     kind = item.get("type")
     if (kind in (None, "message")) and item.get("role") in _ROLES:
-        return {"role": item["role"], "content": _text(item.get("content"))}
+        return {"role": item["role"], "content": content_text(item.get("content"), _TEXT_PARTS)}
     if kind == "function_call":
         call = {"name": str(item.get("name") or ""), "arguments": str(item.get("arguments") or "")}
         tool_call = {"id": str(item.get("call_id") or ""), "type": "function", "function": call}
@@ -114,7 +105,7 @@ def response_reply(response: Any) -> Reply:
         if not isinstance(item, Mapping):
             continue
         if item.get("type") == "message":
-            texts.append(_text(item.get("content")))
+            texts.append(content_text(item.get("content"), _TEXT_PARTS))
         elif item.get("type") == "function_call":
             calls.append(call_text(str(item.get("name") or ""), str(item.get("arguments") or "")))
     response_id = response.get("id")

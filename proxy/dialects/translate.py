@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 
 from proxy.dialects.base import EventStream, loads_or_none
-from proxy.dialects.messages import block_text
+from proxy.memory.read import content_text
 from proxy.upstream import UpstreamReply
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use", "function_call": "tool_use"}
@@ -44,7 +44,7 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
     for block in content if isinstance(content, list) else []:
         kind = block.get("type") if isinstance(block, Mapping) else None
         if kind == "tool_result":
-            text = block_text(block.get("content")) or ("error" if block.get("is_error") else "")
+            text = content_text(block.get("content")) or ("error" if block.get("is_error") else "")
             out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id", "")), "content": text})
         elif kind == "text":
             parts.append({"type": "text", "text": str(block.get("text", ""))})
@@ -58,7 +58,7 @@ def _user_messages(content: Any) -> list[dict[str, Any]]:
 def _assistant_message(content: Any) -> dict[str, Any]:
     if isinstance(content, str):
         return {"role": "assistant", "content": content}
-    message: dict[str, Any] = {"role": "assistant", "content": block_text(content) or None}
+    message: dict[str, Any] = {"role": "assistant", "content": content_text(content) or None}
     calls = [
         {
             "id": str(b.get("id", "")),
@@ -98,7 +98,7 @@ def _tool_choice(choice: Any) -> Any:
 def to_chat(body: Mapping[str, Any]) -> dict[str, Any]:
     """The chat completion request for a Messages request."""
     messages: list[dict[str, Any]] = []
-    system = block_text(body.get("system"))
+    system = content_text(body.get("system"))
     if system:
         messages.append({"role": "system", "content": system})
     for message in body.get("messages") or []:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
         plan_cached,
         plan_simple,
     )
-    from proxy.memory.read.query import message_text
+    from proxy.memory.read.query import content_text, message_text
     from proxy.memory.read.read_cache import NameIndexCache
     from proxy.memory.read.rerank import Reranker, RerankSettings
     from proxy.memory.read.retrieval import RetrievalResult, retrieve
@@ -58,6 +58,7 @@ _WHERE = {
     "estimate_tokens": "proxy.memory.read.tokens",
     "inject": "proxy.memory.read.injection",
     "merge_block": "proxy.memory.read.injection",
+    "content_text": "proxy.memory.read.query",
     "message_text": "proxy.memory.read.query",
     "month_year": "proxy.memory.read.block",
     "plan_cached": "proxy.memory.read.placement",
@@ -80,6 +81,7 @@ __all__ = [
     "RetrievalSettings",
     "appended",
     "choose",
+    "content_text",
     "estimate_tokens",
     "inject",
     "merge_block",

@@ -8,7 +8,7 @@ lowercase word tokens with a small English stop list, CJK runs as overlapping bi
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,15 +32,24 @@ class Query:
     expanded: bool
 
 
-def message_text(message: Mapping[str, Any]) -> str:
-    """The text of one chat message: a string content, or its text parts joined by newlines."""
-    content = message.get("content")
+TEXT_PARTS = frozenset({"text"})
+
+
+def content_text(content: Any, part_types: Collection[str] = TEXT_PARTS) -> str:
+    """The text of a message's content, in any of the dialects: a string, or its parts whose ``type`` is one of
+    ``part_types`` (chat's and Anthropic's ``text``; the Responses API's ``input_text``/``output_text``) joined by
+    newlines."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") == "text"]
+        parts = [p.get("text") for p in content if isinstance(p, Mapping) and p.get("type") in part_types]
         return "\n".join(p for p in parts if isinstance(p, str))
     return ""
+
+
+def message_text(message: Mapping[str, Any]) -> str:
+    """The text of one chat message: a string content, or its text parts joined by newlines."""
+    return content_text(message.get("content"))
 
 
 def user_texts(messages: Sequence[Mapping[str, Any]], last: int | None = None) -> list[str]:
