@@ -106,12 +106,22 @@ class Targets:
         self.router = router
         self.anthropic = anthropic
         self._anthropic_target = AnthropicTarget(anthropic) if anthropic is not None else None
+        self._targets: dict[tuple[str, Upstream], Target] = {}  # per dialect and upstream: made once, on first use
 
     def pick(self, dialect: str, model: str) -> Target:
         """Where a ``dialect`` request for ``model`` goes."""
+        if dialect == "messages" and self._anthropic_target is not None:
+            return self._anthropic_target
         upstream = self.router.pick(model)
+        target = self._targets.get((dialect, upstream))
+        if target is None:
+            target = self._targets[(dialect, upstream)] = self._target(dialect, upstream)
+        return target
+
+    @staticmethod
+    def _target(dialect: str, upstream: Upstream) -> Target:
         if dialect == "messages":
-            return self._anthropic_target or TranslatedTarget(upstream)
+            return TranslatedTarget(upstream)
         return RoutedTarget(upstream, RESPONSES_PATH if dialect == "responses" else CHAT_PATH)
 
 
