@@ -49,6 +49,21 @@ class _GaugeCollector(Collector):
                 yield GaugeMetricFamily(f"{self._prefix}_{name}", text, value=float(value))
 
 
+class _PartsCollector(Collector):
+    """One gauge with a ``part`` label, read from a component at scrape time (bytes held per cache)."""
+
+    def __init__(self, name: str, text: str, source: GaugeSource) -> None:
+        self._name = name
+        self._text = text
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self._name, self._text, labels=["part"])
+        for part, value in self._source().items():
+            family.add_metric([part], float(value))
+        yield family
+
+
 def _buckets(latency: StepLatency) -> list[tuple[str, float]]:
     """Cumulative Prometheus buckets from the queue's per-bucket counts."""
     out, running = [], 0
@@ -160,6 +175,10 @@ class Metrics:
         self.registry.register(_GaugeCollector(prefix, source))
         if refresh is not None:
             self._refreshers.append(refresh)
+
+    def add_memory_parts(self, source: GaugeSource) -> None:
+        """Expose ``memproxy_memory_bytes{part}``: bytes each bounded part of this process holds (``source``)."""
+        self.registry.register(_PartsCollector("memproxy_memory_bytes", "Bytes held, per bounded part", source))
 
     async def refresh(self) -> None:
         """Update the gauges that need I/O (before rendering)."""

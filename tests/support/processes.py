@@ -106,3 +106,27 @@ def memproxy_process(
     finally:
         proc.stop()
         proc.cleanup()
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and its descendants, each with its role in ``memproxy serve``'s process model (``supervisor``,
+    ``writer-0``, ``chat-1``...; ``other`` for anything else)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = {pid: "supervisor"}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            role = argv[argv.index(b"proxy.roles") + 1].decode() if b"proxy.roles" in argv else "other"
+            index = argv[argv.index(b"--index") + 1].decode() if b"--index" in argv else "0"
+            tree[child] = f"{role}-{index}"
+            todo.append(child)
+    return tree

@@ -76,8 +76,10 @@ class MemoryTable:
         allow_mismatch: bool = False,
         shared: SharedTable | None = None,
         cache_bytes: int | None = None,  # None: LanceDB's default session
+        follower: bool = False,  # the table another process writes: opened read only, every read sees its commits
     ) -> None:
         self.path = path
+        self.follower = follower
         # LanceDB's own caches (opened indexes; file metadata and manifests), which default to 6 GB + 1 GB.
         self.session = _session(cache_bytes)
         self.shared = shared
@@ -105,6 +107,9 @@ class MemoryTable:
 
     async def open(self) -> None:
         """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
+        if self.follower:
+            await self._open_following()
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         if self.shared is None:
             self._db = await lancedb.connect_async(self.path, session=self.session)
@@ -139,6 +144,21 @@ class MemoryTable:
         for name in names if self.shared is None else ():  # replicas: a reindex may be building one
             if name != manifest.table:
                 await self._db.drop_table(name)
+
+    async def _open_following(self) -> None:
+        """A follower's open: the writer process made (and migrated) the table; this process only reads it, and
+        checks for the writer's newer versions on every read (a local version check is a few file stats)."""
+        uri = self.shared.uri if self.shared is not None else str(self.path)
+        options = self.shared.storage_options if self.shared is not None else None
+        self._db = await lancedb.connect_async(
+            uri, storage_options=options, read_consistency_interval=timedelta(0), session=self.session
+        )
+        manifest = await self.manifests.read()
+        if manifest is None:
+            raise StoreError(f"no memory table at {uri} yet (the memory writer creates it)")
+        self._check_model(manifest)
+        self._table = await self._db.open_table(manifest.table)
+        self.manifest = manifest
 
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.

@@ -62,7 +62,7 @@ if TYPE_CHECKING:
     from proxy.memory.write.settings import WriterSettings
     from proxy.memory.write.stated import Stated, StatedFacts
     from proxy.memory.write.webhooks import Webhooks, WebhookSettings
-    from proxy.memory.write.writer import Writer
+    from proxy.memory.write.writer import Writer, enqueue_exchange
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
@@ -101,6 +101,7 @@ _WHERE = {
     "WebhookSettings": "proxy.memory.write.webhooks",
     "Webhooks": "proxy.memory.write.webhooks",
     "Writer": "proxy.memory.write.writer",
+    "enqueue_exchange": "proxy.memory.write.writer",
     "WriterSettings": "proxy.memory.write.settings",
     "exchange_payload": "proxy.memory.write.payloads",
     "identifier_reason": "proxy.memory.write.identifiers",
@@ -144,6 +145,7 @@ __all__ = [
     "Webhooks",
     "Writer",
     "WriterSettings",
+    "enqueue_exchange",
     "exchange_payload",
     "identifier_reason",
     "injection_reason",

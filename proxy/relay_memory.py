@@ -1,0 +1,86 @@
+"""A chat process's management API, MCP endpoint and web page: relayed to the memory writer process.
+
+In ``memproxy serve``'s process model the writer owns every write to the store and the queue, so the management
+API (``/v1/memory``), ``/mcp`` and ``/ui`` are served by the writer's own copy of the app on its private socket
+(``mirror.MEMORY_SOCKET``); a chat process relays each request there as it came (the writer applies the same
+access rules) and streams the answer back. While the writer restarts, these answer 503 ``memory_unavailable``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from proxy.mirror import MEMORY_SOCKET, WRITER_SOCKET
+
+MEMORY_PATHS = ("/v1/memory", "/v1/memory/{tail:.*}", "/mcp", "/mcp/{tail:.*}", "/ui", "/ui/{tail:.*}")
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+_SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("memory_relay_session", aiohttp.ClientSession)
+UNAVAILABLE = orjson.dumps(
+    {"error": {"message": "memory management is restarting; try again shortly", "type": "server_error",
+               "param": None, "code": "memory_unavailable"}}
+)  # fmt: skip
+
+
+def add_memory_relay(app: web.Application, directory: Path) -> None:
+    """Relay the management API, MCP and the web page to the writer at ``directory``."""
+
+    async def session(app: web.Application):  # type: ignore[no-untyped-def]
+        connector = aiohttp.UnixConnector(path=str(directory / MEMORY_SOCKET))
+        app[_SESSION] = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        yield
+        await app[_SESSION].close()
+
+    app.cleanup_ctx.append(session)
+    for path in MEMORY_PATHS:
+        app.router.add_route("*", path, relay)
+
+
+async def relay(request: web.Request) -> web.StreamResponse:
+    """One request to the writer's app, the answer streamed back."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers["X-Forwarded-For"] = request.remote or ""
+    body = await request.read() if request.body_exists else None  # bounded by server.max_body_bytes
+    try:
+        async with request.app[_SESSION].request(
+            request.method, f"http://memory{request.rel_url}", headers=headers, data=body, allow_redirects=False
+        ) as upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP:
+                    response.headers.add(key, value)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
+    except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError):
+        return web.Response(status=503, body=UNAVAILABLE, content_type="application/json")
+
+
+async def writer_metrics(app: web.Application) -> bytes:
+    """The writer's Prometheus text (its queue, storage and memory-side numbers), b"" while it is away."""
+    try:
+        async with app[_SESSION].get("http://memory/metrics") as response:
+            return await response.read() if response.status == 200 else b""
+    except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError):
+        return b""
+
+
+def merged_metrics(own: bytes, writer: bytes) -> bytes:
+    """``own`` plus the writer's metric families that ``own`` lacks (the chat process's own numbers win)."""
+    have = {line.split()[2] for line in own.decode().splitlines() if line.startswith("# HELP ")}
+    blocks: list[str] = []
+    keep = False
+    for line in writer.decode(errors="replace").splitlines():
+        if line.startswith("# HELP "):
+            keep = line.split()[2] not in have
+        if keep:
+            blocks.append(line)
+    return own + ("\n".join(blocks) + "\n").encode() if blocks else own
+
+
+__all__ = ["WRITER_SOCKET", "add_memory_relay", "merged_metrics", "relay", "writer_metrics"]
