@@ -64,7 +64,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.loadgen import percentile
 from bench.locomo import DATA, Conversation, load_conversations
 from tests.fake_upstream import minimal_instance
-from tests.support.processes import memproxy_process, process_tree
+from tests.support.processes import DEPLOYED_ALLOCATOR, memproxy_process, process_tree
 
 RESULTS = Path(__file__).resolve().parent / "results" / "writes.json"
 ADMIN_KEY = "bench-writes-admin-key"
@@ -202,7 +202,7 @@ def memproxy(upstream: str, data: Path, env: Mapping[str, str]) -> Iterator[tupl
     """``memproxy serve`` on a fresh data directory; yields its pid and base URL (ending in /v1)."""
     base = {
         "MEMPROXY_UPSTREAM__BASE_URL": upstream, "MEMPROXY_UPSTREAM__API_KEY": "sk-bench",
-        "MEMPROXY_STORAGE__PATH": str(data), "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY,
+        "MEMPROXY_STORAGE__PATH": str(data), "MEMPROXY_ADMIN__API_KEY": ADMIN_KEY, **DEPLOYED_ALLOCATOR,
     }  # fmt: skip
     with memproxy_process({**base, **env}, timeout=180.0) as (proc, url):
         yield proc.popen.pid, url

@@ -71,6 +71,10 @@ class Process:
         Path(self._log.name).unlink(missing_ok=True)
 
 
+# What the Dockerfile and ``make serve`` set (docs/operations.md, "Memory (RSS)"): the benchmarks run memproxy so.
+DEPLOYED_ALLOCATOR = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: offline, no inherited MEMPROXY_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPROXY_")}
