@@ -247,15 +247,16 @@ def cache_budgets_mb() -> float:
 
 
 async def gauges(session: aiohttp.ClientSession, base: str, prefix: str = "memproxy_jobs_") -> dict[str, float]:
-    """memproxy's unlabelled ``<prefix>*`` numbers (``memproxy_jobs_*`` by default)."""
+    """memproxy's ``<prefix>*`` numbers (``memproxy_jobs_*`` by default), each summed over its samples (the
+    answering chat process's and the writer's, ``process="writer"``)."""
     async with session.get(base.removesuffix("/v1") + "/metrics") as response:
         text = await response.text()
-    out = {}
+    out: dict[str, float] = defaultdict(float)
     for line in text.splitlines():
-        if line.startswith(prefix) and "{" not in line:
+        if line.startswith(prefix):
             name, value = line.rsplit(" ", 1)
-            out[name.removeprefix(prefix)] = float(value)
-    return out
+            out[name.split("{", 1)[0].removeprefix(prefix)] += float(value)
+    return dict(out)
 
 
 async def wait_drained(session: aiohttp.ClientSession, base: str, limit_s: float, *, settle_s: float = 0.0) -> float:

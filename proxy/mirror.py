@@ -155,6 +155,7 @@ class WriterLink:
         self._touches: list[tuple[str, list[str], str]] = []
         self._pushed = asyncio.Event()
         self.connected = False
+        self._followed = asyncio.Event()  # set at the first connection
         self.generation: str | None = None
         self.resyncs = 0
 
@@ -173,6 +174,12 @@ class WriterLink:
             await self._flush()  # the last access times and chats, if the writer is there
         if self._session is not None:
             await self._session.close()
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        """Whether the writer's stream is followed within ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._followed.wait(), timeout_s)
+        return self.connected
 
     def note_chat(self, user_id: str, model: str, route: str, key: SecretStr | None) -> None:
         """A user's latest chat, for the writer's memory-side calls (sent within ``PUSH_S``)."""
@@ -222,6 +229,7 @@ class WriterLink:
         for user_id, model, route, key in self._latest.held():
             self._chats.setdefault(user_id, (model, route, key))
         self.generation, self.connected = generation, True
+        self._followed.set()
         self._pushed.set()
         log.info("mirror.following", writer=generation, resyncs=self.resyncs)
 

@@ -64,23 +64,46 @@ async def relay(request: web.Request) -> web.StreamResponse:
 async def writer_metrics(app: web.Application) -> bytes:
     """The writer's Prometheus text (its queue, storage and memory-side numbers), b"" while it is away."""
     try:
-        async with app[_SESSION].get("http://memory/metrics") as response:
+        async with app[_SESSION].get("http://memory/metrics?collectors=only") as response:
             return await response.read() if response.status == 200 else b""
     except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError):
         return b""
 
 
 def merged_metrics(own: bytes, writer: bytes) -> bytes:
-    """``own`` plus the writer's metric families that ``own`` lacks (the chat process's own numbers win)."""
-    have = {line.split()[2] for line in own.decode().splitlines() if line.startswith("# HELP ")}
-    blocks: list[str] = []
-    keep = False
-    for line in writer.decode(errors="replace").splitlines():
+    """``own`` (a chat process's exposition) with the writer's components' families (``writer``: its collectors
+    only; counters and histograms are summed over every process in ``own`` already): a family ``own`` lacks
+    whole, and for one both have, the writer's samples labelled ``process="writer"`` after the chat process's."""
+    mine, theirs = _families(own.decode()), _families(writer.decode(errors="replace"))
+    out: list[str] = []
+    for name, lines in mine.items():
+        out += lines
+        if name in theirs:
+            out += [_labelled(line) for line in theirs[name] if not line.startswith("#")]
+    for name, lines in theirs.items():
+        if name not in mine:
+            out += lines
+    return ("\n".join(out) + "\n").encode()
+
+
+def _families(text: str) -> dict[str, list[str]]:
+    """Exposition lines by family (a family starts at its ``# HELP`` line)."""
+    families: dict[str, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
         if line.startswith("# HELP "):
-            keep = line.split()[2] not in have
-        if keep:
-            blocks.append(line)
-    return own + ("\n".join(blocks) + "\n").encode() if blocks else own
+            current = families.setdefault(line.split()[2], [])
+        if current is not None and line:
+            current.append(line)
+    return families
+
+
+def _labelled(sample: str) -> str:
+    name, brace, rest = sample.partition("{")
+    if brace:
+        return f'{name}{{process="writer",{rest}'
+    name, _, value = sample.partition(" ")
+    return f'{name}{{process="writer"}} {value}'
 
 
 __all__ = ["WRITER_SOCKET", "add_memory_relay", "merged_metrics", "relay", "writer_metrics"]

@@ -28,6 +28,8 @@ from proxy.mirror import WriterLink
 
 log = structlog.get_logger("memproxy.memory")
 
+FIRST_CONNECT_S = 5.0  # at start, how long to wait for the writer's stream before serving anyway
+
 
 class ReplicaEngine(ReadSide):
     """The read path over a follower's store; exchanges committed to the shared queue."""
@@ -65,6 +67,7 @@ class ReplicaEngine(ReadSide):
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
             await stack.enter_async_context(self.link)
+            await self.link.wait_connected(FIRST_CONNECT_S)
             await stack.enter_async_context(Ticker("release-idle", IDLE_CHECK_S, self.release_idle_async))
             self._stack = stack.pop_all()
         self._ready = True
@@ -74,6 +77,12 @@ class ReplicaEngine(ReadSide):
     async def __aexit__(self, *exc: object) -> None:
         self._ready = False
         await self._stack.aclose()
+
+    @property
+    def storage_fault(self) -> str | None:
+        """The data directory's fault, else ``writer:restarting`` while the memory writer is away: exchanges are
+        committed to the queue but wait for it (``X-Memory-Arms: degraded=write:...``, ``/readyz``)."""
+        return self.health.reason or (None if self.link.connected else "writer:restarting")
 
     async def _resync(self) -> None:
         """The writer's stream (re)connected: ops may have been missed, so every read cache is built anew."""

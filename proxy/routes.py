@@ -84,6 +84,8 @@ async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text."""
     state = request.app[STATE]
     await state.metrics.refresh()
+    if request.query.get("collectors") == "only":  # the writer's components, for a chat process to merge
+        return web.Response(body=state.metrics.render_collectors(), content_type="text/plain", charset="utf-8")
     body = state.metrics.render()
     if state.extra_metrics is not None:
         body = merged_metrics(body, await state.extra_metrics())

@@ -16,8 +16,8 @@ inherited (the kernel spreads connections over the chat processes that accept on
 
 A child that exits on its own is started again (after a pause that grows while it keeps failing within
 ``CRASH_WINDOW_S``). SIGTERM/SIGINT stop the chat processes first (in-flight requests finish within
-``server.shutdown_grace_s``), then the writer (running jobs finish or go back to the queue). Each child dies
-with the supervisor (``PR_SET_PDEATHSIG``), so a supervisor killed with SIGKILL leaves nothing behind.
+``server.shutdown_grace_s``), then the writer (running jobs finish or go back to the queue). Each child is
+killed with the supervisor (``PR_SET_PDEATHSIG``), so a supervisor killed with SIGKILL leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
 import os
 import shutil
 import signal
@@ -44,13 +45,15 @@ from proxy.access import open_relay_problem
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.logs import configure_logging
 from proxy.memory.store import replica_name
+from proxy.metrics import MULTIPROC_ENV
 
 log = structlog.get_logger("memproxy.supervisor")
 
 EXIT_CONFIG = 2
 EXIT_RECYCLE = 75  # a writer that reached its job count or RSS limit (EX_TEMPFAIL): started again at once
 CRASH_WINDOW_S = 10.0
-READY_TIMEOUT_S = 600.0  # a writer's first start may repair a big store
+READY_TIMEOUT_S = 600.0
+BIND_RETRY_S = 5.0  # a writer's first start may repair a big store
 
 
 @dataclass
@@ -111,6 +114,8 @@ class Supervisor:
         self._sock: socket.socket | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="memproxy-"))  # 0700: only this user reaches the sockets
         self._replica = replica_name()
+        self._metrics_dir = self._dir / "metrics"  # the children's counters, summed by every scrape (proxy.metrics)
+        self._metrics_dir.mkdir()
         self._stopping = False
         self._children: list[Child] = []
 
@@ -127,7 +132,8 @@ class Supervisor:
         read_fd, write_fd = os.pipe()
         fds = [write_fd] + ([self._sock.fileno()] if child.role == "chat" and self._sock is not None else [])
         child.ready.clear()
-        child.process = await asyncio.create_subprocess_exec(*self._args(child, write_fd), pass_fds=fds)
+        env = {**os.environ, MULTIPROC_ENV: str(self._metrics_dir)}
+        child.process = await asyncio.create_subprocess_exec(*self._args(child, write_fd), pass_fds=fds, env=env)
         os.close(write_fd)
         child.started_at = time.monotonic()
         asyncio.get_running_loop().run_in_executor(None, _wait_ready, read_fd, child, asyncio.get_running_loop())
@@ -157,7 +163,7 @@ class Supervisor:
         """Serve until SIGTERM/SIGINT; returns the exit code."""
         server = self.settings.server
         try:
-            self._sock = socket.create_server((server.host, server.port), backlog=2048)
+            self._sock = await _listen(server.host, server.port)
         except OSError as exc:
             print(f"memproxy: cannot listen on {server.host}:{server.port}: {exc.strerror}", file=sys.stderr)
             return 1
@@ -217,6 +223,19 @@ class Supervisor:
         await _terminate([c for c in chats if c.process is not None], grace)
         if writer is not None and writer.process is not None:
             await _terminate([writer], grace + 30.0)
+
+
+async def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket; a port still held for a moment (the children of a memproxy killed just now, on their
+    way out) is tried again for up to ``BIND_RETRY_S``."""
+    deadline = time.monotonic() + BIND_RETRY_S
+    while True:
+        try:
+            return socket.create_server((host, port), backlog=2048)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 class _ChildFailed(Exception):
