@@ -102,6 +102,9 @@ def memproxy_process(
     env: Mapping[str, str], args: list[str] | None = None, timeout: float = 120.0, cwd: Path = ROOT
 ) -> Iterator[tuple[Process, str]]:
     """``memproxy serve --port 0`` with ``env`` in ``cwd``; yields it and its base URL (ending in /v1)."""
+    # one chat process beside the writer unless a test asks for more (two shared cores; tests/test_processes.py
+    # runs two): the same process model, a process fewer per server
+    env = {"MEMPROXY_SERVER__WORKERS": "1", **env}
     proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env), cwd)
     try:
         line = proc.wait_for(r'"event":\s*"server.started"', timeout=timeout).string

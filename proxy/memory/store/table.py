@@ -81,7 +81,7 @@ class MemoryTable:
         self.path = path
         self.follower = follower
         # LanceDB's own caches (opened indexes; file metadata and manifests), which default to 6 GB + 1 GB.
-        self.session = _session(cache_bytes)
+        self.session = indexes.lance_session(cache_bytes)
         self.shared = shared
         self.manifests: Any = shared.manifests if shared else LocalManifest(path / "manifest.json")
         self.model_id = model_id
@@ -146,13 +146,10 @@ class MemoryTable:
                 await self._db.drop_table(name)
 
     async def _open_following(self) -> None:
-        """A follower's open: the writer process made (and migrated) the table; this process only reads it, and
-        checks for the writer's newer versions on every read (a local version check is a few file stats)."""
-        uri = self.shared.uri if self.shared is not None else str(self.path)
-        options = self.shared.storage_options if self.shared is not None else None
-        self._db = await lancedb.connect_async(
-            uri, storage_options=options, read_consistency_interval=timedelta(0), session=self.session
-        )
+        """A follower's open of the table the writer made: read only, each read at the writer's latest version."""
+        uri, options = (self.shared.uri, self.shared.storage_options) if self.shared else (str(self.path), None)
+        self._db = await lancedb.connect_async(uri, storage_options=options, read_consistency_interval=timedelta(0),
+                                               session=self.session)  # fmt: skip
         manifest = await self.manifests.read()
         if manifest is None:
             raise StoreError(f"no memory table at {uri} yet (the memory writer creates it)")
@@ -163,12 +160,11 @@ class MemoryTable:
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.
 
-        Replicas started together on an empty bucket race to create the table; two creations both commit in
-        LanceDB (the later one as an Overwrite of the earlier, which fails or, worse, erases the winner's first
-        appends). So only the replica whose conditional write of the manifest landed creates it; the others wait
-        for it here, and create it themselves only if it never comes (its creator died after its claim). The
-        table's directory is listed before its first version is committed: opening it fails until then (a CI
-        run saw "Table 'memories_1' was not found" for a name just listed), so that counts as not there yet.
+        Replicas started together on an empty bucket race to create the table; two creations both commit (the later
+        as an Overwrite of the earlier, which fails or erases the winner's first appends). So only the replica whose
+        conditional write of the manifest landed creates it; the others wait for it here, and create it only if it
+        never comes (its creator died). A table listed before its first version is committed fails to open
+        (CI saw "Table 'memories_1' was not found"): that counts as not there yet.
         """
         deadline = time.monotonic() + CREATOR_WAIT_S
         pause = 0.05
@@ -448,11 +444,3 @@ async def _rebatch(batches: AsyncIterator[pa.RecordBatch], rows: int) -> AsyncIt
             buffer, size = rest.to_batches(), rest.num_rows
     if size:
         yield pa.Table.from_batches(buffer)
-
-
-def _session(cache_bytes: int | None) -> Any:
-    """A LanceDB session whose caches hold at most ``cache_bytes`` (three quarters for indexes), or the default."""
-    if cache_bytes is None:
-        return None
-    index = cache_bytes * 3 // 4
-    return lancedb.Session(index_cache_size_bytes=index, metadata_cache_size_bytes=cache_bytes - index)
