@@ -36,6 +36,7 @@ from proxy.memory import (
 )
 from proxy.memory.embedders import EmbedderSettings, build_embedder
 from proxy.memory.read import (
+    AdapterCache,
     BlockPlan,
     CachedBudgets,
     Candidate,
@@ -49,6 +50,7 @@ from proxy.memory.read import (
     RerankSettings,
     RetrievalResult,
     RetrievalSettings,
+    adapter_loader,
     choose,
     plan_cached,
     plan_simple,
@@ -69,6 +71,7 @@ from proxy.memory.store import (
     utcnow,
 )
 from proxy.memory.write import (
+    AdapterJobs,
     ExtractionSettings,
     Extractor,
     JobQueue,
@@ -161,6 +164,12 @@ class MemoryEngine:
         )  # fmt: skip
         stated = StatedFacts(settings.writer, self.store, extractor, self.events, self.latest.model)
         self.names = NameIndexCache()
+        loader = adapter_loader(self.store.adapters, self.embedder.model_id)
+        self.adapters = AdapterCache(loader, settings.retrieval.query_adapter_cache_bytes)
+        self.adapter_jobs = AdapterJobs(
+            self.store, self.embedder, self.jobs, refit_s=settings.writer.adapter_refit_s,
+            min_pairs=settings.writer.adapter_min_pairs, on_shipped=self.adapters.invalidate,
+        )  # fmt: skip
         self.ledger = ConversationLedger(settings.injection.conversations_cache_bytes)
         operations = EngineAdmin(self.store, self.jobs, self.latest, self.search, self._changed, self.names.invalidate)
         self._admin = AnnouncedAdmin(operations, self.store, self.events, stated)
@@ -215,6 +224,7 @@ class MemoryEngine:
         """A memory of the user was edited or deleted here: the read cache and the conversations' parts go."""
         self.names.invalidate(user_id)
         self.ledger.forget_user(user_id)
+        self.adapters.invalidate(user_id)
 
     def release_idle(self) -> int:
         """Called every few seconds (``proxy.heap``): once no read has come for a few seconds, drop the users no
@@ -255,7 +265,10 @@ class MemoryEngine:
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
             await stack.enter_async_context(self.events)
-            handlers = {**self.writer.handlers(), **self.insight_jobs.handlers(), **self.events.handlers()}
+            handlers = {
+                **self.writer.handlers(), **self.insight_jobs.handlers(), **self.events.handlers(),
+                **self.adapter_jobs.handlers(),
+            }  # fmt: skip
             await stack.enter_async_context(JobRunner(self.jobs, guard_handlers(handlers, self.features)))
             days = self.settings.turn_retention_days
             sweeper = RetentionSweeper(self.store, self.events, days, on_deleted=self._changed)
@@ -275,6 +288,7 @@ class MemoryEngine:
     async def _retrieve(
         self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]], *, explain: bool
     ) -> RetrievalResult:
+        adapter = await self.adapters.get(user_id) if self.settings.retrieval.query_adapter else None
         return await retrieve(
             self.store,
             self.embedder,
@@ -286,6 +300,7 @@ class MemoryEngine:
             names=self.names,
             reranker=self.reranker,
             explain=explain,
+            adapter=adapter,
         )
 
     async def inject(self, request: ReadRequest) -> Injection:
@@ -360,6 +375,8 @@ class MemoryEngine:
             )
             return
         await self.writer.record(exchange)
+        if self.settings.retrieval.query_adapter:  # at most one refit per user and period (``AdapterJobs``)
+            await self.adapter_jobs.request(exchange.user_id)
 
     # ------------------------------------------------------------------------------------------ management
 
