@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -18,6 +20,8 @@ from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.write.adapter_job import AdapterJobs
 from proxy.memory.write.job_types import JobQueueSettings
 from proxy.memory.write.queue import JobQueue
+from proxy.state import STATE
+from tests.conftest import ProxyFactory
 from tests.support.embedder import HashingEmbedder
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -201,3 +205,31 @@ async def test_an_unreadable_adapter_means_none() -> None:
     """A damaged adapter never fails a request: the query goes on as embedded."""
     load = adapter_loader(_BrokenTable(), "m")  # type: ignore[arg-type]
     assert await load("u") is None
+
+
+async def test_with_adapters_on_a_chat_queues_a_refit_and_reads_still_serve(make_proxy: ProxyFactory) -> None:
+    """Through the proxy with ``query_adapter`` on: an exchange queues the user's refit, which ends (too few pairs
+    for a new user), and the next request is served by the dense arm as before."""
+    proxy = await make_proxy(retrieval={"query_adapter": True})
+    headers = {"X-Memory-User": "fay", "X-Memory-Conversation": "c1"}
+    body = {"model": "fake-echo", "messages": [{"role": "user", "content": "My cat Miso is twelve."}]}
+    assert (await proxy.post("/v1/chat/completions", json=body, headers=headers)).status == 200
+    engine = proxy.app[STATE].memory
+    job_id = await engine.adapter_jobs.request("fay")  # type: ignore[attr-defined]
+    job = await _finished(engine.jobs, job_id)  # type: ignore[attr-defined]
+    assert job["state"] == "done"
+    asked = await proxy.post("/v1/chat/completions", json=body, headers={**headers, "X-Memory-Conversation": "c2"})
+    assert asked.status == 200
+    assert "dense" in asked.headers["X-Memory-Arms"]
+    assert await engine.store.adapters.get("fay") is None  # type: ignore[attr-defined]
+
+
+async def _finished(queue: JobQueue, job_id: str, wait_s: float = 20.0) -> dict[str, Any]:
+    """The job's row once it is no longer pending or running."""
+    deadline = asyncio.get_running_loop().time() + wait_s
+    while asyncio.get_running_loop().time() < deadline:
+        row = await queue.get(job_id)
+        if row is not None and row["state"] not in ("pending", "running"):
+            return row
+        await asyncio.sleep(0.05)
+    raise AssertionError("the adapter job did not finish")
