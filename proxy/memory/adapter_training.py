@@ -177,7 +177,9 @@ def _negatives_of(sims: Matrix, gold: int, siblings: Sequence[int], others: Ints
     """One pair's hard negatives (see ``hard_negatives``)."""
     ceiling = settings.margin * max(float(sims[gold]), 0.0)
     excluded = {gold, *others.tolist()}
-    near = np.argsort(-sims)[: settings.hard_k * 4].tolist()
+    depth = min(settings.hard_k * 4, len(sims))
+    top = np.argpartition(-sims, depth - 1)[:depth]
+    near = top[np.argsort(-sims[top])].tolist()
     by_subject = sorted(siblings, key=lambda m: -sims[m])[: settings.hard_k // 2]
     chosen: list[int] = []
     for m in [*by_subject, *near]:

@@ -36,6 +36,7 @@ from proxy.memory.write.queue import Job, JobQueue
 log = structlog.get_logger("memproxy.adapter")
 
 _BANK_KINDS = (Kind.FACT, Kind.TURN, Kind.SUMMARY)
+MAX_BANK = 20_000  # the newest memories a fit looks at (their vectors and the pairs' scores stay in RAM)
 
 
 @dataclass(frozen=True)
@@ -51,8 +52,8 @@ class Outcome:
 
 def training_set(records: Sequence[MemoryRecord], rules: PairRules) -> tuple[list[tuple[str, int]], Bank]:
     """The (message text, bank index) pairs of a user's records, and their bank (see the module docstring)."""
-    bank = [r for r in records if r.kind in _BANK_KINDS and r.valid and not r.flagged and r.embedding is not None]
-    bank.sort(key=lambda r: r.created_at)
+    usable = [r for r in records if r.kind in _BANK_KINDS and r.valid and not r.flagged and r.embedding is not None]
+    bank = sorted(usable, key=lambda r: r.created_at)[-MAX_BANK:]
     where = {r.id: i for i, r in enumerate(bank)}
     turns = [r for r in bank if r.kind is Kind.TURN]
     said = [Said(t.text, t.role or "", t.conversation_id or "", t.created_at) for t in turns]
