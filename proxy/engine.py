@@ -232,8 +232,9 @@ class MemoryEngine:
         user is left there, the read path's per-text caches and the query vectors' LRU too (readers gone idle
         hand that memory back; the next reads refill them). Returns how many users were dropped."""
         released = self.store.release_idle()
-        for user_id in released:  # their name index, insights and newest turns go too: a reload is cheap once
-            self.names.invalidate(user_id)  # the vector cache holds them again
+        for user_id in released:  # their name index, insights, newest turns and query adapter go too: a reload
+            self.names.invalidate(user_id)  # is cheap once the vector cache holds them again
+            self.adapters.invalidate(user_id)
         if released:
             emptied = self.store.cached_users == 0
             if emptied:
