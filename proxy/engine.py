@@ -49,6 +49,7 @@ from proxy.memory.store import (
     replica_name,
 )
 from proxy.memory.write import (
+    AdapterJobs,
     ExtractionSettings,
     Extractor,
     JobQueue,
@@ -122,6 +123,10 @@ class MemoryEngine(ReadSide):
             events=self.events,
         )  # fmt: skip
         stated = StatedFacts(settings.writer, self.store, extractor, self.events, self.latest.model)
+        self.adapter_jobs = AdapterJobs(
+            self.store, self.embedder, self.jobs, refit_s=settings.writer.adapter_refit_s,
+            min_pairs=settings.writer.adapter_min_pairs, on_shipped=self._adapter_shipped,
+        )  # fmt: skip
         operations = EngineAdmin(self.store, self.jobs, self.latest, self.search, self._changed, self.names.invalidate)
         self._admin = AnnouncedAdmin(operations, self.store, self.events, stated)
         self._stack = contextlib.AsyncExitStack()
@@ -169,6 +174,12 @@ class MemoryEngine(ReadSide):
         if self.mirror is not None:
             self.mirror.emit("changed", (user_id,))
 
+    def _adapter_shipped(self, user_id: str) -> None:
+        """A refit stored the user's new query adapter: every process loads it anew."""
+        self.adapters.invalidate(user_id)
+        if self.mirror is not None:
+            self.mirror.emit("adapter", (user_id,))
+
     def _changed(self, user_id: str) -> None:
         """A memory of the user was edited or deleted here: the read caches and the conversations' parts go,
         here and in the chat processes that follow this one."""
@@ -191,7 +202,10 @@ class MemoryEngine(ReadSide):
             await stack.enter_async_context(self.reranker)
             await stack.enter_async_context(self.jobs)
             await stack.enter_async_context(self.events)
-            handlers = {**self.writer.handlers(), **self.insight_jobs.handlers(), **self.events.handlers()}
+            handlers = {
+                **self.writer.handlers(), **self.insight_jobs.handlers(), **self.events.handlers(),
+                **self.adapter_jobs.handlers(),
+            }  # fmt: skip
             await stack.enter_async_context(JobRunner(self.jobs, guard_handlers(handlers, self.features)))
             days = self.settings.turn_retention_days
             sweeper = RetentionSweeper(self.store, self.events, days, on_deleted=self._changed)
@@ -221,6 +235,8 @@ class MemoryEngine(ReadSide):
             )
             return
         await self.writer.record(exchange)
+        if self.settings.retrieval.query_adapter:  # at most one refit per user and period (``AdapterJobs``)
+            await self.adapter_jobs.request(exchange.user_id)
 
     # ------------------------------------------------------------------------------------------ management
 

@@ -18,6 +18,7 @@ from proxy.chat import arms_entries
 from proxy.memory import FeatureBoard, Injection, ReadRequest, SearchPreview
 from proxy.memory.embedders import BaseEmbedder
 from proxy.memory.read import (
+    AdapterCache,
     BlockPlan,
     CachedBudgets,
     Candidate,
@@ -31,6 +32,7 @@ from proxy.memory.read import (
     RerankSettings,
     RetrievalResult,
     RetrievalSettings,
+    adapter_loader,
     choose,
     plan_cached,
     plan_simple,
@@ -93,6 +95,9 @@ class ReadSide:
         self.names = NameIndexCache()
         self.ledger = ConversationLedger(injection.conversations_cache_bytes)
         self.reranker = Reranker(rerank)
+        self.adapters = AdapterCache(
+            adapter_loader(store.adapters, embedder.model_id), retrieval.query_adapter_cache_bytes
+        )
         self._ready = False
 
     @property
@@ -109,6 +114,7 @@ class ReadSide:
         """A memory of the user was edited or deleted here: the read cache and the conversations' parts go."""
         self.names.invalidate(user_id)
         self.ledger.forget_user(user_id)
+        self.adapters.invalidate(user_id)
 
     def release_idle(self) -> int:
         """Called every few seconds (``IDLE_CHECK_S``): once no read has come for a few seconds, drop the users no
@@ -116,8 +122,9 @@ class ReadSide:
         user is left there, the read path's per-text caches and the query vectors' LRU too (readers gone idle
         hand that memory back; the next reads refill them). Returns how many users were dropped."""
         released = self.store.release_idle()
-        for user_id in released:  # their name index, insights and newest turns go too: a reload is cheap once
-            self.names.invalidate(user_id)  # the vector cache holds them again
+        for user_id in released:  # their name index, insights, newest turns and query adapter go too: a reload
+            self.names.invalidate(user_id)  # is cheap once the vector cache holds them again
+            self.adapters.invalidate(user_id)
         if released:
             emptied = self.store.cached_users == 0
             if emptied:
@@ -129,6 +136,7 @@ class ReadSide:
     async def _retrieve(
         self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]], *, explain: bool
     ) -> RetrievalResult:
+        adapter = await self.adapters.get(user_id) if self.retrieval.query_adapter else None
         return await retrieve(
             self.store,
             self.embedder,
@@ -140,6 +148,7 @@ class ReadSide:
             names=self.names,
             reranker=self.reranker,
             explain=explain,
+            adapter=adapter,
         )
 
     async def inject(self, request: ReadRequest) -> Injection:

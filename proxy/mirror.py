@@ -5,13 +5,13 @@ through a follower's view (``MemoryStore(follower=True)``) with caches of its ow
 supervisor's private directory (``writer.sock``, reachable by this user only):
 
 * ``GET /_memproxy/changes``: the writer's stream of what it applied to its own vector cache (records added or
-  changed, with their vectors and word pieces; access times; deletions; users dropped), each commit of its
-  keyword index, and each user whose memories were edited or deleted (their read caches and what their
-  conversations carry go). Frames: a 4-byte length, then a pickle (both ends are the same program, spawned by
-  the same supervisor; nothing else can reach the socket). A chat process applies each op to its own caches, so a
-  new memory is searchable there as soon as the writer committed it. A chat process that falls too far behind
-  (``MAX_BACKLOG`` frames) is cut off; on every (re)connection it empties its caches (it may have missed ops) and
-  sends everything below again.
+  changed, with their vectors and word pieces; access times; deletions; users dropped), each commit of its keyword
+  index, each user whose memories were edited or deleted (their read caches and what their conversations carry go)
+  and each user whose query adapter was refitted. Frames: a 4-byte length, then a pickle (both ends are the same
+  program, spawned by the same supervisor; nothing else can reach the socket). A chat process applies each op to its
+  own caches, so a new memory is searchable there as soon as the writer committed it. A chat process that falls too
+  far behind (``MAX_BACKLOG`` frames) is cut off; on every (re)connection it empties its caches (it may have missed
+  ops) and sends everything below again.
 * ``POST /_memproxy/chats``: each user's latest chat (model, route and, where the chat passes the client's key on,
   that key), batched every ``PUSH_S``. Keys stay in memory in both processes; a writer that restarts (recycled
   or killed) gets them all again from every chat process when the stream reconnects, so jobs waiting for a key
@@ -141,7 +141,7 @@ class WriterLink:
         directory: Path,
         store: MemoryStore,
         latest: LatestChats,
-        on_changed: Callable[[str], object],
+        on_changed: Callable[[str, str], object],
         on_resync: Callable[[], Awaitable[None]],
     ) -> None:
         self._path = directory / WRITER_SOCKET
@@ -215,8 +215,8 @@ class WriterLink:
                 op, args = pickle.loads(await reader.readexactly(length))  # noqa: S301 - our own writer, private socket
                 if op == "hello":
                     await self._resync(args[0])
-                elif op == "changed":
-                    self._on_changed(args[0])
+                elif op in ("changed", "adapter"):
+                    self._on_changed(op, args[0])
                 else:
                     await self._store.follow(op, args)
 

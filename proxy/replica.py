@@ -23,7 +23,7 @@ from proxy.memory import Exchange, FeatureBoard, MemoryAdmin
 from proxy.memory.embedders import build_embedder
 from proxy.memory.read import text_caches
 from proxy.memory.store import Journal, MemoryStore, ObjectStore, StorageHealth, Ticker, shared_table, utcnow
-from proxy.memory.write import JobQueue, LatestChats, enqueue_exchange, exchange_payload
+from proxy.memory.write import AdapterJobs, JobQueue, LatestChats, enqueue_exchange, exchange_payload
 from proxy.mirror import WriterLink
 
 log = structlog.get_logger("memproxy.memory")
@@ -52,7 +52,11 @@ class ReplicaEngine(ReadSide):
             self.journal = Journal(self.objects, replica, self.jobs, settings.cluster.dead_after_s)
         store = MemoryStore(settings.store, embedder, health=health, shared=shared, follower=True)
         super().__init__(settings.retrieval, settings.injection, settings.rerank, embedder, store, health, features)
-        self.link = WriterLink(link_dir, store, latest, self._changed, self._resync)
+        self.link = WriterLink(link_dir, store, latest, self._writer_changed, self._resync)
+        self.adapter_jobs = AdapterJobs(  # only to request refits: the writer runs them
+            store, embedder, self.jobs, refit_s=settings.writer.adapter_refit_s,
+            min_pairs=settings.writer.adapter_min_pairs, on_shipped=self.adapters.invalidate,
+        )  # fmt: skip
         self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> ReplicaEngine:
@@ -84,10 +88,18 @@ class ReplicaEngine(ReadSide):
         committed to the queue but wait for it (``X-Memory-Arms: degraded=write:...``, ``/readyz``)."""
         return self.health.reason or (None if self.link.connected else "writer:restarting")
 
+    def _writer_changed(self, op: str, user_id: str) -> None:
+        """The writer changed a user's memories (``changed``) or refitted their query adapter (``adapter``)."""
+        if op == "adapter":
+            self.adapters.invalidate(user_id)
+        else:
+            self._changed(user_id)
+
     async def _resync(self) -> None:
         """The writer's stream (re)connected: ops may have been missed, so every read cache is built anew."""
         self.names.clear()
         self.ledger.clear()
+        self.adapters.clear()
 
     async def touch(self, user_id: str, ids: Sequence[str]) -> None:
         self.link.note_touch(user_id, ids, utcnow())
@@ -102,6 +114,8 @@ class ReplicaEngine(ReadSide):
             await self.journal.record("exchange", exchange.user_id, payload)
             return
         await enqueue_exchange(self.jobs, exchange, self.settings.extraction)
+        if self.settings.retrieval.query_adapter:  # at most one refit per user and period (``AdapterJobs``)
+            await self.adapter_jobs.request(exchange.user_id)
 
     # what the writer process does, not a chat process
 

@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from proxy.memory.errors import StoreError
 from proxy.memory.pieces import TermVectors
+from proxy.memory.store.adapters import AdapterTable
 from proxy.memory.store.background import BatchWriter, Ticker
 from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
@@ -76,6 +77,12 @@ class MemoryStore:
         self._lance, self._keyword, self._cache, self._touches = table, keyword, cache, touches
         self.reads = StoreReads(parts, embedder)
         self.writes = StoreWrites(settings, embedder, parts, self.reads, announce)
+        # the per-user query adapters, beside the memory table (its directory drops tables it does not know)
+        self.adapters = (
+            AdapterTable(settings.path / "adapters")
+            if shared is None
+            else AdapterTable(shared.uri.rstrip("/") + "-adapters", shared.storage_options)
+        )
         self._stack: AsyncExitStack | None = None
 
     @property
@@ -326,8 +333,11 @@ class MemoryStore:
         return await self.writes.delete_many(user_id, ids)
 
     async def forget_user(self, user_id: str, *, purge: bool = True) -> dict[str, int]:
-        """Erase every record of the user from both arms, the cache and the files (``StoreWrites.forget_user``)."""
-        return await self.writes.forget_user(user_id, purge=purge)
+        """Erase every record of the user from both arms, the cache and the files (``StoreWrites.forget_user``),
+        and their query adapter."""
+        counts = await self.writes.forget_user(user_id, purge=purge)
+        await self.adapters.delete(user_id)
+        return counts
 
     async def repair(self) -> dict[str, int]:
         """Make Tantivy agree with LanceDB: index what it lacks or holds stale, drop what LanceDB lost."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
+    from proxy.memory.write.adapter_job import AdapterJobs
     from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
     from proxy.memory.write.extraction import ExtractionSettings, Extractor
     from proxy.memory.write.identifiers import identifier_reason
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
+    "AdapterJobs": "proxy.memory.write.adapter_job",
     "ANTHROPIC_ROUTE": "proxy.memory.write.dialect_llm",
     "DialectLLM": "proxy.memory.write.dialect_llm",
     "DialectRouter": "proxy.memory.write.dialect_llm",
@@ -113,6 +115,7 @@ __all__ = [
     "INSIGHTS_DEDUPE_KEY",
     "INSIGHTS_JOB",
     "LATENCY_BUCKETS_S",
+    "AdapterJobs",
     "DialectLLM",
     "DialectRouter",
     "ExtractionSettings",
