@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replica", required=True)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--fd", type=int)
-    parser.add_argument("--config")
+    parser.add_argument("--config", type=Path)
     args = parser.parse_args(argv)
     _die_with_parent()
     try:

@@ -108,7 +108,7 @@ def worker_count(settings: Settings) -> int:
 class Supervisor:
     """Starts, watches and stops the children of one ``memproxy serve``."""
 
-    def __init__(self, settings: Settings, config: str | None) -> None:
+    def __init__(self, settings: Settings, config: Path | None) -> None:
         self.settings = settings
         self._config = config
         self._sock: socket.socket | None = None
@@ -125,7 +125,7 @@ class Supervisor:
         if child.role == "chat" and self._sock is not None:
             args += ["--fd", str(self._sock.fileno())]
         if self._config:
-            args += ["--config", self._config]
+            args += ["--config", str(self._config)]
         return args
 
     async def _start(self, child: Child) -> None:
