@@ -266,10 +266,3 @@ class MemoryEngine(ReadSide):
     def queue_snapshot(self) -> QueueMetrics | None:
         """The queue's numbers as of the last ``refresh_metrics`` (None before the first)."""
         return self._queue_snapshot
-
-    def storage_gauges(self) -> dict[str, float]:
-        """Whether the data directory is failing now, and how many storage faults began since start."""
-        return {
-            "storage_failing": float(self.health.reason is not None),
-            "storage_faults_total": float(self.health.faults_total),
-        }

@@ -229,6 +229,13 @@ class ReadSide:
             "arrow": float(pa.total_allocated_bytes()),
         }
 
+    def storage_gauges(self) -> dict[str, float]:
+        """Whether the data directory is failing now, and how many storage faults began since start."""
+        return {
+            "storage_failing": float(self.health.reason is not None),
+            "storage_faults_total": float(self.health.faults_total),
+        }
+
     async def release_idle_async(self) -> None:
         """``release_idle`` for a ticker."""
         self.release_idle()

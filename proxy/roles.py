@@ -130,6 +130,7 @@ async def run_chat(settings: Settings, directory: Path, replica: str, fd: int, r
         async with engine:
             metrics.add_gauges("memproxy_embedder", engine.embedder_gauges)
             metrics.add_gauges("memproxy_writer", engine.link_gauges)
+            metrics.add_gauges("memproxy_jobs", engine.storage_gauges)  # this process's enqueues failing
             metrics.add_memory_parts(engine.memory_parts)
             yield engine
 
