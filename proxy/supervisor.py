@@ -166,6 +166,7 @@ class Supervisor:
             self._sock = await _listen(server.host, server.port)
         except OSError as exc:
             print(f"memproxy: cannot listen on {server.host}:{server.port}: {exc.strerror}", file=sys.stderr)
+            shutil.rmtree(self._dir, ignore_errors=True)
             return 1
         self._sock.set_inheritable(True)
         stop = asyncio.Event()
