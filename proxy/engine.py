@@ -21,7 +21,7 @@ from insights.scheduler import InsightJobs, InsightScheduler
 from insights.service import InsightSettings
 from proxy.announced import AnnouncedAdmin
 from proxy.engine_admin import EngineAdmin
-from proxy.engine_read import IDLE_CHECK_S, ReadSide
+from proxy.engine_read import ReadSide
 from proxy.memory import (
     Exchange,
     FeatureBoard,
@@ -45,7 +45,6 @@ from proxy.memory.store import (
     ReplicatedStore,
     StorageHealth,
     StoreSettings,
-    Ticker,
     replica_name,
 )
 from proxy.memory.write import (
@@ -129,7 +128,6 @@ class MemoryEngine(ReadSide):
         )  # fmt: skip
         operations = EngineAdmin(self.store, self.jobs, self.latest, self.search, self._changed, self.names.invalidate)
         self._admin = AnnouncedAdmin(operations, self.store, self.events, stated)
-        self._stack = contextlib.AsyncExitStack()
         self._queue_snapshot: QueueMetrics | None = None
 
     def _build_store(self, settings: EngineSettings, embedder: BaseEmbedder, health: StorageHealth) -> MemoryStore:
@@ -211,15 +209,8 @@ class MemoryEngine(ReadSide):
             sweeper = RetentionSweeper(self.store, self.events, days, on_deleted=self._changed)
             await stack.enter_async_context(sweeper)
             await self._enter_cluster(stack)
-            await stack.enter_async_context(Ticker("release-idle", IDLE_CHECK_S, self.release_idle_async))
-            self._stack = stack.pop_all()
-        self._ready = True
-        log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
+            await self._finish_opening(stack, started)
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._ready = False
-        await self._stack.aclose()
 
     # ----------------------------------------------------------------------------------------- write path
 

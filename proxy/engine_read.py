@@ -7,6 +7,7 @@ writer process owns).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 from typing import Any, cast
@@ -40,7 +41,7 @@ from proxy.memory.read import (
     text_caches,
 )
 from proxy.memory.read import inject as inject_block
-from proxy.memory.store import MemoryStore, StorageHealth, utcnow
+from proxy.memory.store import MemoryStore, StorageHealth, Ticker, utcnow
 
 log = structlog.get_logger("memproxy.memory")
 
@@ -99,6 +100,7 @@ class ReadSide:
             adapter_loader(store.adapters, embedder.model_id), retrieval.query_adapter_cache_bytes
         )
         self._ready = False
+        self._stack = contextlib.AsyncExitStack()
 
     @property
     def ready(self) -> bool:
@@ -235,6 +237,18 @@ class ReadSide:
             "storage_failing": float(self.health.reason is not None),
             "storage_faults_total": float(self.health.faults_total),
         }
+
+    async def _finish_opening(self, stack: contextlib.AsyncExitStack, started: float) -> None:
+        """Opening's last step (inside the opener's stack): idle users released every ``IDLE_CHECK_S``, then
+        ready; the stack is kept for ``__aexit__``."""
+        await stack.enter_async_context(Ticker("release-idle", IDLE_CHECK_S, self.release_idle_async))
+        self._stack = stack.pop_all()
+        self._ready = True
+        log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._ready = False
+        await self._stack.aclose()
 
     async def release_idle_async(self) -> None:
         """``release_idle`` for a ticker."""

@@ -18,11 +18,11 @@ from pathlib import Path
 import structlog
 
 from proxy.engine import EngineSettings
-from proxy.engine_read import IDLE_CHECK_S, ReadSide
+from proxy.engine_read import ReadSide
 from proxy.memory import Exchange, FeatureBoard, MemoryAdmin
 from proxy.memory.embedders import build_embedder
 from proxy.memory.read import text_caches
-from proxy.memory.store import Journal, MemoryStore, ObjectStore, StorageHealth, Ticker, shared_table, utcnow
+from proxy.memory.store import Journal, MemoryStore, ObjectStore, StorageHealth, shared_table, utcnow
 from proxy.memory.write import AdapterJobs, JobQueue, LatestChats, enqueue_exchange, exchange_payload
 from proxy.mirror import WriterLink
 
@@ -57,7 +57,6 @@ class ReplicaEngine(ReadSide):
             store, embedder, self.jobs, refit_s=settings.writer.adapter_refit_s,
             min_pairs=settings.writer.adapter_min_pairs, on_shipped=self.adapters.invalidate,
         )  # fmt: skip
-        self._stack = contextlib.AsyncExitStack()
 
     async def __aenter__(self) -> ReplicaEngine:
         started = time.perf_counter()
@@ -72,15 +71,8 @@ class ReplicaEngine(ReadSide):
             await stack.enter_async_context(self.jobs)
             await stack.enter_async_context(self.link)
             await self.link.wait_connected(FIRST_CONNECT_S)
-            await stack.enter_async_context(Ticker("release-idle", IDLE_CHECK_S, self.release_idle_async))
-            self._stack = stack.pop_all()
-        self._ready = True
-        log.info("memory.ready", model=self.embedder.model_id, ms=round((time.perf_counter() - started) * 1000))
+            await self._finish_opening(stack, started)
         return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._ready = False
-        await self._stack.aclose()
 
     @property
     def storage_fault(self) -> str | None:
