@@ -137,8 +137,10 @@ async def run_chat(settings: Settings, directory: Path, replica: str, fd: int, r
     async def started(app: web.Application) -> None:
         _ready(ready_fd)
 
-    factory = memory if settings.memory.enabled else None
-    await serve(settings, memory_factory=factory, listening=[sock], memory_relay=directory, started=started)
+    if not settings.memory.enabled:  # no writer: the management API says memory is off, here
+        await serve(settings, listening=[sock], started=started)
+        return 0
+    await serve(settings, memory_factory=memory, listening=[sock], memory_relay=directory, started=started)
     return 0
 
 
