@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from proxy.mirror import MEMORY_SOCKET, WRITER_SOCKET
+from proxy.mirror import MEMORY_SOCKET
 
 MEMORY_PATHS = ("/v1/memory", "/v1/memory/{tail:.*}", "/mcp", "/mcp/{tail:.*}", "/ui", "/ui/{tail:.*}")
 _HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
@@ -106,4 +106,4 @@ def _labelled(sample: str) -> str:
     return f'{name}{{process="writer"}} {value}'
 
 
-__all__ = ["WRITER_SOCKET", "add_memory_relay", "merged_metrics", "relay", "writer_metrics"]
+__all__ = ["add_memory_relay", "merged_metrics", "relay", "writer_metrics"]
