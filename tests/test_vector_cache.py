@@ -402,15 +402,18 @@ def test_word_pieces_load_with_the_rows_and_follow_writes_and_compaction() -> No
 
 
 def test_loaded_list_columns_are_tuples_the_collector_can_drop() -> None:
-    """A loaded row's entities come back as the record's tuple; the loaded values are tuples, which the cyclic
-    collector stops walking after one pass (lists it walks at every full collection)."""
+    """A loaded row's entities come back as the record's tuple, which the cyclic collector stops walking after
+    one pass (lists it walks at every full collection); rows no read returned stay in Arrow, not Python."""
     import gc
 
     recs = [r.replace(entities=("Ana", "Lisbon"), source_ids=()) for r in records("u", 3)]
     entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(3)))
-    assert [r.entities for r in entry.records([r.id for r in recs]) if r is not None] == [("Ana", "Lisbon")] * 3
+    assert entry._materialised == 0
+    made = [r for r in entry.records([r.id for r in recs]) if r is not None]
+    assert [r.entities for r in made] == [("Ana", "Lisbon")] * 3
+    assert entry._materialised == 3
     gc.collect()
-    assert not any(gc.is_tracked(value) for value in entry._columns.columns["entities"])
+    assert not any(gc.is_tracked(r.entities) for r in made)
 
 
 def test_top_k_takes_equal_scores_in_row_order() -> None:

@@ -26,7 +26,7 @@ from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordC
 _RECORD_OVERHEAD_BYTES = 600  # a materialised MemoryRecord plus its index entry, roughly
 _ID_OVERHEAD_BYTES = 120
 _LIST_INT_BYTES = 40  # an int in a Python list (the object and its slot), with its row's flag
-_PY_ROW_BYTES = 1_000  # the loaded columns as Python objects, per row, text aside (measured ~750 B)
+_ARROW_ROW_BYTES = 400  # the loaded columns but the vector, in Arrow, per row (~330 B measured with ~70-byte texts)
 _MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a handful of memories (64 rows of 384
 # float32 is 96 KB, empty)
 _COMPACT_AFTER = 64  # deleted rows an entry tolerates before it may compact
@@ -48,7 +48,7 @@ def micros(at: datetime) -> int:
 
 def estimated_bytes(rows: int, dim: int) -> int:
     """What an entry of ``rows`` records of dimension ``dim`` is expected to cost, before loading it."""
-    return rows * (dim * 4 + _PY_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
+    return rows * (dim * 4 + _ARROW_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
 
 
 class UserVectors:
@@ -62,12 +62,11 @@ class UserVectors:
         self.n = 0
         self.dead = 0
         self.generation = 0
-        # Columns as Python lists: a hit becomes a record far faster than Arrow's take + to_pylist of a few
-        # rows. Costs memory: counted in ``nbytes``.
+        # The other columns stay in Arrow until a read returns their row (``records_at``): counted in ``nbytes``.
         vectors_only = ("embedding", PIECES)
         scalars = None if rows is None else rows.drop_columns([c for c in vectors_only if c in rows.column_names])
         self._columns = RecordColumns(scalars) if scalars is not None else None
-        self._columns_bytes = scalars.num_rows * _PY_ROW_BYTES + scalars["text"].nbytes if scalars else 0
+        self._columns_bytes = self._columns.nbytes if self._columns is not None else 0
         # Each loaded row's word pieces (``memory.pieces``) as Arrow holds them: row ``base``'s are
         # ``_piece_values[_piece_offsets[base]:_piece_offsets[base + 1]]``, if ``_piece_held[base]`` (Python
         # lists: a lookup of numpy scalars costs several times as much, for the memories term matching scores). Records
@@ -382,10 +381,12 @@ class UserVectors:
     def records_at(self, rows: Sequence[int]) -> list[MemoryRecord]:
         """The records of live rows (``search_rows``'), materialised from the loaded columns once."""
         records = self._records
-        pending = [row for row in rows if records[row] is None]
-        for row in pending:
-            records[row] = cast("RecordColumns", self._columns).record(self._base[row])
-        self._materialised += len(pending)
+        pending = list(dict.fromkeys(row for row in rows if records[row] is None))
+        if pending:
+            made = cast("RecordColumns", self._columns).records([self._base[row] for row in pending])
+            for row, record in zip(pending, made, strict=True):
+                records[row] = record
+            self._materialised += len(pending)
         return cast("list[MemoryRecord]", [records[row] for row in rows])
 
     def vector(self, record_id: str) -> npt.NDArray[np.float32]:
