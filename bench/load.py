@@ -42,7 +42,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import Sample, body, cpu_seconds, merge, percentile, rss_mb, run
 from bench.store import OBJECTS, PLACES, TIMES, VERBS, sentence
-from tests.support.processes import DEPLOYED_ALLOCATOR, Process, child_env, fake_upstream_process, memproxy_process
+from tests.support.processes import (
+    DEPLOYED_ALLOCATOR,
+    Process,
+    child_env,
+    fake_upstream_process,
+    memproxy_process,
+    process_tree,
+)
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "load.json"
@@ -196,27 +203,14 @@ class Target:
     cpu_s: float = 0.0  # CPU seconds of the process tree during this cell's measured rounds
 
 
-def tree_pids(pid: int) -> list[int]:
-    """A process and its descendants."""
-    pids = [pid]
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split() if (task / "children").exists() else []
-        pids += [p for child in children for p in tree_pids(int(child))]
-    return pids
-
-
 def tree_cpu_s(pid: int) -> float:
     """User + system CPU seconds of a process and its descendants so far."""
-    return sum(cpu_seconds(p) for p in tree_pids(pid))
+    return sum(cpu_seconds(p) for p in process_tree(pid))
 
 
 def tree_rss_mb(pid: int) -> float:
     """Resident memory of a process and its descendants in MiB."""
-    total = rss_mb(pid)
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        children = (task / "children").read_text().split() if (task / "children").exists() else []
-        total += sum(tree_rss_mb(int(child)) for child in children)
-    return total
+    return sum(rss_mb(p) for p in process_tree(pid))
 
 
 def queries(rng: random.Random, n: int) -> list[str]:

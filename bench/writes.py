@@ -61,7 +61,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loadgen import percentile
+from bench.loadgen import cpu_seconds, percentile, rss_mb
 from bench.locomo import DATA, Conversation, load_conversations
 from tests.fake_upstream import minimal_instance
 from tests.support.processes import DEPLOYED_ALLOCATOR, memproxy_process, process_tree
@@ -208,23 +208,21 @@ def memproxy(upstream: str, data: Path, env: Mapping[str, str]) -> Iterator[tupl
         yield proc.popen.pid, url
 
 
-def process_rss_mb(pid: int) -> float:
-    """Resident memory of one process, in MB (0 once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0.0
+PART_LINE = re.compile(r'^memproxy_memory_bytes\{(?:process="(\w+)",)?part="(\w+)"\} (\S+)$', re.M)
+STAGE_LINE = re.compile(r'^memproxy_stage_seconds_(sum|count)\{stage="([a-z_]+)"\} (\S+)$', re.M)
 
 
 def rss_parts_mb(pid: int) -> dict[str, float]:
     """RSS of each of memproxy's processes (the supervisor and its children), MB."""
-    return {role: round(process_rss_mb(child), 1) for child, role in sorted(process_tree(pid).items())}
+    return {role: round(rss_mb(child), 1) for child, role in sorted(process_tree(pid).items())}
 
 
-def rss_mb(pid: int) -> float:
+def cpu_parts_s(pid: int) -> dict[str, float]:
+    """CPU seconds used so far by each of memproxy's processes, by role."""
+    return {role: cpu_seconds(child) for child, role in sorted(process_tree(pid).items())}
+
+
+def memproxy_rss_mb(pid: int) -> float:
     """Resident memory of memproxy: the sum over its processes, in MB."""
     return sum(rss_parts_mb(pid).values())
 
@@ -359,21 +357,45 @@ def queue_counts(data: Path) -> dict[str, float]:
         return {"ready": float(ready.fetchone()[0]), "exchanges_done": float(done.fetchone()[0])}
 
 
-async def minute_marks(data: Path, pid: int, count: int, started: float) -> list[dict[str, float]]:
-    """The queue's counts and RSS at the end of each minute."""
+async def metric_marks(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
+    """From /metrics: (seconds, count) so far of each stage of the chat processes' requests
+    (``memproxy_stage_seconds``), and the bytes each bounded part holds (``memproxy_memory_bytes``, MB: the
+    answering chat process's as ``chat:<part>``, the writer's as ``writer:<part>``)."""
+    async with session.get(base.removesuffix("/v1") + "/metrics") as response:
+        text = await response.text()
+    sums: dict[str, float] = {}
+    counts: dict[str, float] = {}
+    for match in STAGE_LINE.finditer(text):
+        kind, stage, value = match.groups()
+        (sums if kind == "sum" else counts)[stage] = float(value)
+    parts = PART_LINE.findall(text)
+    return {
+        "stages": {stage: (sums[stage], counts.get(stage, 0.0)) for stage in sums},
+        "memory_mb": {f"{where or 'chat'}:{part}": round(float(value) / 2**20, 1) for where, part, value in parts},
+    }
+
+
+async def minute_marks(session: aiohttp.ClientSession, base: str, data: Path, pid: int, count: int,
+                       started: float) -> list[dict[str, Any]]:  # fmt: skip
+    """The queue's counts, RSS, each process's CPU time and the request stages' totals at the end of each
+    minute."""
     marks = []
     for i in range(1, count + 1):
         await asyncio.sleep(max(0.0, started + 60 * i - time.monotonic()))
         parts = rss_parts_mb(pid)
         marks.append({**await asyncio.to_thread(queue_counts, data), "rss_mb": sum(parts.values()),
-                      "rss_parts_mb": parts})  # fmt: skip
+                      "rss_parts_mb": parts, "cpu_parts_s": cpu_parts_s(pid),
+                      **await metric_marks(session, base)})  # fmt: skip
     return marks
 
 
 async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) -> dict[str, Any]:
     """The sustained mode (see the module doc)."""
     upstream.default_reply = chat_reply
-    with memproxy(upstream.base_url, data, {"MEMPROXY_SERVER__WORKERS": str(args.workers)}) as (pid, base):
+    env = {"MEMPROXY_SERVER__WORKERS": str(args.workers)}
+    if args.vector_cache_mb is not None:  # a working set several times the cache, sooner
+        env["MEMPROXY_STORE__VECTOR_CACHE_BYTES"] = str(args.vector_cache_mb << 20)
+    with memproxy(upstream.base_url, data, env) as (pid, base):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for i in range(20):  # warm-up: models loaded, caches and pools made
                 await chat(session, base, f"warm{i}", [{"role": "user", "content": "I like tea"}], "full")
@@ -381,15 +403,16 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             # then 5 s of quiet; read at once, the figure caught the process still loading its model.
             await wait_drained(session, base, 120, settle_s=WARM_SETTLE_S)
             await asyncio.sleep(5)
-            rss_before = rss_mb(pid)
+            rss_before = memproxy_rss_mb(pid)
             texts_before = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0)
             minutes = [Minute() for _ in range(args.minutes)]
-            before = await asyncio.to_thread(queue_counts, data)
+            before: dict[str, Any] = {**await asyncio.to_thread(queue_counts, data), "cpu_parts_s": cpu_parts_s(pid),
+                                      **await metric_marks(session, base)}  # fmt: skip
             started = time.monotonic()
             end = started + 60 * args.minutes
             rng = random.Random(0)
             async with asyncio.TaskGroup() as group:
-                marks_task = group.create_task(minute_marks(data, pid, args.minutes, started))
+                marks_task = group.create_task(minute_marks(session, base, data, pid, args.minutes, started))
                 for _ in range(args.concurrency):
                     group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
                 group.create_task(probe_loop(session, base, minutes, started, end))
@@ -397,13 +420,13 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             texts = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0) - texts_before
             exchanges = (await asyncio.to_thread(queue_counts, data))["exchanges_done"] - before["exchanges_done"]
             await asyncio.sleep(5)
-            rss_at_drain = rss_mb(pid)
+            rss_at_drain = memproxy_rss_mb(pid)
             await asyncio.sleep(10.0)
             await wait_ready(session, base)
-            rss_after = rss_mb(pid)
+            rss_after = memproxy_rss_mb(pid)
             pids = process_tree(pid)
             await asyncio.sleep(TRIM_WAIT_S)  # what a minute of quiet adds
-            rss_settled = rss_mb(pid)
+            rss_settled = memproxy_rss_mb(pid)
             same_processes = process_tree(pid) == pids  # nothing restarted to hand memory back
     report = sustained_report(minutes, [before, *marks_task.result()], rss_before, rss_after, drain_s)
     memory_processes = sum(1 for role in pids.values() if role.startswith(("writer", "chat")))
@@ -456,7 +479,26 @@ async def wait_ready(session: aiohttp.ClientSession, base: str, limit_s: float =
         await asyncio.sleep(0.5)
 
 
-def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, float]], rss_before: float,
+def per_arrival(before: Mapping[str, Any], after: Mapping[str, Any], arrivals: int) -> dict[str, float]:
+    """Each process's CPU time in a minute, in ms per chat answered in it (a restarted process counts from 0)."""
+    spent = {role: after["cpu_parts_s"][role] - before["cpu_parts_s"].get(role, 0.0) for role in after["cpu_parts_s"]}
+    return {role: round(1000 * max(0.0, cpu) / max(1, arrivals), 2) for role, cpu in spent.items()}
+
+
+Stages = Mapping[str, tuple[float, float]]
+
+
+def stage_means(before: Stages, after: Stages) -> dict[str, float]:
+    """Each request stage's mean duration in a minute, ms (``memproxy_stage_seconds``: commit, retrieve, ...)."""
+    out = {}
+    for stage, (seconds, count) in after.items():
+        seconds_before, count_before = before.get(stage, (0.0, 0.0))
+        if count > count_before:
+            out[stage] = round(1000 * (seconds - seconds_before) / (count - count_before), 2)
+    return out
+
+
+def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any]], rss_before: float,
                      rss_after: float, drain_s: float) -> dict[str, Any]:  # fmt: skip
     """The sustained section of writes.json."""
     rows = []
@@ -469,6 +511,9 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, flo
             "turn_searchable_p99_s": round(percentile(lat, 99), 3),
             "rss_mb": round(marks[i + 1]["rss_mb"], 1), "errors": minute.errors, "probes": len(minute.searchable_s),
             "rss_parts_mb": marks[i + 1]["rss_parts_mb"],
+            "cpu_ms_per_arrival": per_arrival(marks[i], marks[i + 1], minute.arrivals),
+            "stage_mean_ms": stage_means(marks[i]["stages"], marks[i + 1]["stages"]),
+            "memory_parts_mb": marks[i + 1]["memory_mb"],
         })  # fmt: skip
     return {"minutes": rows, "rss_before_mb": round(rss_before, 1), "rss_after_drain_mb": round(rss_after, 1),
             "drain_after_load_s": round(drain_s, 1)}  # fmt: skip
@@ -668,6 +713,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--conversations", type=int, default=10, help="LoCoMo conversations replayed (of 10)")
     parser.add_argument("--drain-limit-s", type=float, default=900.0)
     parser.add_argument("--workers", type=int, default=0, help="server.workers (0: one chat process per core)")
+    parser.add_argument("--vector-cache-mb", type=int, help="store.vector_cache_bytes in MiB (default: the config's)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args()
 
