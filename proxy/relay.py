@@ -136,6 +136,7 @@ class MemoryCall:
         self.route = ""
         self.partial = False
         self.recorded = False  # one exchange per request, whichever of completion or hang-up comes first
+        self.relayed = False  # served by the user's own chat process (``chat_routing``)
         self.view = ChatView([])
 
     async def run(self) -> web.StreamResponse:
@@ -147,6 +148,13 @@ class MemoryCall:
         body = self.dialect.parse(raw)
         self.view = view = self.dialect.view(body)
         identity = self._identity(body, view)
+        router = self.state.chat_router
+        if router is not None and identity.mode is not Mode.OFF:
+            owner = router.owner(self.request, identity.user_id)
+            relayed = None if owner is None else await router.relay(self.request, raw, owner)
+            if relayed is not None:  # served, logged and counted by the user's own chat process
+                self.relayed = True
+                return relayed
         self.state.metrics.observe("parse", time.perf_counter() - self.started)
         spans.record_span("memproxy.parse", time.perf_counter() - self.started)
         structlog.contextvars.bind_contextvars(

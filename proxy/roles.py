@@ -27,6 +27,7 @@ import uvloop
 from aiohttp import web
 
 from proxy.app import engine_settings, latest_chats, open_memory, with_replica
+from proxy.chat_routing import ChatRouter
 from proxy.config import ConfigError, Settings, load_settings
 from proxy.engine import MemoryEngine
 from proxy.logs import configure_logging
@@ -114,7 +115,9 @@ async def _recycle_check(engine: MemoryEngine, max_jobs: int, max_rss_mb: float,
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-async def run_chat(settings: Settings, directory: Path, replica: str, fd: int, ready_fd: int) -> int:
+async def run_chat(
+    settings: Settings, directory: Path, replica: str, fd: int, ready_fd: int, router: ChatRouter
+) -> int:
     sock = socket.socket(fileno=fd)
     # The writer first: when the cores are all busy, it gets them before the chat processes, so the write side keeps
     # up with what the chat brings it (new memories searchable within seconds) and an overloaded machine answers
@@ -140,7 +143,10 @@ async def run_chat(settings: Settings, directory: Path, replica: str, fd: int, r
     if not settings.memory.enabled:  # no writer: the management API says memory is off, here
         await serve(settings, listening=[sock], started=started)
         return 0
-    await serve(settings, memory_factory=memory, listening=[sock], memory_relay=directory, started=started)
+    routing = router if router.processes > 1 else None
+    await serve(
+        settings, memory_factory=memory, listening=[sock], memory_relay=directory, chat_router=routing, started=started
+    )
     return 0
 
 
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--replica", required=True)
     parser.add_argument("--index", type=int, default=0)
     parser.add_argument("--fd", type=int)
+    parser.add_argument("--chats", type=int, default=1, help="how many chat processes serve (chat_routing)")
     parser.add_argument("--config", type=Path)
     args = parser.parse_args(argv)
     _die_with_parent()
@@ -166,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         if args.role == "writer":
             code = uvloop.run(run_writer(settings, args.dir, args.replica, args.ready_fd))
         else:
-            code = uvloop.run(run_chat(settings, args.dir, args.replica, args.fd, args.ready_fd))
+            router = ChatRouter(args.dir, args.index, args.chats)
+            code = uvloop.run(run_chat(settings, args.dir, args.replica, args.fd, args.ready_fd, router))
     except SchemaError as exc:  # a store this version cannot serve: say what to do, no traceback
         print(f"memproxy: {exc}", file=sys.stderr)
         raise SystemExit(1) from None

@@ -35,7 +35,8 @@ async def _serve(request: web.Request, dialect: Dialect) -> web.StreamResponse:
         raise
     finally:
         structlog.contextvars.clear_contextvars()
-    state.metrics.requests.labels(dialect.name, str(response.status)).inc()
+    if not call.relayed:
+        state.metrics.requests.labels(dialect.name, str(response.status)).inc()
     return response
 
 

@@ -27,6 +27,7 @@ from aiohttp.web_protocol import RequestHandler
 from tqdm import tqdm
 
 from proxy.app import MemoryFactory, build_app
+from proxy.chat_routing import ChatRouter, chat_socket
 from proxy.config import Settings
 from proxy.errors import BadRequest, ProxyError, error_response
 from proxy.logs import configure_logging
@@ -151,15 +152,21 @@ async def serve(
     listening: list[socket.socket] | None = None,
     unix_path: str | None = None,
     memory_relay: Path | None = None,
+    chat_router: ChatRouter | None = None,
     started: Callable[[web.Application], Awaitable[None]] | None = None,
 ) -> None:
     """Serve the app until a termination signal arrives.
 
     ``listening``: sockets to serve on (a chat process's, inherited from the supervisor) instead of binding
     ``server.host``/``port``; ``unix_path``: serve on that Unix socket instead (the memory writer's copy of the
-    app); ``memory_relay``: a chat process (``build_app``); ``started(app)``: awaited once serving.
+    app); ``memory_relay``: a chat process (``build_app``); ``chat_router``: a chat process of several, which
+    also serves on its private socket (``chat_routing``); ``started(app)``: awaited once serving.
     """
     app = build_app(settings, memory_factory=memory_factory, memory_relay=memory_relay)
+    if chat_router is not None:
+        app[STATE].chat_router = chat_router
+        app[STATE].metrics.add_gauges("memproxy_routing", chat_router.gauges)
+        unix_path = str(chat_socket(chat_router.directory, chat_router.index))
     runner = AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
     )
@@ -188,6 +195,8 @@ async def serve(
         app[STATE].stopping = True
     finally:
         await runner.cleanup()
+        if chat_router is not None:
+            await chat_router.aclose()
         log.info("server.stopped")
 
 

@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from proxy.chat_routing import ChatRouter
 from proxy.commit import ExchangeCommitter
 from proxy.config import Settings
 from proxy.dialects.targets import ResponseChains, Targets
@@ -31,6 +32,7 @@ class AppState:
     # More Prometheus text for ``/metrics`` (a chat process: the memory writer's numbers), merged under its own
     extra_metrics: Callable[[], Awaitable[bytes]] | None = None
     read_slots: asyncio.Semaphore = dataclasses.field(init=False)  # memory.max_concurrent_reads
+    chat_router: ChatRouter | None = None  # a chat process of several: relays users another one serves
 
     def __post_init__(self) -> None:
         self.read_slots = asyncio.Semaphore(self.settings.memory.max_concurrent_reads)

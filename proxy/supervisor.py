@@ -123,7 +123,7 @@ class Supervisor:
         args = [sys.executable, "-m", "proxy.roles", child.role, "--dir", str(self._dir), "--ready-fd", str(ready_fd)]
         args += ["--replica", self._replica, "--index", str(child.index)]
         if child.role == "chat" and self._sock is not None:
-            args += ["--fd", str(self._sock.fileno())]
+            args += ["--fd", str(self._sock.fileno()), "--chats", str(worker_count(self.settings))]
         if self._config:
             args += ["--config", str(self._config)]
         return args

@@ -21,7 +21,10 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import make_mocked_request
 
+from proxy.chat_routing import ROUTED_HEADER, ChatRouter, owner_of
 from tests.support.processes import fake_upstream_process, memproxy_process, process_tree
 
 pytestmark = pytest.mark.e2e
@@ -168,3 +171,94 @@ def test_restarted_writer_gets_the_chat_processes_keys(upstream: str, tmp_path: 
 
         _eventually(extracted_with_client_key)
         assert _roles(proc.popen.pid)["writer-0"] != roles["writer-0"]
+
+
+def test_each_users_chats_are_served_by_that_users_chat_process(upstream: str, tmp_path: Path) -> None:
+    """Chats of many users on fresh connections, which the kernel spreads over both chat processes: each is
+    served (stored, logged) by its user's own chat process (``chat_routing.owner_of``), the other relaying it.
+    So a conversation's later requests carry the very memory block its first one got (the prompt cache's
+    prefix), whichever process took the connection."""
+    with memproxy_process(_env(upstream, tmp_path)) as (proc, base):
+        users = [f"route-{i}" for i in range(24)]
+
+        async def one(user: str, text: str, history: list[dict[str, str]] | None = None) -> dict[str, Any]:
+            messages = [*(history or []), {"role": "user", "content": text}]
+            body = {"model": "fake-echo", "messages": messages}
+            headers = {"Authorization": "Bearer sk-client", "X-Memory-User": user, "X-Request-Id": f"{user}-{text}"}
+            connector = aiohttp.TCPConnector(force_close=True)  # a fresh connection each time
+            async with (
+                aiohttp.ClientSession(connector=connector) as session,
+                session.post(f"{base}/chat/completions", json=body, headers=headers) as response,
+            ):
+                assert response.status == 200, await response.text()
+                return dict(await response.json())
+
+        async def everyone() -> None:
+            await asyncio.gather(*(one(user, "I keep bees on the roof") for user in users))
+
+        asyncio.run(everyone())
+        _eventually(lambda: len(_served_by(proc.lines)) >= len(users), timeout=10)  # logged after the answer
+        served = _served_by(proc.lines)
+        assert {served[f"{user}-I keep bees on the roof"] for user in users} == {"chat-0", "chat-1"}
+        for user in users:
+            assert served[f"{user}-I keep bees on the roof"] == f"chat-{owner_of(user, 2)}"
+
+        # A conversation of a user with memories: the same system prompt upstream at every request.
+        root = upstream.removesuffix("/v1")
+
+        def upstream_saw(marker: str) -> list[list[dict[str, Any]]]:
+            with urllib.request.urlopen(f"{root}/_fake/requests", timeout=10) as seen:  # noqa: S310 (loopback)
+                bodies = [r["json"] for r in orjson.loads(seen.read())]
+            return [body["messages"] for body in bodies if marker in str(body.get("messages"))]
+
+        probes = iter(range(100))
+
+        def bees_remembered() -> bool:  # a new conversation each time, until the block holds the bees
+            marker = f"anything new {next(probes)}"
+            asyncio.run(one("route-0", marker))
+            return "bees" in str(upstream_saw(marker)[-1][0])
+
+        _eventually(bees_remembered, timeout=60)
+
+        async def conversation() -> None:
+            history: list[dict[str, str]] = []
+            for step in range(6):
+                answer = await one("route-0", f"what about bees step {step}", history)
+                history += [{"role": "user", "content": f"what about bees step {step}"},
+                            {"role": "assistant", "content": answer["choices"][0]["message"]["content"]}]  # fmt: skip
+
+        asyncio.run(conversation())
+        sent = upstream_saw("what about bees step")
+        assert len(sent) == 6
+        systems = {orjson.dumps(messages[0]) for messages in sent}
+        assert len(systems) == 1
+        assert b"bees" in systems.pop()
+
+
+def _served_by(lines: list[str]) -> dict[str, str]:
+    """Request id -> the chat process that logged it as completed."""
+    out = {}
+    for line in lines:
+        if '"request.completed"' in line:
+            record = orjson.loads(line)
+            out[record["request_id"]] = record["process"]
+    return out
+
+
+def test_a_request_whose_chat_process_is_not_there_is_served_where_it_arrived(tmp_path: Path) -> None:
+    """Nothing listens on the owner's socket (it is restarting): ``relay`` says so (None) and the request is
+    served by the process it reached; the routing header from a client (not the private socket) is ignored."""
+    router = ChatRouter(tmp_path, index=0, processes=2)
+    user = next(f"u{i}" for i in range(100) if owner_of(f"u{i}", 2) == 1)
+    request = make_mocked_request("POST", "/v1/chat/completions", headers={ROUTED_HEADER: "1"})
+    assert router.owner(request, user) == 1  # a client's header does not stop the routing
+    assert router.owner(request, None) is None
+
+    async def relay() -> web.StreamResponse | None:
+        try:
+            return await router.relay(request, b"{}", 1)
+        finally:
+            await router.aclose()
+
+    assert asyncio.run(relay()) is None
+    assert router.gauges()["owner_unreachable_total"] == 1

@@ -1,0 +1,124 @@
+"""Each user's chats served by one chat process: the one that holds that user's read-side state.
+
+In ``memproxy serve``'s process model the kernel hands each connection to any chat process, and one connection
+carries the requests of many users (an app's connection pool). Each chat process keeps per-user state the read
+path needs: the vector cache, the read caches, the memory each conversation already carries (the prompt-cache
+placement: a conversation whose requests alternated between processes got a new block, and lost the provider's
+cached prefix, at every switch) and the Responses chains. So a request is served by its user's owner
+(``owner_of``: a stable hash of the user id over the chat processes): another chat process relays it there as it
+came, over the owner's private socket (``chat-<index>.sock``), and streams the answer back unchanged. Each user's
+state is then held once, not once per process, and a user's requests all see it.
+
+A relayed request carries ``X-Memproxy-Routed``, which makes the owner serve it itself; the header is accepted
+only on the private socket (from a client it is ignored). If the owner cannot be reached (it is restarting:
+nothing listens on its socket), the request is served where it arrived, with that process's colder state.
+If the owner dies while serving it, the request fails (503, as it would have had it reached that process
+directly): the owner may have stored the exchange already, and serving it again would store it twice. Each
+relay opens its own connection (a Unix socket's connect costs microseconds), so no pooled connection to a
+process that has since died is ever reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import aiohttp
+import structlog
+from aiohttp import web
+
+from proxy.errors import ServiceUnavailable
+
+log = structlog.get_logger("memproxy.routing")
+
+ROUTED_HEADER = "X-Memproxy-Routed"
+_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+_REQUEST_HOP = _HOP - {"host"}  # the owner checks the client's Host (``server.allowed_hosts``) as it came
+
+
+def owner_of(user_id: str, processes: int) -> int:
+    """The chat process (index) that serves ``user_id``'s requests, the same in every process and restart."""
+    digest = hashlib.blake2b(user_id.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % processes
+
+
+def chat_socket(directory: Path, index: int) -> Path:
+    """Chat process ``index``'s private socket in the supervisor's directory."""
+    return directory / f"chat-{index}.sock"
+
+
+def routed_here(request: web.Request) -> bool:
+    """Whether another chat process relayed this request here (only believed on the private socket)."""
+    return ROUTED_HEADER in request.headers and request.transport is not None and _on_unix_socket(request)
+
+
+def _on_unix_socket(request: web.Request) -> bool:
+    sockname = request.transport.get_extra_info("sockname") if request.transport is not None else None
+    return isinstance(sockname, str)  # a Unix socket's name is its path; a TCP one's is (host, port)
+
+
+class ChatRouter:
+    """Relays requests to their users' chat processes; ``aclose`` when done."""
+
+    def __init__(self, directory: Path, index: int, processes: int) -> None:
+        self.directory = directory
+        self.index = index
+        self.processes = processes
+        self._sessions: dict[int, aiohttp.ClientSession] = {}
+        self.relayed = 0
+        self.unreachable = 0
+
+    def gauges(self) -> dict[str, float]:
+        """This process's requests relayed to their users' chat processes, and relays that found nobody there."""
+        return {"relayed_total": float(self.relayed), "owner_unreachable_total": float(self.unreachable)}
+
+    async def aclose(self) -> None:
+        """Close the connections to the other chat processes."""
+        for session in self._sessions.values():
+            await session.close()
+        self._sessions.clear()
+
+    def owner(self, request: web.Request, user_id: str | None) -> int | None:
+        """The other chat process that should serve this request, or None to serve it here."""
+        if user_id is None or self.processes < 2 or routed_here(request):
+            return None
+        owner = owner_of(user_id, self.processes)
+        return None if owner == self.index else owner
+
+    def _session(self, owner: int) -> aiohttp.ClientSession:
+        session = self._sessions.get(owner)
+        if session is None or session.closed:
+            connector = aiohttp.UnixConnector(path=str(chat_socket(self.directory, owner)), force_close=True)
+            timeout = aiohttp.ClientTimeout(total=None)
+            session = self._sessions[owner] = aiohttp.ClientSession(connector=connector, timeout=timeout)
+        return session
+
+    async def relay(self, request: web.Request, body: bytes, owner: int) -> web.StreamResponse | None:
+        """The owner's answer to the request, streamed back as it comes; None if the owner cannot be reached
+        (serve it here)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_HOP}
+        headers[ROUTED_HEADER] = str(self.index)
+        if request.remote:
+            headers.setdefault("X-Forwarded-For", request.remote)
+        try:
+            upstream = await self._session(owner).request(
+                request.method, f"http://chat{request.rel_url}", headers=headers, data=body, allow_redirects=False
+            )
+        except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as error:
+            self.unreachable += 1
+            log.info("routing.owner_unreachable", owner=owner, error=type(error).__name__)
+            return None
+        except aiohttp.ClientConnectionError as error:  # it took the request, then went away
+            log.warning("routing.owner_lost", owner=owner, error=type(error).__name__, detail=str(error))
+            raise ServiceUnavailable("the process serving this user stopped; try again", code="restarting") from None
+        async with upstream:
+            self.relayed += 1
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for key, value in upstream.headers.items():
+                if key.lower() not in _HOP:
+                    response.headers.add(key, value)
+            await response.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                await response.write(chunk)
+            await response.write_eof()
+            return response
