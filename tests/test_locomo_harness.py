@@ -6,18 +6,21 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.locomo import (
     Row,
     clock,
+    corpora,
     load_conversations,
     question_metrics,
     run_benchmark,
     summarise,
     variants,
 )
-from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.store.records import Kind
 from tests.support.embedder import HashingEmbedder
 
 
@@ -94,6 +97,19 @@ def test_loading_keeps_valid_category_1_to_4_questions_and_normalises_evidence(l
     assert first.observations[1].dia_ids == ("D1:4",)
 
 
+def test_facts_link_to_their_turns_records_as_the_writer_links_them(locomo_file: Path) -> None:
+    """An observation's fact holds its turns' record ids as sources (what the block's repeat check reads) and
+    counts as a hit on those turns."""
+    first, _ = load_conversations(locomo_file)
+    turns, facts = np.zeros((len(first.turns), 4), np.float32), np.zeros((len(first.observations), 4), np.float32)
+    vectors = {"turns": turns, "context": turns, "facts": facts}
+    corpus = corpora(first, vectors, None, ["observations"])["observations"]
+    turn_ids = {r.text.split(": ", 1)[1]: r.id for r in corpus.records if r.kind is Kind.TURN}
+    cello = next(r for r in corpus.records if r.kind is Kind.FACT and "cello" in r.text)
+    assert cello.source_ids == (turn_ids["I started learning something new last week"],)
+    assert corpus.turns_of[cello.id] == ("D1:4",)
+
+
 def test_the_dataset_clock_asks_each_conversation_a_day_after_its_own_last_session(locomo_file: Path) -> None:
     """Dataset clock: conv-a is asked on 21 June 2023 and conv-b on 3 March 2024, memories dated as told;
     neutral clock: both on 3 March 2024, every memory last accessed then."""
@@ -112,8 +128,13 @@ def test_variants_include_the_product_and_the_seed_scoring() -> None:
     chosen = {v.name: v for v in variants()}
     product = chosen["product"]
     assert product.settings == RetrievalSettings()
+    assert product.injection == InjectionSettings()
     assert (product.corpus, product.block) == ("context+observations", True)
     assert chosen["minmax"].settings.scoring == "minmax"
+    former = chosen["product-all time"].settings  # the 14-day window that hid every older turn
+    assert (former.turn_window_days, former.turns_past_window) == (14.0, "none")
+    assert chosen["product-repeats"].injection == InjectionSettings(drop_repeated=False)
+    assert chosen["product, turns only"].corpus == "context"
 
 
 def test_metrics_of_a_known_ranking() -> None:

@@ -10,8 +10,8 @@ Two formulas, chosen by ``RetrievalSettings.scoring``:
   seconds or years old, and a stale fact that was injected yesterday does not pass for current. The recency
   bonus goes to facts only: a fact is a claim about the user's present ("lives in Paris"), so the newer of
   two near-identical facts is the current one; turns and summaries are a dated record of what was said, as
-  true months later, and the turn window already keeps them recent (on LoCoMo, where questions ask about
-  any session, a recency bonus on turns only cost recall). Since the
+  true months later (on LoCoMo, where questions ask about any session, a recency bonus on turns only cost
+  recall). Since the
   multiplier lies in ``[1 - 0.8 importance_bonus, 1 + recency_bonus + importance_bonus]``, time and
   importance can reorder memories whose relevance is within that ratio (near-ties: the newer of two
   near-identical facts wins) and can never lift a memory above one that is more relevant by more than it
