@@ -125,7 +125,7 @@ def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
 async def _keyword_arm(
     store: RetrievalStore, user_id: str, text: str, settings: RetrievalSettings, since: datetime | None
 ) -> list[ScoredRecord]:
-    """BM25 hits over both pools."""
+    """BM25 hits over the same pools as the dense arm."""
     return _by_score(await store.keyword_search_pools(user_id, text, _pools(settings.bm25_k, since, settings)))
 
 
