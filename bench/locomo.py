@@ -378,23 +378,26 @@ def variants() -> list[Variant]:
                     injection=InjectionSettings(**injection))
             for name, (changes, injection) in PRODUCT_ABLATIONS.items()]  # fmt: skip
     out.append(Variant("product, turns only", RetrievalSettings(), corpus=WRITER_CORPUS, block=True))
-    out.append(Variant("product, turns only-past 12", RetrievalSettings(max_past=6), corpus=WRITER_CORPUS, block=True))
+    all_time = RetrievalSettings(turn_window_days=None)
+    out.append(Variant("product, turns only+all time", all_time, corpus=WRITER_CORPUS, block=True))
+    past_6 = RetrievalSettings(turn_window_days=None, max_past=6)
+    out.append(Variant("product, turns only+all time-past 12", past_6, corpus=WRITER_CORPUS, block=True))
     tighter = InjectionSettings(max_item_tokens=45)  # more items, less of each (tried, not kept)
-    out.append(Variant("product, turns only, 45-token items", RetrievalSettings(), WRITER_CORPUS, True, tighter))
+    out.append(Variant("product, turns only+all time, 45-token items", all_time, WRITER_CORPUS, True, tighter))
     # The dataset's session summaries as the summariser's: all time (the default), and standing in for the turns
     # they tell past a 14-day window (a summary counts as a hit on no turn; see ``answer_words``). Run only when
     # named (``default_variants``).
     summarised = "context+observations+summaries"
-    out.append(Variant("product+summaries", RetrievalSettings(), corpus=summarised, block=True))
-    stand_in = RetrievalSettings(turn_window_days=14.0)
+    out.append(Variant("product+summaries", RetrievalSettings(turn_window_days=None), corpus=summarised, block=True))
+    stand_in = RetrievalSettings(turns_past_window="unsummarised")
     out.append(Variant("product+summaries, 14-day window", stand_in, corpus=summarised, block=True))
     return out
 
 
 # The shipped block with one of its parts undone: each part's gain (product minus this) on tune and on test.
 PRODUCT_ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "-all time": ({"turn_window_days": 14.0, "turns_past_window": "none"}, {}),  # the former 14-day turn window
-    "-repeats": ({}, {"drop_repeated": False}),
+    "+all time": ({"turn_window_days": None}, {}),  # turns of all time (an option: docs/tuning.md)
+    "+repeats dropped": ({}, {"drop_repeated": True}),  # an option, off: see docs/tuning.md
     "-past 12": ({"max_past": 6}, {}),
 }
 

@@ -214,20 +214,21 @@ def test_items_already_in_the_conversation_are_not_injected() -> None:
 
 
 def test_a_fact_drawn_only_from_turns_above_it_is_left_out() -> None:
-    """A fact whose turns the block already holds above it gives its room to the next memory; a fact with a turn
-    the block lacks, a fact above its turn, and a turn below its fact all stay."""
+    """With ``drop_repeated``, a fact whose turns the block already holds above it gives its room to the next
+    memory; a fact with a turn the block lacks, a fact above its turn, and a turn below its fact all stay."""
     turn = _item("I adopted a beagle called Pip last week", 0.9, Section.PAST, rid="turn-pip")
     other = _item("We went hiking near the lake", 0.5, Section.PAST, rid="turn-hike")
     repeated = MemoryItem("fact-pip", Section.ABOUT_USER, "Maya has a beagle, Pip", "2026-03-01", 0.8,
                           sources=("turn-pip",))  # fmt: skip
     half_told = MemoryItem("fact-pets", Section.ABOUT_USER, "Maya adopted Pip and a cat", "2026-03-01", 0.7,
                            sources=("turn-pip", "turn-cat"))  # fmt: skip
-    assert inject(_chat(), [turn, other, repeated, half_told], (), ROOMY).ids == ["fact-pets", "turn-pip", "turn-hike"]
+    dropping = ROOMY.model_copy(update={"drop_repeated": True})
+    chosen = inject(_chat(), [turn, other, repeated, half_told], (), dropping)
+    assert chosen.ids == ["fact-pets", "turn-pip", "turn-hike"]
     above = MemoryItem("fact-pip", Section.ABOUT_USER, "Maya has a beagle, Pip", "2026-03-01", 0.95,
                        sources=("turn-pip",))  # fmt: skip
-    assert set(inject(_chat(), [turn, above], (), ROOMY).ids) == {"fact-pip", "turn-pip"}
-    kept = inject(_chat(), [turn, repeated], (), InjectionSettings(drop_repeated=False))
-    assert set(kept.ids) == {"fact-pip", "turn-pip"}
+    assert set(inject(_chat(), [turn, above], (), dropping).ids) == {"fact-pip", "turn-pip"}
+    assert set(inject(_chat(), [turn, repeated], (), ROOMY).ids) == {"fact-pip", "turn-pip"}  # off by default
 
 
 def test_a_fact_item_carries_the_turns_it_was_drawn_from() -> None:

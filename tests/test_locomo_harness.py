@@ -11,6 +11,7 @@ import pytest
 
 from bench.locomo import (
     Row,
+    answer_words,
     clock,
     corpora,
     load_conversations,
@@ -131,9 +132,8 @@ def test_variants_include_the_product_and_the_seed_scoring() -> None:
     assert product.injection == InjectionSettings()
     assert (product.corpus, product.block) == ("context+observations", True)
     assert chosen["minmax"].settings.scoring == "minmax"
-    former = chosen["product-all time"].settings  # the 14-day window that hid every older turn
-    assert (former.turn_window_days, former.turns_past_window) == (14.0, "none")
-    assert chosen["product-repeats"].injection == InjectionSettings(drop_repeated=False)
+    assert chosen["product+all time"].settings.turn_window_days is None
+    assert chosen["product+repeats dropped"].injection == InjectionSettings(drop_repeated=True)
     assert chosen["product, turns only"].corpus == "context"
 
 
@@ -151,13 +151,20 @@ def test_metrics_of_a_known_ranking() -> None:
 def test_summary_splits_tune_and_test_conversations() -> None:
     """Conversations 0-4 are the tune half, 5-9 the test half; categories are averaged separately."""
     perfect = {"evidence_recall@5": 1.0, "evidence_recall@10": 1.0, "hit@1": 1.0, "hit@5": 1.0, "hit@10": 1.0,
-               "all@10": 1.0, "mrr": 1.0}  # fmt: skip
+               "all@10": 1.0, "mrr": 1.0, "answer_words": 1.0}  # fmt: skip
     rows = [Row(0, 4, perfect), Row(7, 1, dict.fromkeys(perfect, 0.0))]
     summary = summarise(rows)
     assert summary["overall"]["mrr"] == 0.5
     assert summary["tune"]["mrr"] == 1.0
     assert summary["test"]["mrr"] == 0.0
     assert summary["by_category"]["1 multi-hop"]["n"] == 1
+
+
+def test_answer_words_is_the_share_of_the_answers_content_stems_the_texts_hold() -> None:
+    """Stems count ("adopted" finds "adopting"), stop words do not, and an answer without content words is held."""
+    assert answer_words("Adopted a beagle", ["Maya was adopting", "a small beagle"]) == 1.0
+    assert answer_words("the Riverside orchestra", ["she plays in an orchestra"]) == 0.5
+    assert answer_words("yes", ["anything"]) == 1.0
 
 
 async def test_harness_ranks_turns_through_the_read_path(locomo_file: Path, tmp_path: Path) -> None:
