@@ -11,7 +11,9 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     LITELLM_LOCAL_MODEL_COST_MAP=True \
     MEMPROXY_SERVER__HOST=0.0.0.0 \
     MEMPROXY_SERVER__PORT=8080 \
-    MEMPROXY_STORAGE__PATH=/data
+    MEMPROXY_STORAGE__PATH=/data \
+    ARROW_DEFAULT_MEMORY_POOL=system \
+    MALLOC_MMAP_THRESHOLD_=131072
 
 RUN groupadd --system --gid 10001 memproxy \
     && useradd --system --uid 10001 --gid 10001 --home-dir /app --shell /usr/sbin/nologin memproxy \
@@ -35,6 +37,8 @@ EXPOSE 8080
 HEALTHCHECK --interval=15s --timeout=5s --start-period=30s --retries=3 \
     CMD ["/app/.venv/bin/python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8080/healthz', timeout=4)"]
 
+# memproxy serve: a supervisor, one chat process per core (MEMPROXY_SERVER__WORKERS) and a memory writer
+# (docs/operations.md, "Processes"); the allocator settings above: docs/operations.md, "Memory (RSS)".
 # SIGTERM starts a graceful shutdown (in-flight streams finish, queued memory jobs are kept on disk).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/app/.venv/bin/memproxy", "serve"]

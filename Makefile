@@ -50,8 +50,10 @@ install: $(VENV)/.runtime
 
 install-test: $(VENV)/.test tests/node/node_modules/.installed $(VENV)/.chromium
 
+# The allocator settings the Dockerfile sets too (docs/operations.md, "Memory (RSS)"); the environment's win.
 serve: install
-	$(BIN)/memproxy serve $(ARGS)
+	ARROW_DEFAULT_MEMORY_POOL=$${ARROW_DEFAULT_MEMORY_POOL:-system} MALLOC_MMAP_THRESHOLD_=$${MALLOC_MMAP_THRESHOLD_:-131072} \
+		$(BIN)/memproxy serve $(ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -25,6 +25,7 @@ import os
 import platform
 import random
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.loadgen import Sample, body, cpu_seconds, merge, percentile, rss_mb, run
 from bench.store import OBJECTS, PLACES, TIMES, VERBS, sentence
-from tests.support.processes import Process, child_env, fake_upstream_process, memproxy_process
+from tests.support.processes import DEPLOYED_ALLOCATOR, Process, child_env, fake_upstream_process, memproxy_process
 
 BENCH = Path(__file__).resolve().parent
 RESULTS = BENCH / "results" / "load.json"
@@ -190,6 +191,7 @@ class Target:
     streams: list[Sample] = field(default_factory=list)
     rss: float = 0.0
     metrics_url: str | None = None  # memproxy-on: where its degraded-read counter is read
+    only_at: int | None = None  # measured at this concurrency only (the ``--workers`` rows)
     degraded: float = 0.0  # requests of the current cell served without memory (read deadline or failure)
     cpu_s: float = 0.0  # CPU seconds of the process tree during this cell's measured rounds
 
@@ -256,6 +258,7 @@ async def _round(targets: list[Target], concurrency: int, requests: int, stream:
 
 
 async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: int, rng: random.Random) -> None:
+    targets = [t for t in targets if t.only_at in (None, concurrency)]
     for target in targets:
         target.plain, target.streams, target.rss, target.degraded, target.cpu_s = [], [], 0.0, 0.0, 0.0
     for stream in (False, True):
@@ -280,7 +283,9 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
     direct_plain = merge(by_name["direct"].plain).latencies_ms
     direct_ttft = merge(by_name["direct"].streams).ttfts_ms
     rows = []
-    for name in [n for n in ("direct", "floor", "memproxy-off", "memproxy-on", "litellm") if n in by_name]:
+    workers = sorted(n for n in by_name if n.startswith("memproxy-on-"))
+    names = ["direct", "floor", "memproxy-off", "memproxy-on", *workers, "litellm"]
+    for name in [n for n in names if n in by_name and by_name[n].only_at in (None, concurrency)]:
         target = by_name[name]
         plain, streams = merge(target.plain), merge(target.streams)
         lat = plain.latencies_ms
@@ -479,6 +484,7 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         "MEMPROXY_UPSTREAM__BASE_URL": upstream,
         "MEMPROXY_STORAGE__PATH": str(data),
         "MEMPROXY_LOGGING__LEVEL": args.log_level,
+        **DEPLOYED_ALLOCATOR,
     }
     if args.read_timeout_ms:
         base |= {
@@ -488,7 +494,7 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         }
     base |= dict(pair.split("=", 1) for pair in args.env)
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
-    _progress(f"memproxy up on {proxy}")
+    _progress(f"memproxy up on {proxy} (server.workers default: one chat process per core)")
     pid = proc.popen.pid
     targets = [
         Target("direct", f"{upstream}/chat/completions", {}, None, upstream_proc.popen.pid),
@@ -496,6 +502,16 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         Target("memproxy-off", f"{proxy}/chat/completions", OFF, pid, pid),
         Target("memproxy-on", f"{proxy}/chat/completions", ON, pid, pid, metrics_url=proxy),
     ]
+    top = max(args.concurrency)
+    for workers in args.workers:  # the same store and settings with a given number of chat processes
+        copy = tmp / f"data-w{workers}"
+        shutil.copytree(data, copy)
+        env = {**base, "MEMPROXY_STORAGE__PATH": str(copy), "MEMPROXY_SERVER__WORKERS": str(workers)}
+        wproc, wproxy = stack.enter_context(memproxy_process(env, timeout=180.0))
+        _progress(f"memproxy --workers {workers} up on {wproxy}")
+        wpid = wproc.popen.pid
+        name = f"memproxy-on-w{workers}"
+        targets.append(Target(name, f"{wproxy}/chat/completions", ON, wpid, wpid, metrics_url=wproxy, only_at=top))
     if not args.skip_litellm:
         lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
         _progress(f"litellm up on {lite}")
@@ -539,6 +555,13 @@ def main() -> None:
         help="more memproxy settings for the run, e.g. MEMPROXY_MEMORY__READ_QUEUE_MS=50",
     )
     parser.add_argument("--skip-litellm", action="store_true", help="leave LiteLLM out")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        nargs="*",
+        default=[1, 2],
+        help="memproxy-on rows at the top concurrency with this many chat processes (server.workers)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.skip_litellm and not LITELLM_BIN.exists():
@@ -550,8 +573,6 @@ def main() -> None:
     seed_src = seeded_store(args.memories)
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         data = Path(tmp) / "data"
-        import shutil
-
         shutil.copytree(seed_src, data)  # memproxy may compact or touch; the cache stays pristine
         targets = _targets(stack, args, data, Path(tmp))
         proxy = next(t for t in targets if t.name == "memproxy-on").url.removesuffix("/chat/completions")

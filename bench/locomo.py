@@ -43,6 +43,10 @@ subjects, each linked to all of one speaker's facts: subject fusion can only fav
 a question names (``+context+observations+subject fusion`` measures that at its former weight 0.4; it is off
 by default), and the chain's ``+subjects`` step, over turns alone, has no subjects to use.
 
+``dense+adapter`` and ``default+adapter`` pass the dense arm's query through a per-user query adapter (seed 001),
+fitted per conversation on pairs the conversation itself yields (``locomo_adapter``; never the questions or their
+evidence) and used only when it beats no adapter on that conversation's newest pairs, as the product ships it.
+
 Neutralised for every variant but ``product``: any window of past turns (``turn_window_days=None``, now also the
 default: the dataset spans months, and the questions ask about all of it), and the parts that never change the
 ranking (``recent_messages=0``, ``max_insights=0``, arm timeouts of 60 s so that a busy machine does not
@@ -80,11 +84,13 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.locomo_adapter import Fitted, fit_conversation, said_of
 from proxy.evaluation import dia_ids, question_metrics, session_date
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.protocol import Embedder, Vectors
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.pieces import TermVectors, term_vectors_of
+from proxy.memory.query_adapter import QueryAdapter
 from proxy.memory.read.injection import inject
 from proxy.memory.read.read_cache import ReadCache
 from proxy.memory.read.retrieval import retrieve
@@ -304,6 +310,8 @@ class Variant:
     """A named read-path configuration and the memories it searches (turns only, or turns and facts).
 
     ``block``: rank what the memory block would hold (``inject`` under ``injection``), not every candidate.
+    ``adapter``: the dense arm's query goes through the conversation's query adapter (``locomo_adapter``), when
+    one was kept.
     """
 
     name: str
@@ -311,6 +319,7 @@ class Variant:
     corpus: str = "turns"
     block: bool = False
     injection: InjectionSettings = field(default_factory=InjectionSettings)
+    adapter: bool = False
 
 
 _OFF = {
@@ -391,6 +400,9 @@ def variants() -> list[Variant]:
     out.append(Variant("product+summaries", RetrievalSettings(turn_window_days=None), corpus=summarised, block=True))
     stand_in = RetrievalSettings(turns_past_window="unsummarised")
     out.append(Variant("product+summaries, 14-day window", stand_in, corpus=summarised, block=True))
+    # The per-user query adapter (seed 001), fitted per conversation on pairs the conversation yields.
+    out.append(Variant("dense+adapter", harness_settings(**dict(steps)["dense"]), corpus=WRITER_CORPUS, adapter=True))
+    out.append(Variant("default+adapter", harness_settings(), corpus=WRITER_CORPUS, adapter=True))
     return out
 
 
@@ -619,12 +631,14 @@ class Run:
     degraded: dict[str, int] = field(default_factory=dict)
     retrieve_ms: dict[str, list[float]] = field(default_factory=dict)
     seconds: dict[str, float] = field(default_factory=dict)
+    adapters: dict[str, dict[str, Any]] = field(default_factory=dict)  # per conversation: its fit's figures
 
 
 async def _embed_all(
-    conversations: Sequence[Conversation], cache: VectorCache, corpora_needed: set[str]
+    conversations: Sequence[Conversation], cache: VectorCache, corpora_needed: set[str], adapter: bool = False
 ) -> tuple[list[dict[str, Vectors]], dict[str, npt.NDArray[np.float32]]]:
-    """Vectors of every turn (alone and with context, if needed), observation (if needed) and question."""
+    """Vectors of every turn (alone and with context, if needed), observation (if needed) and question, and
+    (``adapter``) every turn's words embedded as a query."""
     turns = [t.memory_text for c in conversations for t in c.turns]
     want_context = any(name.startswith("context") for name in corpora_needed)
     want_facts = any("observations" in name for name in corpora_needed)
@@ -636,15 +650,16 @@ async def _embed_all(
     fact_vectors = await cache.embed(facts, "embed observations")
     summary_vectors = await cache.embed(summaries, "embed summaries")
     question_vectors = await cache.embed_queries(questions)
+    said = [s.text for c in conversations for s in said_of(c.turns)[0]] if adapter else []
+    said_vectors = await cache.embed_queries(said) if said else np.zeros((0, 1), dtype=np.float32)
     out, t0, f0, s0 = [], 0, 0, 0
     for c in conversations:
         t1, f1 = t0 + len(c.turns), f0 + (len(c.observations) if want_facts else 0)
         s1 = s0 + (len(c.summaries) if want_summaries else 0)
         own = turn_vectors[t0:t1]
         context = context_vectors(c.turns, own) if want_context else own
-        out.append(
-            {"turns": own, "context": context, "facts": fact_vectors[f0:f1], "summaries": summary_vectors[s0:s1]}
-        )
+        out.append({"turns": own, "context": context, "facts": fact_vectors[f0:f1],
+                    "summaries": summary_vectors[s0:s1], "said": said_vectors[t0:t1]})  # fmt: skip
         t0, f0, s0 = t1, f1, s1
     return out, dict(zip(questions, question_vectors, strict=True))
 
@@ -658,12 +673,16 @@ async def _ask(
     now: datetime,
     cache: ReadCache,
     run: Run,
+    adapter: QueryAdapter | None = None,
 ) -> tuple[list[str], float]:
     """One question through the proxy's read path under one variant: its ranked turn ids, and the share of the
     answer's words its texts hold (the block's items as injected; else the first 10 memories)."""
     messages = [{"role": "user", "content": question.text}]
     started = time.perf_counter()
-    result = await retrieve(store, embedder, messages, corpus.user_id, variant.settings, now, names=cache)
+    adapter = adapter if variant.adapter else None
+    result = await retrieve(
+        store, embedder, messages, corpus.user_id, variant.settings, now, names=cache, adapter=adapter
+    )
     run.retrieve_ms.setdefault(variant.name, []).append((time.perf_counter() - started) * 1000)
     if result.degraded:
         run.degraded[variant.name] = run.degraded.get(variant.name, 0) + 1
@@ -685,15 +704,19 @@ async def _conversation(
     now: datetime,
     run: Run,
     bar: tqdm,
+    adapter: QueryAdapter | None = None,
 ) -> None:
-    """Ingest one conversation's users, then ask every question under every variant."""
+    """Ingest one conversation's users, then ask every question under every variant (``adapter``: the
+    conversation's query adapter, for the variants that use one)."""
     needed = {v.corpus for v in chosen}
     for name in needed:
         await store.add(users[name].records)
     cache = ReadCache(ttl_s=1e9, recent_ttl_s=1e9)
     for question in conv.questions:
         for variant in chosen:
-            ranked, words = await _ask(store, embedder, users[variant.corpus], question, variant, now, cache, run)
+            ranked, words = await _ask(
+                store, embedder, users[variant.corpus], question, variant, now, cache, run, adapter
+            )
             metrics = {**question_metrics(ranked, question.evidence), "answer_words": words}
             row = Row(conv.index, question.category, metrics)
             run.rows.setdefault(variant.name, []).append(row)
@@ -725,7 +748,8 @@ async def run_benchmark(
     run = Run()
     started = time.perf_counter()
     vectors = VectorCache(embedder, cache_dir)
-    per_conversation, queries = await _embed_all(conversations, vectors, {v.corpus for v in chosen})
+    wants_adapter = any(v.adapter for v in chosen)
+    per_conversation, queries = await _embed_all(conversations, vectors, {v.corpus for v in chosen}, wants_adapter)
     vectors.save()
     run.seconds["embed"] = round(time.perf_counter() - started, 1)
     run.seconds["texts_embedded"] = vectors.computed
@@ -737,9 +761,26 @@ async def run_benchmark(
             for i, conv in enumerate(conversations):
                 now, accessed = clock(conversations, conv, clock_name)
                 users = corpora(conv, per_conversation[i], accessed, {v.corpus for v in chosen})
-                await _conversation(store, asking, conv, users, chosen, now, run, bar)
+                adapter = _fit_adapter(conv, per_conversation[i], embedder.model_id, run) if wants_adapter else None
+                await _conversation(store, asking, conv, users, chosen, now, run, bar, adapter)
     run.seconds["ingest_and_retrieve"] = round(time.perf_counter() - started, 1)
     return run
+
+
+def _fit_adapter(conv: Conversation, vectors: Mapping[str, Vectors], model_id: str, run: Run) -> QueryAdapter | None:
+    """The conversation's query adapter (None: none beat no adapter), its figures noted in ``run``."""
+    started = time.perf_counter()
+    bank = vectors["context" if WRITER_CORPUS.startswith("context") else "turns"]
+    fitted: Fitted = fit_conversation(conv.turns, bank, vectors["said"], model_id)
+    run.adapters[conv.sample_id] = {
+        "pairs": fitted.pairs,
+        "held_out_mrr": round(fitted.held_out, 4),
+        "baseline_mrr": round(fitted.baseline, 4),
+        "epochs": fitted.epochs,
+        "kept": fitted.adapter is not None,
+        "fit_s": round(time.perf_counter() - started, 2),
+    }
+    return fitted.adapter
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -748,6 +789,8 @@ async def run_benchmark(
 def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict[str, Any]:
     """The ``locomo.json`` document."""
     out: dict[str, Any] = {"default_variant": "default", "variants": {}, "meta": dict(meta)}
+    if run.adapters:
+        out["meta"]["adapters"] = run.adapters
     for variant in chosen:
         summary = summarise(run.rows.get(variant.name, []))
         timings = run.retrieve_ms.get(variant.name, [0.0])

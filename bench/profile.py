@@ -3,8 +3,9 @@
 Starts the fake upstream (loopback, 5 ms) and ``memproxy serve`` over a copy of the load bench's seeded store
 (10k memories of one user), drives it with the load generator at ``--concurrency`` in ``--mode off`` (the
 proxy alone) or ``--mode read`` (the whole read path; every read given 5 s so none is cut short), and records
-the process with py-spy for ``--seconds`` at 200 Hz (all threads, active samples only). Prints the share of
-samples per thread, per kind of code (the proxy's own, aiohttp, the event loop, onnxruntime, Tantivy, ...)
+its processes (the supervisor, the chat processes, the memory writer) with py-spy for ``--seconds`` at 200 Hz
+(all threads, active samples only). Prints the share of samples and the CPU per request of each process, per
+thread, per kind of code (the proxy's own, aiohttp, the event loop, onnxruntime, Tantivy, ...)
 and the hottest leaf frames, and the CPU per request. The raw py-spy file goes to ``--out``.
 """
 
@@ -25,21 +26,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import OFF, ON, queries, seeded_store
 from bench.loadgen import run
-from tests.support.processes import fake_upstream_process, memproxy_process
+from tests.support.processes import fake_upstream_process, memproxy_process, process_tree
 
 PY_SPY = Path(sys.executable).parent / "py-spy"
 RATE_HZ = 200
 
 
-def summary(raw: list[str], seconds: float, requests: int) -> str:
-    """The tables for py-spy's raw (collapsed stack) output."""
+def summary(raw: list[str], seconds: float, requests: int, roles: dict[int, str] | None = None) -> str:
+    """The tables for py-spy's raw (collapsed stack) output (``roles``: each recorded process's role)."""
     total = 0
+    processes: collections.Counter[str] = collections.Counter()
     threads: collections.Counter[str] = collections.Counter()
     kinds: collections.Counter[str] = collections.Counter()
     leaves: collections.Counter[str] = collections.Counter()
     for line in raw:
         stack, _, count = line.rpartition(" ")
         frames, n = stack.split(";"), int(count)
+        if frames[0].startswith("process "):  # --subprocesses: "process PID:\"command line\""
+            pid = int(frames[0].split()[1].split(":")[0])
+            processes[(roles or {}).get(pid, f"pid {pid}")] += n
+            frames = frames[1:]
         total += n
         threads[frames[0].split(" (")[0] + " " + frames[0].rsplit(": ", 1)[-1][:30]] += n
         leaves[frames[-1][:110]] += n
@@ -50,9 +56,12 @@ def summary(raw: list[str], seconds: float, requests: int) -> str:
     lines = [
         f"{total} samples = {cpu_s:.1f} CPU s in {seconds:.0f} s ({cpu_s / seconds:.2f} cores busy), "
         f"~{requests} requests: {1000 * cpu_s / max(1, requests):.1f} ms CPU per request",
-        "",
-        "threads:",
     ]
+    if processes:
+        lines += ["", "processes (ms of CPU per request):"]
+        lines += [f"  {n / total:6.1%}  {1000 * n / RATE_HZ / max(1, requests):6.2f}  {name}"
+                  for name, n in processes.most_common()]  # fmt: skip
+    lines += ["", "threads:"]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in threads.most_common(8)]
     lines += ["", "kind of code (leaf frame):"]
     lines += [f"  {n / total:6.1%}  {name}" for name, n in kinds.most_common(10)]
@@ -128,11 +137,13 @@ def main() -> None:
                     "-o",
                     str(args.out),
                     "--threads",
+                    "--subprocesses",  # memproxy serve's chat processes and memory writer
                     "--nonblocking",
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
+            roles = process_tree(proc.popen.pid)
             size, requests, started = 10 * args.concurrency, 0, time.perf_counter()
             while spy.poll() is None:  # keep the load on for as long as py-spy records
                 batch = [texts[(100 + requests + i) % len(texts)] for i in range(size)]
@@ -142,7 +153,7 @@ def main() -> None:
     if spy.returncode != 0 or not args.out.exists():
         sys.exit(f"py-spy failed (exit {spy.returncode}); it needs ptrace rights over the memproxy process")
     print(f"mode {args.mode}, concurrency {args.concurrency}, stream {args.stream}: {rate:.1f} req/s")
-    print(summary(args.out.read_text().splitlines(), args.seconds, round(rate * args.seconds)))
+    print(summary(args.out.read_text().splitlines(), args.seconds, round(rate * args.seconds), roles))
     print(f"raw py-spy output: {args.out}")
 
 

@@ -8,8 +8,11 @@ on startup and drains them on shutdown.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -45,6 +48,8 @@ from proxy.memory.write import (
     UsageObserver,
 )
 from proxy.metrics import Metrics
+from proxy.mirror import Mirror
+from proxy.relay_memory import add_memory_relay, writer_metrics
 from proxy.routes import add_relayed_routes, add_routes
 from proxy.shadow import ShadowMemory
 from proxy.state import STATE, AppState
@@ -169,6 +174,13 @@ def engine_settings(settings: Settings) -> EngineSettings:
     )
 
 
+def with_replica(settings: EngineSettings, replica: str | None) -> EngineSettings:
+    """``settings`` with the supervisor's replica name (every process of one ``memproxy serve`` is one replica)."""
+    if settings.cluster is None or replica is None:
+        return settings
+    return dataclasses.replace(settings, cluster=dataclasses.replace(settings.cluster, replica=replica))
+
+
 def latest_chats(settings: Settings) -> LatestChats:
     """Each user's latest chat model, route and (where the chat passes it on) key, in memory only."""
     return LatestChats(
@@ -179,8 +191,16 @@ def latest_chats(settings: Settings) -> LatestChats:
 
 
 @contextlib.asynccontextmanager
-async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[MemoryService]:
-    """The real memory engine, its LLM clients opened first and closed last."""
+async def open_memory(
+    settings: Settings,
+    metrics: Metrics,
+    mirror: Mirror | None = None,
+    opened: list[MemoryEngine] | None = None,
+    replica: str | None = None,
+) -> AsyncIterator[MemoryService]:
+    """The real memory engine, its LLM clients opened first and closed last. ``mirror``: the memory writer
+    process's (``proxy.mirror``), whose writes the chat processes follow; ``opened`` gets the engine;
+    ``replica``: the name of every process of one ``memproxy serve`` on a shared store."""
     latest, board = latest_chats(settings), FeatureBoard()
     router, clients = memory_llm(settings, latest, metrics.observe_llm_usage)
     async with contextlib.AsyncExitStack() as stack:
@@ -188,12 +208,17 @@ async def open_memory(settings: Settings, metrics: Metrics) -> AsyncIterator[Mem
             if isinstance(client, contextlib.AbstractAsyncContextManager):
                 await stack.enter_async_context(client)
         llm = ReportingLLM(router, board)
-        engine = await stack.enter_async_context(MemoryEngine(engine_settings(settings), llm, latest, board))
+        engine = await stack.enter_async_context(
+            MemoryEngine(with_replica(engine_settings(settings), replica), llm, latest, board, mirror=mirror)
+        )
+        if opened is not None:
+            opened.append(engine)
         metrics.add_queue(lambda: engine.queue_snapshot, refresh=engine.refresh_metrics)
         metrics.add_gauges("memproxy_jobs", engine.storage_gauges)
         metrics.add_gauges("memproxy_cluster", engine.cluster_gauges)
         metrics.add_gauges("memproxy_embedder", engine.embedder_gauges)
-        metrics.registry.register(FeatureCollector(board, engine.waiting))
+        metrics.add_memory_parts(engine.memory_parts)
+        metrics.register(FeatureCollector(board, engine.waiting))
         if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
             yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))
             return
@@ -215,8 +240,11 @@ def build_targets(settings: Settings, router: Router, session: aiohttp.ClientSes
     return Targets(router, anthropic)
 
 
-def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None) -> web.Application:
-    """The proxy application for ``settings``."""
+def build_app(
+    settings: Settings, *, memory_factory: MemoryFactory | None = None, memory_relay: Path | None = None
+) -> web.Application:
+    """The proxy application for ``settings``. ``memory_relay``: a chat process of ``memproxy serve``'s process
+    model, whose management API, MCP endpoint and web page are the memory writer's (its socket directory)."""
     deadline = body_deadline_middleware(settings.server.body_timeout_s, settings.server.max_body_bytes)
     app = web.Application(client_max_size=settings.server.max_body_bytes, middlewares=[error_middleware, deadline])
     metrics = Metrics()
@@ -240,9 +268,13 @@ def build_app(settings: Settings, *, memory_factory: MemoryFactory | None = None
     install_access(app)
     install_header_check(app)  # before the access checks: they read headers
     add_routes(app)
-    add_management_routes(app)
-    add_operations_routes(app)
-    add_mcp_routes(app)
+    if memory_relay is not None:
+        add_memory_relay(app, memory_relay)
+        state.extra_metrics = functools.partial(writer_metrics, app)
+    else:
+        add_management_routes(app)
+        add_operations_routes(app)
+        add_mcp_routes(app)
     add_relayed_routes(app)  # last: every route of memproxy's own matches first
     install_tracing(app)
     return app

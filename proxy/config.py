@@ -51,11 +51,12 @@ class ServerSettings(_Frozen):
     head_timeout_s: float = Field(default=30.0, ge=0)  # and a request's headers within this (408; 0: no limit)
     max_json_depth: int = Field(default=64, ge=2)  # deeper JSON is a 400, checked before parsing
     shutdown_grace_s: float = Field(default=20.0, ge=0)
-    # Restart in place once quiet when RSS grew past this many times its level after start-up (proxy/recycle.py);
-    # 0: never. And by at least recycle_min_growth_mb; quiet: no request for recycle_quiet_s, no job due.
-    recycle_rss_growth: float = Field(default=1.3, ge=0)
-    recycle_min_growth_mb: float = Field(default=64.0, ge=0)
-    recycle_quiet_s: float = Field(default=30.0, ge=0)
+    # Chat processes of ``memproxy serve`` (proxy/supervisor.py), beside one memory writer process; 0: one per core.
+    workers: int = Field(default=0, ge=0)
+    # The memory writer process is replaced (the chat goes on) after this many jobs, or once its RSS passed this
+    # many MB while no job runs; 0: never.
+    writer_max_jobs: int = Field(default=1_000_000, ge=0)
+    writer_max_rss_mb: float = Field(default=0.0, ge=0)
     # Serve without client keys on a non-loopback address while holding an upstream key (see proxy/access.py).
     open: bool = False
     # Browser origins (scheme://host[:port]) allowed to call the chat path; others are refused.

@@ -9,9 +9,10 @@ comes from clients, so it is capped: past ``MAX_MODEL_LABELS`` distinct names, n
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -24,6 +25,7 @@ GaugeSource = Callable[[], Mapping[str, float]]
 Refresh = Callable[[], Awaitable[None]]
 QueueSource = Callable[[], QueueMetrics | None]
 MAX_MODEL_LABELS = 50
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 _JOB_COUNTERS = (
     ("completed", "Memory jobs completed"),
     ("failed", "Memory job attempts that failed"),
@@ -47,6 +49,21 @@ class _GaugeCollector(Collector):
                 yield CounterMetricFamily(f"{self._prefix}_{name.removesuffix('_total')}", text, value=float(value))
             else:
                 yield GaugeMetricFamily(f"{self._prefix}_{name}", text, value=float(value))
+
+
+class _PartsCollector(Collector):
+    """One gauge with a ``part`` label, read from a component at scrape time (bytes held per cache)."""
+
+    def __init__(self, name: str, text: str, source: GaugeSource) -> None:
+        self._name = name
+        self._text = text
+        self._source = source
+
+    def collect(self) -> Iterable[Metric]:
+        family = GaugeMetricFamily(self._name, self._text, labels=["part"])
+        for part, value in self._source().items():
+            family.add_metric([part], float(value))
+        yield family
 
 
 def _buckets(latency: StepLatency) -> list[tuple[str, float]]:
@@ -107,6 +124,11 @@ class Metrics:
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        # ``memproxy serve``'s processes (``PROMETHEUS_MULTIPROC_DIR``, set by the supervisor): counters and
+        # histograms live in files there, and a scrape of any chat process sums them over every process (the
+        # writer's included); the collectors of this process's components are rendered beside them.
+        self._shared_dir = os.environ.get(MULTIPROC_ENV) or None
+        self._collectors = CollectorRegistry()
         self.requests = Counter("memproxy_requests", "Requests served", ["endpoint", "status"], registry=self.registry)
         self.stage_seconds = Histogram(
             "memproxy_stage_seconds", "Time per request stage", ["stage"], buckets=_BUCKETS, registry=self.registry
@@ -157,9 +179,13 @@ class Metrics:
 
         ``refresh`` (async) runs before each scrape, for sources whose numbers need I/O to collect.
         """
-        self.registry.register(_GaugeCollector(prefix, source))
+        self.register(_GaugeCollector(prefix, source))
         if refresh is not None:
             self._refreshers.append(refresh)
+
+    def add_memory_parts(self, source: GaugeSource) -> None:
+        """Expose ``memproxy_memory_bytes{part}``: bytes each bounded part of this process holds (``source``)."""
+        self.register(_PartsCollector("memproxy_memory_bytes", "Bytes held, per bounded part", source))
 
     async def refresh(self) -> None:
         """Update the gauges that need I/O (before rendering)."""
@@ -168,7 +194,7 @@ class Metrics:
 
     def add_queue(self, source: QueueSource, refresh: Refresh | None = None) -> None:
         """Expose the job queue's snapshot (``source``, refreshed by ``refresh`` before each scrape)."""
-        self.registry.register(QueueCollector(source))
+        self.register(QueueCollector(source))
         if refresh is not None:
             self._refreshers.append(refresh)
 
@@ -212,6 +238,19 @@ class Metrics:
             child = self._stages[stage] = self.stage_seconds.labels(stage)
         child.observe(seconds)
 
+    def register(self, collector: Collector) -> None:
+        """Add a component's collector (read at scrape time, this process's numbers)."""
+        self.registry.register(collector)
+        self._collectors.register(collector)
+
+    def render_collectors(self) -> bytes:
+        """The exposition of this process's components only (no counters or histograms)."""
+        return generate_latest(self._collectors)
+
     def render(self) -> bytes:
         """The Prometheus text exposition."""
-        return generate_latest(self.registry)
+        if self._shared_dir is None:
+            return generate_latest(self.registry)
+        shared = CollectorRegistry()
+        multiprocess.MultiProcessCollector(shared, self._shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(shared) + generate_latest(self._collectors)

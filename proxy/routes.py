@@ -18,6 +18,7 @@ from proxy.feature_report import readiness
 from proxy.passthrough import anthropic_path, openai_path
 from proxy.paths import CHAT_PATHS, MESSAGES_PATHS, RESPONSES_PATHS
 from proxy.relay import MemoryCall, storage_degraded
+from proxy.relay_memory import merged_metrics
 from proxy.state import STATE
 
 log = structlog.get_logger("memproxy.request")
@@ -83,7 +84,12 @@ async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text."""
     state = request.app[STATE]
     await state.metrics.refresh()
-    return web.Response(body=state.metrics.render(), content_type="text/plain", charset="utf-8")
+    if request.query.get("collectors") == "only":  # the writer's components, for a chat process to merge
+        return web.Response(body=state.metrics.render_collectors(), content_type="text/plain", charset="utf-8")
+    body = state.metrics.render()
+    if state.extra_metrics is not None:
+        body = merged_metrics(body, await state.extra_metrics())
+    return web.Response(body=body, content_type="text/plain", charset="utf-8")
 
 
 def add_routes(app: web.Application) -> None:

@@ -1,19 +1,22 @@
 """Running the app: bind, serve until SIGTERM/SIGINT, then shut down gracefully.
 
 Shutdown order: stop accepting connections, let in-flight requests (streams included) finish up to
-``server.shutdown_grace_s``, then run the app's cleanup (which drains the background workers). A restart in
-place (``proxy.recycle``) shuts down the same way, keeping the listening sockets open for the next image.
+``server.shutdown_grace_s``, then run the app's cleanup (which drains the background workers). ``memproxy serve``
+runs the app in several processes (``proxy.supervisor``, ``proxy.roles``); ``serve`` alone is one process with
+everything in it (the tests' servers, and each of those processes with its part).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import functools
+import gc
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from pathlib import Path
 from typing import Any, cast
 
 import orjson
@@ -23,20 +26,16 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from tqdm import tqdm
 
-from proxy.access import open_relay_problem
 from proxy.app import MemoryFactory, build_app
-from proxy.config import ConfigError, Settings, load_settings
+from proxy.config import Settings
 from proxy.errors import BadRequest, ProxyError, error_response
-from proxy.heap import QUIET_CHECK_S, QuietTrimmer, arrow_on_system_malloc, fix_mmap_threshold, freeze_startup_objects
 from proxy.logs import configure_logging
 from proxy.memory.embedders import build_embedder
-from proxy.memory.store import MemoryStore, SchemaError, Ticker
-from proxy.recycle import Activity, Recycler, inherited_sockets, keep_listening, reexec
+from proxy.memory.store import MemoryStore
 from proxy.state import STATE
+from proxy.supervisor import EXIT_CONFIG, load_or_exit
 
 log = structlog.get_logger("memproxy.server")
-
-EXIT_CONFIG = 2
 
 
 HEAD_TIMEOUT_BODY = orjson.dumps(
@@ -145,92 +144,51 @@ class AppRunner(web.AppRunner):
         return server
 
 
-def release_idle(app: web.Application) -> int:
-    """The memory service's ``release_idle`` (users dropped from its caches), once the service is up."""
-    state = app.get(STATE)
-    return state.memory.release_idle() if state is not None else 0
-
-
-async def jobs_busy(app: web.Application) -> bool | None:
-    """Whether a memory job is due or running (None while the memory service is not up, or has no queue)."""
-    state = app.get(STATE)
-    memory = state.memory if state is not None else None
-    if memory is None or not memory.ready:
-        return None
-    try:
-        return await asyncio.wait_for(memory.jobs_busy(), timeout=2.0)
-    except Exception:  # a queue too busy to answer is busy
-        return True
-
-
 async def serve(
-    settings: Settings, *, memory_factory: MemoryFactory | None = None, listening: list[socket.socket] | None = None
-) -> list[int]:
-    """Serve until a termination signal arrives (returns []) or the process should restart in place
-    (``proxy.recycle``: returns the listening sockets' descriptors, kept open for the next image).
+    settings: Settings,
+    *,
+    memory_factory: MemoryFactory | None = None,
+    listening: list[socket.socket] | None = None,
+    unix_path: str | None = None,
+    memory_relay: Path | None = None,
+    started: Callable[[web.Application], Awaitable[None]] | None = None,
+) -> None:
+    """Serve the app until a termination signal arrives.
 
-    ``listening``: sockets to serve on (a previous image's) instead of binding ``server.host``/``port``.
+    ``listening``: sockets to serve on (a chat process's, inherited from the supervisor) instead of binding
+    ``server.host``/``port``; ``unix_path``: serve on that Unix socket instead (the memory writer's copy of the
+    app); ``memory_relay``: a chat process (``build_app``); ``started(app)``: awaited once serving.
     """
-    app = build_app(settings, memory_factory=memory_factory)
-    activity = Activity()
-    app.middlewares.insert(0, activity.middleware)
+    app = build_app(settings, memory_factory=memory_factory, memory_relay=memory_relay)
     runner = AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
     )
     await runner.setup()
-    freeze_startup_objects()
+    gc.freeze()  # the start-up objects live as long as the process: no collection needs to walk them again
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     server = settings.server
-    trimmer = QuietTrimmer(release=functools.partial(release_idle, app))
-    recycler = None
-    if server.recycle_rss_growth > 0:
-        busy = functools.partial(jobs_busy, app)
-        recycler = Recycler(
-            server.recycle_rss_growth,
-            server.recycle_min_growth_mb,
-            server.recycle_quiet_s,
-            activity,
-            busy,
-            quiet=lambda: trimmer.quiet,
-        )
-    recycling: list[str] = []
-
-    async def tick() -> None:
-        await trimmer.tick()  # proxy.heap; its check also says whether the last interval was quiet
-        if recycler is not None and not stop.is_set() and (reason := await recycler.due()) is not None:
-            recycling.append(reason)
-            stop.set()
-
-    kept: list[int] = []
     try:
-        async with Ticker("heap-trim", QUIET_CHECK_S, tick):
-            sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in listening or ()]
-            sites = sites or [web.TCPSite(runner, server.host, server.port, reuse_address=True)]
-            for site in sites:
-                await site.start()
+        sites: list[web.BaseSite] = [web.SockSite(runner, sock) for sock in listening or ()]
+        if unix_path is not None:
+            sites.append(web.UnixSite(runner, unix_path))
+        sites = sites or [web.TCPSite(runner, server.host, server.port, reuse_address=True)]
+        for site in sites:
+            await site.start()
+        if listening is None and unix_path is None:
             addresses = [f"http://{a[0]}:{a[1]}" for a in runner.addresses if isinstance(a, tuple)]
-            log.info(
-                "server.started",
-                addresses=addresses,
-                port=runner.addresses[0][1],
-                upstream=settings.upstream.base_url,
-                memory=settings.memory.enabled,
-                restarted_in_place=bool(listening),
-            )
-            await stop.wait()
-            if recycling:
-                kept = keep_listening(runner)
-                log.info("server.recycling", reason=recycling[0], grace_s=server.shutdown_grace_s)
-            else:
-                log.info("server.stopping", grace_s=server.shutdown_grace_s)
-            app[STATE].stopping = True
+            log.info("server.started", addresses=addresses, port=runner.addresses[0][1],
+                     upstream=settings.upstream.base_url, memory=settings.memory.enabled)  # fmt: skip
+        if started is not None:
+            await started(app)
+        await stop.wait()
+        log.info("server.stopping", grace_s=server.shutdown_grace_s)
+        app[STATE].stopping = True
     finally:
         await runner.cleanup()
         log.info("server.stopped")
-    return kept
 
 
 async def reindex(settings: Settings) -> int:
@@ -247,44 +205,9 @@ async def reindex(settings: Settings) -> int:
                 return await store.reindex(progress)
 
 
-def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    server: dict[str, Any] = {}
-    if getattr(args, "host", None) is not None:
-        server["host"] = args.host
-    if getattr(args, "port", None) is not None:
-        server["port"] = args.port
-    return {"server": server} if server else {}
-
-
-def load_or_exit(args: argparse.Namespace) -> Settings:
-    """The settings, or exit code 2 with one message naming the bad key."""
-    try:
-        return load_settings(getattr(args, "config", None), overrides=_overrides(args))
-    except ConfigError as exc:
-        print(str(exc), file=sys.stderr)
-        raise SystemExit(EXIT_CONFIG) from None
-
-
 def run_command(args: argparse.Namespace) -> None:
-    """``memproxy serve`` and ``memproxy reindex``."""
-    listening = inherited_sockets() if args.command == "serve" else []  # a restart in place (proxy.recycle)
+    """``memproxy reindex`` (``memproxy serve``: ``proxy.supervisor.serve_command``)."""
     settings = load_or_exit(args)
-    if args.command == "serve":
-        problem = open_relay_problem(settings)
-        if problem is not None:  # like Redis's protected mode: refuse rather than serve an open relay
-            print(problem, file=sys.stderr)
-            raise SystemExit(EXIT_CONFIG)
-        configure_logging(settings.logging.level)
-        fix_mmap_threshold()
-        arrow_on_system_malloc()
-        try:
-            while kept := uvloop.run(serve(settings, listening=listening)):
-                reexec(kept)  # returns only if the exec failed: serve again from this image
-                listening = [socket.socket(fileno=fd) for fd in kept]
-        except SchemaError as exc:  # a store this version cannot serve: say what to do, no traceback
-            print(f"memproxy: {exc}", file=sys.stderr)
-            raise SystemExit(1) from None
-        return
     if settings.storage.uri and "://" in settings.storage.uri:  # replicas share it: docs/scaling.md
         print("config error: storage.uri: memproxy reindex works on a local store only", file=sys.stderr)
         raise SystemExit(EXIT_CONFIG)

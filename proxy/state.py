@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -27,6 +28,8 @@ class AppState:
     response_chains: ResponseChains = dataclasses.field(default_factory=ResponseChains)
     commits: ExchangeCommitter = dataclasses.field(init=False)  # set at startup, after the memory service
     stopping: bool = False
+    # More Prometheus text for ``/metrics`` (a chat process: the memory writer's numbers), merged under its own
+    extra_metrics: Callable[[], Awaitable[bytes]] | None = None
     read_slots: asyncio.Semaphore = dataclasses.field(init=False)  # memory.max_concurrent_reads
 
     def __post_init__(self) -> None:

@@ -45,7 +45,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the ``memproxy`` console script."""
     args = _parser().parse_args(argv)
-    if args.command in ("serve", "reindex"):
+    if args.command == "serve":
+        importlib.import_module("proxy.supervisor").serve_command(args)
+    elif args.command == "reindex":
         # Imported here, not at the top: the server stack (LanceDB, onnxruntime, litellm clients) costs seconds
         # of CPU to import, and the memory-management commands only speak HTTP to a running server.
         importlib.import_module("proxy.server").run_command(args)

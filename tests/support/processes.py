@@ -71,6 +71,10 @@ class Process:
         Path(self._log.name).unlink(missing_ok=True)
 
 
+# What the Dockerfile and ``make serve`` set (docs/operations.md, "Memory (RSS)"): the benchmarks run memproxy so.
+DEPLOYED_ALLOCATOR = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for child processes: offline, no inherited MEMPROXY_* settings."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MEMPROXY_")}
@@ -98,6 +102,9 @@ def memproxy_process(
     env: Mapping[str, str], args: list[str] | None = None, timeout: float = 120.0, cwd: Path = ROOT
 ) -> Iterator[tuple[Process, str]]:
     """``memproxy serve --port 0`` with ``env`` in ``cwd``; yields it and its base URL (ending in /v1)."""
+    # one chat process beside the writer unless a test asks for more (two shared cores; tests/test_processes.py
+    # runs two): the same process model, a process fewer per server
+    env = {"MEMPROXY_SERVER__WORKERS": "1", **env}
     proc = Process([str(MEMPROXY), "serve", "--port", "0", *(args or [])], child_env(**env), cwd)
     try:
         line = proc.wait_for(r'"event":\s*"server.started"', timeout=timeout).string
@@ -106,3 +113,27 @@ def memproxy_process(
     finally:
         proc.stop()
         proc.cleanup()
+
+
+def process_tree(pid: int) -> dict[int, str]:
+    """``pid`` and its descendants, each with its role in ``memproxy serve``'s process model (``supervisor``,
+    ``writer-0``, ``chat-1``...; ``other`` for anything else)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = {pid: "supervisor"}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            try:
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            role = argv[argv.index(b"proxy.roles") + 1].decode() if b"proxy.roles" in argv else "other"
+            index = argv[argv.index(b"--index") + 1].decode() if b"--index" in argv else "0"
+            tree[child] = f"{role}-{index}"
+            todo.append(child)
+    return tree

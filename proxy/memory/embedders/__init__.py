@@ -17,15 +17,18 @@ from typing import TYPE_CHECKING
 from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
+    from proxy.memory.embedders.base import BaseEmbedder
     from proxy.memory.embedders.factory import build_embedder
     from proxy.memory.embedders.settings import EmbedderSettings
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
+    "BaseEmbedder": "proxy.memory.embedders.base",
     "EmbedderSettings": "proxy.memory.embedders.settings",
     "build_embedder": "proxy.memory.embedders.factory",
 }
 __all__ = [
+    "BaseEmbedder",
     "EmbedderSettings",
     "build_embedder",
 ]

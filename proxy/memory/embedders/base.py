@@ -56,6 +56,12 @@ class QueryCache:
         self._items.move_to_end(key)
         return vector
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the vectors held (LRU and pinned), by their arrays' sizes plus their keys."""
+        held = [*self._items.values(), *(vector for vector, _ in self._pinned.values())]
+        return sum(_nbytes(vector) + _KEY_BYTES for vector in held)
+
     def clear(self) -> None:
         """Empty the LRU (pinned vectors stay: their jobs still need them)."""
         self._items.clear()
@@ -280,3 +286,10 @@ class BaseEmbedder(ABC):
             expected = (len(texts), self.dim)
             raise EmbedderError(f"{self.model_id} returned vectors of shape {vectors.shape}, not {expected}")
         return vectors
+
+
+_KEY_BYTES = 16 + 100  # a blake2b digest and the dict's slot and objects around it
+
+
+def _nbytes(vectors: Vectors) -> int:
+    return int(vectors.nbytes)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
+    from proxy.memory.read.adapter_cache import AdapterCache, adapter_loader
     from proxy.memory.read.block import MemoryItem, month_year
     from proxy.memory.read.candidates import Candidate
     from proxy.memory.read.injection import appended, choose, inject, merge_block
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
+    "AdapterCache": "proxy.memory.read.adapter_cache",
+    "adapter_loader": "proxy.memory.read.adapter_cache",
     "BlockPlan": "proxy.memory.read.placement",
     "CachedBudgets": "proxy.memory.read.placement",
     "Candidate": "proxy.memory.read.candidates",
@@ -66,6 +69,7 @@ _WHERE = {
     "retrieve": "proxy.memory.read.retrieval",
 }
 __all__ = [
+    "AdapterCache",
     "BlockPlan",
     "CachedBudgets",
     "Candidate",
@@ -79,6 +83,7 @@ __all__ = [
     "Reranker",
     "RetrievalResult",
     "RetrievalSettings",
+    "adapter_loader",
     "appended",
     "choose",
     "content_text",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from proxy.memory.embedders.protocol import Embedder
+from proxy.memory.query_adapter import QueryAdapter
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, PAST_KINDS, ArmHit, ScoredRecord
 from proxy.memory.read.names import NameIndex, entity_scores, names_in_query
 from proxy.memory.read.query import Query
@@ -97,13 +98,17 @@ async def _dense_arm(
     since: datetime | None,
     report: Report,
     subjects_wanted: bool = True,
+    adapter: QueryAdapter | None = None,
 ) -> Dense | None:
-    """Embed the query, then search both pools and (when wanted) the subjects in one pass over the vectors."""
+    """Embed the query (through the user's query adapter, if any), then search both pools and (when wanted) the
+    subjects in one pass over the vectors."""
     timeout_s = settings.arm_timeout_ms / 1000
     vector = await guarded("embedder", embedder.embed_query(query.text), timeout_s, report)
     if vector is None:
         report.degraded[DENSE] = f"embedder-{report.degraded.pop('embedder')}"
         return None
+    if adapter is not None and adapter.model_id == embedder.model_id:
+        vector = adapter.apply(vector)
 
     pools = _pools(settings.dense_k, since, settings)
     searched = len(pools)
@@ -250,15 +255,18 @@ async def run_arms(
     conversation_id: str | None,
     names: NameIndex | ReadCache | None,
     report: Report,
+    adapter: QueryAdapter | None = None,
 ) -> Found:
     """Run every arm and lookup, each within its timeout: concurrently, or one after the other when none of
-    them waits on anything (``at_hand``)."""
+    them waits on anything (``at_hand``). ``adapter``: the user's query adapter (None: the query as embedded)."""
     since, timeout_s = window_start(now, settings), settings.arm_timeout_ms / 1000
     keyword_text = " ".join(query.terms) if settings.bm25_drop_stopwords else query.text
     steps = (
         step(
             DENSE,
-            lambda: _dense_arm(store, embedder, user_id, query, settings, since, report, _has_subjects(user_id, names)),
+            lambda: _dense_arm(
+                store, embedder, user_id, query, settings, since, report, _has_subjects(user_id, names), adapter
+            ),
             True,
             2 * timeout_s,
             report,

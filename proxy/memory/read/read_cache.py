@@ -110,6 +110,10 @@ class ReadCache:
         """Forget everything cached for a user."""
         self._users.pop(user_id, None)
 
+    def clear(self) -> None:
+        """Forget everything cached for every user."""
+        self._users.clear()
+
     async def get(self, store: RetrievalStore, user_id: str) -> NameIndex:
         """The user's name index (the original ``NameIndexCache`` call)."""
         return await self.names(store, user_id)

@@ -22,6 +22,7 @@ from typing import Any
 
 from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.pieces import term_vectors_of
+from proxy.memory.query_adapter import QueryAdapter
 from proxy.memory.read.arms import Found, entity_hits, run_arms
 from proxy.memory.read.block import MemoryItem
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, Candidate, ScoredRecord
@@ -88,6 +89,7 @@ async def retrieve(
     names: NameIndex | ReadCache | None = None,
     reranker: Reranker | None = None,
     explain: bool = True,
+    adapter: QueryAdapter | None = None,
 ) -> RetrievalResult:
     """Find, rank and choose the memories of ``user_id`` for a chat request (see the module docstring).
 
@@ -95,14 +97,14 @@ async def retrieve(
     ``conversation_id`` keeps this conversation out of "recent activity". ``reranker`` (enabled in its settings)
     reorders the best fused candidates when the dense and BM25 arms disagree on first place. ``explain``: the
     candidates list the boosts that lifted them and their arm scores (the chat path passes False: it never
-    shows them).
+    shows them). ``adapter``: the user's query adapter, applied to the dense arm's query vector (None: none).
     """
     started = time.perf_counter()
     query = build_query(messages, short_words=settings.short_query_words, expand=settings.expand_anaphoric)
     if query is None:
         return RetrievalResult(query=None)
     report = Report()
-    found = await run_arms(store, embedder, user_id, query, settings, now, conversation_id, names, report)
+    found = await run_arms(store, embedder, user_id, query, settings, now, conversation_id, names, report, adapter)
     fusing = time.perf_counter()
     arms, gated = _arm_hits(found, query, settings)
     subjects = found.dense.subjects if found.dense else ()

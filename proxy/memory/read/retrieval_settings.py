@@ -74,6 +74,10 @@ class RetrievalSettings(BaseModel):
     recent_messages: int = Field(5, ge=0)  # the user's last messages from other conversations
     max_insights: int = Field(10, ge=0)
     summary_cooldown_minutes: float = Field(0.0, ge=0)  # skip summaries injected this recently (0: off)
+    # the per-user query adapter (proxy/memory/query_adapter.py): refit by a write-side job, applied to the dense
+    # arm's query vector. Off: on LoCoMo it lost on both splits (docs/tuning.md)
+    query_adapter: bool = False
+    query_adapter_cache_bytes: int = Field(32 * 2**20, ge=0)  # loaded adapters kept in RAM (~400 kB each)
 
 
 class InjectionSettings(BaseModel):

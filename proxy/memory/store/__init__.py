@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from proxy.memory.store.objectstore import ObjectStore, StorageLocation
     from proxy.memory.store.reads import Page
     from proxy.memory.store.records import Kind, MemoryRecord, new_id, newest_generation, utcnow
-    from proxy.memory.store.replicated import ReplicatedStore
+    from proxy.memory.store.replicated import ReplicatedStore, shared_table
     from proxy.memory.store.runtime import ClusterRuntime
     from proxy.memory.store.settings import StoreSettings, StoreTuning
 
@@ -46,6 +46,7 @@ _WHERE = {
     "ReplicatedStore": "proxy.memory.store.replicated",
     "SchemaError": "proxy.memory.store.migrations",
     "StorageHealth": "proxy.memory.store.faults",
+    "shared_table": "proxy.memory.store.replicated",
     "StorageLocation": "proxy.memory.store.objectstore",
     "StoreSettings": "proxy.memory.store.settings",
     "StoreTuning": "proxy.memory.store.settings",
@@ -83,6 +84,7 @@ __all__ = [
     "new_id",
     "newest_generation",
     "replica_name",
+    "shared_table",
     "utcnow",
     "valid_app_id",
     "valid_record_id",

@@ -52,6 +52,7 @@ class ClusterSettings:
     settle_s: float = 10.0
     dead_after_s: float = 15.0
     changes_keep_s: float = 600.0
+    replica: str | None = None  # this replica's name (None: ``replica_name()``); one for all processes of a serve
 
 
 def replica_name() -> str:

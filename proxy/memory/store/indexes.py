@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import lancedb
 from lancedb.index import Bitmap, BTree, HnswSq
 
 # HNSW build parameters, cheaper than Lance's defaults (m 20, ef_construction 300): the build took a
@@ -64,3 +65,11 @@ async def drop_ann_index(table: Any) -> None:
     name = (await indexed_columns(table)).get(("embedding",))
     if name is not None:
         await table.drop_index(name)
+
+
+def lance_session(cache_bytes: int | None) -> Any:
+    """A LanceDB session whose caches hold at most ``cache_bytes`` (three quarters for indexes), or the default."""
+    if cache_bytes is None:
+        return None
+    index = cache_bytes * 3 // 4
+    return lancedb.Session(index_cache_size_bytes=index, metadata_cache_size_bytes=cache_bytes - index)

@@ -54,7 +54,7 @@ def _unique(tokens: Iterable[str], limit: int) -> list[str]:
 class _Generation:
     """One physical Tantivy index directory with its writer."""
 
-    def __init__(self, path: Path, heap_bytes: int) -> None:
+    def __init__(self, path: Path, heap_bytes: int, *, writable: bool = True) -> None:
         self.path = path
         self.schema = index_schema()
         path.mkdir(parents=True, exist_ok=True)
@@ -65,8 +65,11 @@ class _Generation:
         self.index.register_tokenizer(WORDS, word_analyzer())
         self.index.register_tokenizer(STEMS, stem_analyzer())
         self.index.register_tokenizer(CJK, cjk_analyzer())
+        self.writer: Any = None
+        if not writable:  # a follower's: the writer process holds the index writer
+            return
         try:
-            self.writer: Any = self.index.writer(heap_size=heap_bytes, num_threads=1)
+            self.writer = self.index.writer(heap_size=heap_bytes, num_threads=1)
         except ValueError as exc:
             raise StoreError(f"cannot open the keyword index writer at {path}: {exc}") from exc
 
@@ -101,8 +104,10 @@ class _Unusable(Exception):
 class KeywordIndex:
     """The Tantivy index under ``path``; open with ``async with``."""
 
-    def __init__(self, path: Path, *, heap_bytes: int = 64_000_000, threads: int = 2) -> None:
+    def __init__(self, path: Path, *, heap_bytes: int = 64_000_000, threads: int = 2, follower: bool = False) -> None:
+        """``follower``: open the index another process writes, read only (``reload`` picks up its commits)."""
         self.path = path
+        self.follower = follower
         self._heap_bytes = heap_bytes
         self._threads = threads
         self._words = word_analyzer()
@@ -112,6 +117,7 @@ class KeywordIndex:
         self._gen: _Generation | None = None
         self.fresh = False  # True when opening found no usable index (the store re-indexes everything)
         self.commits = 0  # commits since opening (the store's maintenance rewrites a fragmented index only when quiet)
+        self.on_commit: Callable[[], object] | None = None  # told after each commit or rebuild (the writer's mirror)
 
     async def __aenter__(self) -> KeywordIndex:
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix="tantivy")
@@ -141,10 +147,18 @@ class KeywordIndex:
             raise RuntimeError("keyword index is not open")
         return self._gen
 
-    def _open_current(self) -> _Generation:
-        self.path.mkdir(parents=True, exist_ok=True)
+    def _current_name(self) -> str:
         pointer = self.path / "CURRENT"
-        name = pointer.read_text().strip() if pointer.exists() else ""
+        return pointer.read_text().strip() if pointer.exists() else ""
+
+    def _open_current(self) -> _Generation:
+        if self.follower:
+            name = self._current_name()
+            if not name:
+                raise StoreError(f"no keyword index at {self.path} yet (the memory writer creates it)")
+            return _Generation(self.path / name, self._heap_bytes, writable=False)
+        self.path.mkdir(parents=True, exist_ok=True)
+        name = self._current_name()
         self._remove_other_generations(keep=name)
         if name:
             try:
@@ -170,6 +184,14 @@ class KeywordIndex:
         for child in self.path.iterdir():
             if child.is_dir() and child.name != keep:
                 shutil.rmtree(child, ignore_errors=True)
+
+    async def reload(self) -> None:
+        """A follower's: see the writer's latest commit, or the generation it swapped in (a rebuild)."""
+        gen = self._g
+        if self._current_name() != gen.path.name:
+            self._gen = await self._run(self._open_current)
+            return
+        await self._run(gen.index.reload)
 
     # writes ---------------------------------------------------------------------------------------------
 
@@ -221,6 +243,8 @@ class KeywordIndex:
         async with self._lock:
             await self._run(self._commit, self._g)
             self.commits += 1
+        if self.on_commit is not None:
+            self.on_commit()
 
     @staticmethod
     def _commit(gen: _Generation) -> None:
@@ -242,7 +266,9 @@ class KeywordIndex:
             self._gen = gen
             await self._run(old.close)
             await self._run(shutil.rmtree, old.path, True)
-            return count
+        if self.on_commit is not None:
+            self.on_commit()
+        return count
 
     @staticmethod
     def _add_all(gen: _Generation, docs: Sequence[KeywordDoc]) -> None:

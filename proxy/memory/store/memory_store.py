@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from proxy.memory.errors import StoreError
 from proxy.memory.pieces import TermVectors
+from proxy.memory.store.adapters import AdapterTable
 from proxy.memory.store.background import BatchWriter, Ticker
 from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
@@ -50,10 +51,14 @@ class MemoryStore:
         health: StorageHealth | None = None,
         shared: SharedTable | None = None,
         announce: Callable[[Iterable[str]], Awaitable[object]] = _no_announcement,
+        follower: bool = False,
     ) -> None:
         """``shared``: the table is on object storage, used by several replicas; ``announce(users)`` is awaited
-        before and after each commit of new records (``replicated.ReplicatedStore`` tells the others)."""
+        before and after each commit of new records (``replicated.ReplicatedStore`` tells the others).
+        ``follower``: a chat process's read-only view of the store the memory writer process owns (no writes,
+        no maintenance; the writer's cache writes and keyword commits reach it through ``follow``)."""
         self.settings = settings
+        self.follower = follower
         self.health = health or StorageHealth()
         self._embedder = embedder
         table = MemoryTable(
@@ -63,14 +68,21 @@ class MemoryStore:
             allow_mismatch=allow_mismatch,
             shared=shared,
             cache_bytes=settings.lance_cache_bytes,
+            follower=follower,
         )
-        keyword = KeywordIndex(settings.path / "tantivy")
+        keyword = KeywordIndex(settings.path / "tantivy", follower=follower)
         cache = VectorCache(settings.vector_cache_bytes)
         touches = TouchBuffer(timedelta(seconds=settings.touch_granularity_s))
         parts = StoreParts(table, keyword, cache, touches)
         self._lance, self._keyword, self._cache, self._touches = table, keyword, cache, touches
         self.reads = StoreReads(parts, embedder)
         self.writes = StoreWrites(settings, embedder, parts, self.reads, announce)
+        # the per-user query adapters, beside the memory table (its directory drops tables it does not know)
+        self.adapters = (
+            AdapterTable(settings.path / "adapters")
+            if shared is None
+            else AdapterTable(shared.uri.rstrip("/") + "-adapters", shared.storage_options)
+        )
         self._stack: AsyncExitStack | None = None
 
     @property
@@ -82,6 +94,8 @@ class MemoryStore:
 
     async def __aenter__(self) -> MemoryStore:
         single_thread_blas()
+        if self.follower:
+            return await self._open_following()
         self.settings.path.mkdir(parents=True, exist_ok=True)
         writes = self.writes
         async with AsyncExitStack() as stack:
@@ -109,6 +123,37 @@ class MemoryStore:
             self._stack = stack.pop_all()
         return self
 
+    async def _open_following(self) -> MemoryStore:
+        async with AsyncExitStack() as stack:
+            await self._lance.open()
+            stack.callback(self._lance.close)
+            await stack.enter_async_context(self._keyword)
+            stack.push_async_callback(self._cache.aclose)
+            self._stack = stack.pop_all()
+        return self
+
+    async def follow(self, op: str, args: tuple[Any, ...]) -> None:
+        """Apply one write the memory writer made (``VectorCache.mirror``'s ops, and ``keyword`` for a commit of
+        the keyword index) to this follower."""
+        if op == "keyword":
+            await self._keyword.reload()
+        elif op == "upsert":
+            self._cache.upsert(*args)
+        elif op == "patch":
+            user_id, ids, changes = args
+            self._cache.patch(user_id, ids, **changes)
+        elif op == "remove":
+            self._cache.remove(*args)
+        elif op == "drop":
+            self._cache.drop(*args)
+        elif op == "clear":
+            self._cache.clear()
+
+    def mirror_to(self, emit: Callable[[str, tuple[Any, ...]], object]) -> None:
+        """Send every write this (writing) store applies to its cache and keyword index to ``emit``."""
+        self._cache.mirror = emit
+        self._keyword.on_commit = lambda: emit("keyword", ())
+
     async def __aexit__(self, *exc: object) -> None:
         if self._stack is not None:
             await self._stack.aclose()
@@ -120,6 +165,12 @@ class MemoryStore:
     def cache(self) -> VectorCache:
         """The per-user vector cache (for metrics)."""
         return self._cache
+
+    @property
+    def lance_cache_bytes(self) -> int:
+        """Bytes LanceDB's session caches hold now (its index and metadata caches)."""
+        session = self._lance.session
+        return int(session.size_bytes) if session is not None else 0
 
     @property
     def searched_lance(self) -> bool:
@@ -282,8 +333,11 @@ class MemoryStore:
         return await self.writes.delete_many(user_id, ids)
 
     async def forget_user(self, user_id: str, *, purge: bool = True) -> dict[str, int]:
-        """Erase every record of the user from both arms, the cache and the files (``StoreWrites.forget_user``)."""
-        return await self.writes.forget_user(user_id, purge=purge)
+        """Erase every record of the user from both arms, the cache and the files (``StoreWrites.forget_user``),
+        and their query adapter."""
+        counts = await self.writes.forget_user(user_id, purge=purge)
+        await self.adapters.delete(user_id)
+        return counts
 
     async def repair(self) -> dict[str, int]:
         """Make Tantivy agree with LanceDB: index what it lacks or holds stale, drop what LanceDB lost."""

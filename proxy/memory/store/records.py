@@ -21,6 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
 
+from proxy.memory.errors import StoreError
+from proxy.memory.store.background import Submission
+
 SCHEMA_VERSION = 2  # 2: ``expires_at`` (a nullable column, added on open: see ``migrations``)
 
 
@@ -307,3 +310,12 @@ def from_row(row: Mapping[str, Any]) -> MemoryRecord:
         if name in values:
             values[name] = convert(values[name])
     return MemoryRecord(**values)
+
+
+def foreign_ids(submission: Submission[MemoryRecord], owners: dict[str, str]) -> StoreError | None:
+    """The error for a submitted record whose id another user's record has already (``owners``: id -> user)."""
+    for record in submission.items:
+        owner = owners.get(record.id)
+        if owner is not None and owner != record.user_id:
+            return StoreError(f"record id {record.id} is already used by another user")
+    return None

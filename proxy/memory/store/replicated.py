@@ -29,6 +29,17 @@ from proxy.memory.store.records import MemoryRecord
 from proxy.memory.store.table import SharedTable
 
 
+def shared_table(cluster: ClusterSettings, objects: ObjectStore) -> SharedTable:
+    """Where the replicas' shared table is, and how each one reads it."""
+    return SharedTable(
+        uri=cluster.location.child("lance"),
+        storage_options=cluster.location.lance_options(),
+        manifests=RemoteManifest(objects),
+        read_consistency=timedelta(seconds=cluster.sync_interval_s),
+        purge_cleanup=timedelta(seconds=max(60.0, 4 * cluster.sync_interval_s)),
+    )
+
+
 class ReplicatedStore(MemoryStore):
     """A ``MemoryStore`` on a shared table: announces its writes, applies others', maintains only when leader."""
 
@@ -43,13 +54,7 @@ class ReplicatedStore(MemoryStore):
         allow_mismatch: bool = False,
         health: StorageHealth | None = None,
     ) -> None:
-        shared = SharedTable(
-            uri=cluster.location.child("lance"),
-            storage_options=cluster.location.lance_options(),
-            manifests=RemoteManifest(objects),
-            read_consistency=timedelta(seconds=cluster.sync_interval_s),
-            purge_cleanup=timedelta(seconds=max(60.0, 4 * cluster.sync_interval_s)),
-        )
+        shared = shared_table(cluster, objects)
         self.feed = ChangeFeed(objects, replica, lookback_s=max(30.0, cluster.settle_s * 2))
         super().__init__(
             settings, embedder, allow_mismatch=allow_mismatch, health=health, shared=shared, announce=self.feed.publish

@@ -76,10 +76,12 @@ class MemoryTable:
         allow_mismatch: bool = False,
         shared: SharedTable | None = None,
         cache_bytes: int | None = None,  # None: LanceDB's default session
+        follower: bool = False,  # the table another process writes: opened read only, every read sees its commits
     ) -> None:
         self.path = path
+        self.follower = follower
         # LanceDB's own caches (opened indexes; file metadata and manifests), which default to 6 GB + 1 GB.
-        self.session = _session(cache_bytes)
+        self.session = indexes.lance_session(cache_bytes)
         self.shared = shared
         self.manifests: Any = shared.manifests if shared else LocalManifest(path / "manifest.json")
         self.model_id = model_id
@@ -105,6 +107,9 @@ class MemoryTable:
 
     async def open(self) -> None:
         """Connect, check the embedding model, open (or create) the live table, drop leftovers."""
+        if self.follower:
+            await self._open_following()
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         if self.shared is None:
             self._db = await lancedb.connect_async(self.path, session=self.session)
@@ -140,15 +145,26 @@ class MemoryTable:
             if name != manifest.table:
                 await self._db.drop_table(name)
 
+    async def _open_following(self) -> None:
+        """A follower's open of the table the writer made: read only, each read at the writer's latest version."""
+        uri, options = (self.shared.uri, self.shared.storage_options) if self.shared else (str(self.path), None)
+        self._db = await lancedb.connect_async(uri, storage_options=options, read_consistency_interval=timedelta(0),
+                                               session=self.session)  # fmt: skip
+        manifest = await self.manifests.read()
+        if manifest is None:
+            raise StoreError(f"no memory table at {uri} yet (the memory writer creates it)")
+        self._check_model(manifest)
+        self._table = await self._db.open_table(manifest.table)
+        self.manifest = manifest
+
     async def _creators_table(self, name: str, dim: int) -> Any:
         """Open the shared table the replica whose manifest claim won is creating.
 
-        Replicas started together on an empty bucket race to create the table; two creations both commit in
-        LanceDB (the later one as an Overwrite of the earlier, which fails or, worse, erases the winner's first
-        appends). So only the replica whose conditional write of the manifest landed creates it; the others wait
-        for it here, and create it themselves only if it never comes (its creator died after its claim). The
-        table's directory is listed before its first version is committed: opening it fails until then (a CI
-        run saw "Table 'memories_1' was not found" for a name just listed), so that counts as not there yet.
+        Replicas started together on an empty bucket race to create the table; two creations both commit (the later
+        as an Overwrite of the earlier, which fails or erases the winner's first appends). So only the replica whose
+        conditional write of the manifest landed creates it; the others wait for it here, and create it only if it
+        never comes (its creator died). A table listed before its first version is committed fails to open
+        (CI saw "Table 'memories_1' was not found"): that counts as not there yet.
         """
         deadline = time.monotonic() + CREATOR_WAIT_S
         pause = 0.05
@@ -428,11 +444,3 @@ async def _rebatch(batches: AsyncIterator[pa.RecordBatch], rows: int) -> AsyncIt
             buffer, size = rest.to_batches(), rest.num_rows
     if size:
         yield pa.Table.from_batches(buffer)
-
-
-def _session(cache_bytes: int | None) -> Any:
-    """A LanceDB session whose caches hold at most ``cache_bytes`` (three quarters for indexes), or the default."""
-    if cache_bytes is None:
-        return None
-    index = cache_bytes * 3 // 4
-    return lancedb.Session(index_cache_size_bytes=index, metadata_cache_size_bytes=cache_bytes - index)

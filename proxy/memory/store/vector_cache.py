@@ -46,6 +46,9 @@ class VectorCache:
         # is slower than the read-path deadline would otherwise never get cached and never get memory.
         self._loads: dict[str, asyncio.Task[UserVectors | None]] = {}
         self._too_big: OrderedDict[str, None] = OrderedDict()
+        # Told of every write applied here (``upsert``, ``patch``, ``remove``, ``drop``, ``clear`` and their
+        # arguments), not of evictions: the memory writer mirrors them to the chat processes' caches.
+        self.mirror: Callable[[str, tuple[Any, ...]], object] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -134,11 +137,11 @@ class VectorCache:
         self._total += size - self._bytes.get(user_id, 0)
         self._bytes[user_id] = size
         if size > self.max_bytes:
-            self.drop(user_id)
+            self._evict(user_id)
             self._mark_too_big(user_id)
             return
         while self._total > self.max_bytes:
-            self.drop(next(iter(self._entries)))
+            self._evict(next(iter(self._entries)))
 
     def upsert(
         self,
@@ -148,6 +151,8 @@ class VectorCache:
     ) -> None:
         """Apply added or changed records (already durable in LanceDB) to cached users, with their word pieces
         (None: none kept)."""
+        if self.mirror is not None:
+            self.mirror("upsert", (records, vectors, pieces))
         touched: set[str] = set()
         for i, (record, vector) in enumerate(zip(records, vectors, strict=True)):
             held = None if pieces is None else pieces[i]
@@ -164,6 +169,8 @@ class VectorCache:
 
     def patch(self, user_id: str, ids: Sequence[str], **changes: object) -> None:
         """Apply a field change that leaves vectors and filters alone (``last_accessed_at``: ahead of LanceDB)."""
+        if self.mirror is not None:
+            self.mirror("patch", (user_id, ids, changes))
         self._note_write(user_id, lambda loaded: loaded.patch(ids, **changes))
         entry = self._entries.get(user_id)
         if entry is not None:
@@ -172,6 +179,8 @@ class VectorCache:
     def remove(self, user_id: str, ids: Sequence[str]) -> None:
         """Apply deletes (already durable in LanceDB)."""
         ids = list(ids)
+        if self.mirror is not None:
+            self.mirror("remove", (user_id, ids))
         self._note_write(user_id, lambda loaded: loaded.remove(ids))
         self._too_big.pop(user_id, None)
         entry = self._entries.get(user_id)
@@ -193,11 +202,16 @@ class VectorCache:
                 break
             idle.append(user_id)
         for user_id in idle:
-            self.drop(user_id)
+            self._evict(user_id)
         return idle
 
     def drop(self, user_id: str) -> None:
-        """Forget everything cached about the user."""
+        """Forget everything cached about the user (their records changed in a way the cache cannot follow)."""
+        if self.mirror is not None:
+            self.mirror("drop", (user_id,))
+        self._evict(user_id)
+
+    def _evict(self, user_id: str) -> None:
         self._entries.pop(user_id, None)
         self._read_at.pop(user_id, None)
         self._total -= self._bytes.pop(user_id, 0)
@@ -206,8 +220,10 @@ class VectorCache:
 
     def clear(self) -> None:
         """Empty the cache (after a reindex, say)."""
+        if self.mirror is not None:
+            self.mirror("clear", ())
         for user_id in list(self._entries):
-            self.drop(user_id)
+            self._evict(user_id)
         for user_id in self._loading:
             self._loading[user_id] = None
         self._too_big.clear()

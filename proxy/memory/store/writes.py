@@ -40,7 +40,7 @@ from proxy.memory.store.datadir import DataDir
 from proxy.memory.store.ids import check_user_id, valid_record_id
 from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.reads import StoreParts, StoreReads
-from proxy.memory.store.records import Kind, MemoryRecord, arrow_rows, utcnow
+from proxy.memory.store.records import Kind, MemoryRecord, arrow_rows, foreign_ids, utcnow
 from proxy.memory.store.settings import DocumentEmbedder, StoreSettings
 from proxy.memory.store.touches import touch_chunks
 from proxy.memory.store.write_vectors import WriteVectors
@@ -81,6 +81,7 @@ class StoreWrites:
         self._announce = announce  # awaited with the users of a batch of new records, before and after its commit
         self.data_dir = DataDir(settings.path)
         self.lock = asyncio.Lock()
+        self.rewrites = asyncio.Lock()  # a compaction's: what rewrites or deletes rows takes it before ``lock``
         self.needs_repair = False
         self._purges = 0
         self.writer: BatchWriter[MemoryRecord] | None = None  # set while the store is open
@@ -155,7 +156,7 @@ class StoreWrites:
                 unique.setdefault(record.id, record)
         async with self._holding("flush"):
             owners = await self._lance.existing(self.maybe_stored(list(unique)))
-            errors: list[BaseException | None] = [_foreign_ids(s, owners) for s in batch]
+            errors: list[BaseException | None] = [foreign_ids(s, owners) for s in batch]
             refused = {r.id for s, e in zip(batch, errors, strict=True) if e is not None for r in s.items}
             new = [r for r in unique.values() if r.id not in owners and r.id not in refused]
             if new:
@@ -244,7 +245,7 @@ class StoreWrites:
         if "text" in changes:
             self._reads.check_model()
             vector = (await self._vectors.embed([str(changes["text"])]))[0]
-        async with self.lock:
+        async with self.rewrites, self.lock:
             return await self._update_locked(user_id, id, changes, vector)
 
     async def _update_locked(
@@ -271,7 +272,7 @@ class StoreWrites:
         bad |= set(changes) - {f.name for f in dataclasses.fields(MemoryRecord)}
         if bad:
             raise ValueError(f"cannot update {sorted(bad)} of several records at once")
-        async with self.lock:
+        async with self.rewrites, self.lock:
             found = await self._lance.records(user_id, ids)
             if not found:
                 return []
@@ -303,7 +304,7 @@ class StoreWrites:
             return
         chunks = touch_chunks(self._touches.take(), TOUCH_CHUNK)
         for done, chunk in enumerate(chunks):
-            async with self._holding("touches"):
+            async with self.rewrites, self._holding("touches"):
                 at = max(when for per_user in chunk.values() for when in per_user.values())
                 try:
                     await self._lance.touch({user: list(ids) for user, ids in chunk.items()}, at)
@@ -321,7 +322,7 @@ class StoreWrites:
         that were there."""
         check_user_id(user_id)
         ids = [i for i in ids if valid_record_id(i)]
-        async with self.lock:
+        async with self.rewrites, self.lock:
             found = [r.id for r in await self._lance.records(user_id, ids, embedding=False)] if ids else []
             if not found:
                 return []
@@ -341,7 +342,7 @@ class StoreWrites:
         """
         check_user_id(user_id)
         await self.drain()
-        async with self.lock:
+        async with self.rewrites, self.lock:
             counts = await self._lance.kind_counts(user_id)
             if not counts:
                 return {str(kind): 0 for kind in Kind}
@@ -413,7 +414,11 @@ class StoreWrites:
                 await self._purge(None)
             elif await self.keyword_fragmented():
                 await self._rewrite_keyword_index()
+        # Compaction beside the appends (Lance resolves an append against it): under the write lock it held every
+        # new memory back for seconds (``make bench-writes``: reply -> searchable p99 up to 8 s).
+        async with self.rewrites:
             await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)
+        async with self._holding("optimize"):
             if self.needs_repair:
                 await self.repair()
                 self.needs_repair = False
@@ -431,20 +436,9 @@ class StoreWrites:
     async def reindex(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Re-embed every record with this store's embedder into a fresh table and swap it in."""
         await self.flush_touches()
-        async with self.lock:
+        async with self.rewrites, self.lock:
             done = await self._lance.reindex(self._vectors.embed, progress, pieces=self._vectors.pieces)
             self._cache.clear()
             await self._mark_synced()
         log.info("memory.reindexed", records=done, model=self._embedder.model_id)
         return done
-
-
-# --- helpers -------------------------------------------------------------------------------------------
-
-
-def _foreign_ids(submission: Submission[MemoryRecord], owners: dict[str, str]) -> StoreError | None:
-    for record in submission.items:
-        owner = owners.get(record.id)
-        if owner is not None and owner != record.user_id:
-            return StoreError(f"record id {record.id} is already used by another user")
-    return None

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from proxy.memory.lazy import exports_on_first_use
 
 if TYPE_CHECKING:
+    from proxy.memory.write.adapter_job import AdapterJobs
     from proxy.memory.write.dialect_llm import ANTHROPIC_ROUTE, DialectLLM, DialectRouter
     from proxy.memory.write.extraction import ExtractionSettings, Extractor
     from proxy.memory.write.identifiers import identifier_reason
@@ -62,10 +63,11 @@ if TYPE_CHECKING:
     from proxy.memory.write.settings import WriterSettings
     from proxy.memory.write.stated import Stated, StatedFacts
     from proxy.memory.write.webhooks import Webhooks, WebhookSettings
-    from proxy.memory.write.writer import Writer
+    from proxy.memory.write.writer import Writer, enqueue_exchange
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
+    "AdapterJobs": "proxy.memory.write.adapter_job",
     "ANTHROPIC_ROUTE": "proxy.memory.write.dialect_llm",
     "DialectLLM": "proxy.memory.write.dialect_llm",
     "DialectRouter": "proxy.memory.write.dialect_llm",
@@ -101,6 +103,7 @@ _WHERE = {
     "WebhookSettings": "proxy.memory.write.webhooks",
     "Webhooks": "proxy.memory.write.webhooks",
     "Writer": "proxy.memory.write.writer",
+    "enqueue_exchange": "proxy.memory.write.writer",
     "WriterSettings": "proxy.memory.write.settings",
     "exchange_payload": "proxy.memory.write.payloads",
     "identifier_reason": "proxy.memory.write.identifiers",
@@ -112,6 +115,7 @@ __all__ = [
     "INSIGHTS_DEDUPE_KEY",
     "INSIGHTS_JOB",
     "LATENCY_BUCKETS_S",
+    "AdapterJobs",
     "DialectLLM",
     "DialectRouter",
     "ExtractionSettings",
@@ -144,6 +148,7 @@ __all__ = [
     "Webhooks",
     "Writer",
     "WriterSettings",
+    "enqueue_exchange",
     "exchange_payload",
     "identifier_reason",
     "injection_reason",

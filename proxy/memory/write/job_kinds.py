@@ -16,3 +16,4 @@ SUMMARY_JOB: Final = "summary"
 INSIGHTS_JOB: Final = "insights"
 INSIGHTS_DEDUPE_KEY: Final = "insights"  # every trigger of a user's insights collapses into one pending job
 WEBHOOK_JOB: Final = "webhook"  # one signed delivery of one event to one configured receiver
+ADAPTER_JOB: Final = "adapter"  # one refit of a user's query adapter (``adapter_job``)

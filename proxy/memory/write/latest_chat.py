@@ -23,7 +23,7 @@ import dataclasses
 import hashlib
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import TypeVar
 
 from pydantic import SecretStr
@@ -134,6 +134,15 @@ class LatestChats:
             del self._keys[slot]
         for slot in [s for s in self._rejected if s[0] == user_id]:
             del self._rejected[slot]
+
+    def held(self) -> Iterator[tuple[str, str, str, str | None]]:
+        """(user, model, route, held key or None) of each user's latest chat: what another process holding
+        these chats needs (``proxy.mirror``: the memory writer, after it restarted)."""
+        now = self._clock()
+        for user_id, chat in list(self._chats.items()):
+            held = self._keys.get((user_id, chat.route))
+            fresh = held is not None and now - held[1] <= self._ttl_s
+            yield user_id, chat.model, chat.route, held[0].get_secret_value() if held is not None and fresh else None
 
     def held_keys(self) -> int:
         """How many keys are held (for metrics; never the keys)."""

@@ -82,12 +82,23 @@ class JobQueue:
     """The durable queue: enqueue, claim, finish, metrics and per-user state, all off the event loop."""
 
     def __init__(
-        self, settings: JobQueueSettings, *, rng: random.Random | None = None, health: StorageHealth | None = None
+        self,
+        settings: JobQueueSettings,
+        *,
+        rng: random.Random | None = None,
+        health: StorageHealth | None = None,
+        producer: bool = False,
+        watch_s: float = 0.0,
     ) -> None:
+        """``producer``: a chat process's queue, which only enqueues (the memory writer process owns the queue);
+        ``watch_s``: the owner looks this often for jobs other processes enqueued (0: none do)."""
         self.settings = settings
         self.owner = uuid.uuid4().hex
         self.health = health or StorageHealth()
-        self._db = JobDatabase(settings)
+        self.producer = producer
+        self._watch_s = watch_s
+        self._watcher: asyncio.Task[None] | None = None
+        self._db = JobDatabase(settings, producer=producer)
         self._commits: GroupCommit[tuple[JSON, str | None], str] = GroupCommit(self._write_enqueues)
         self._executor: ThreadPoolExecutor | None = None
         self._rng = rng or random.Random()
@@ -105,13 +116,26 @@ class JobQueue:
         self._wake = asyncio.Event()
         try:
             await self._call(self._db.open)
-            reclaimed = await self._call(self._db.reclaim_orphans, self.owner, time.time())
+            reclaimed = 0 if self.producer else await self._call(self._db.reclaim_orphans, self.owner, time.time())
         except BaseException:
             await self._shutdown()
             raise
         if reclaimed:
             log.info("jobs.reclaimed", count=reclaimed)
+        if self._watch_s > 0:
+            self._watcher = asyncio.create_task(self._watch_others())
         return self
+
+    async def _watch_others(self) -> None:
+        """Wake the runner when another process (a chat process) committed an enqueue."""
+        seen = await self._call(self._db.data_version)
+        while True:
+            await asyncio.sleep(self._watch_s)
+            with contextlib.suppress(QueueDatabaseError):
+                version = await self._call(self._db.data_version)
+                if version != seen:
+                    seen = version
+                    self.wakeup.set()
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
@@ -119,6 +143,11 @@ class JobQueue:
         await self._shutdown()
 
     async def _shutdown(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
         if self._executor is None:
             return
         await self._commits.aclose()
@@ -134,6 +163,11 @@ class JobQueue:
             return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
         except sqlite3.Error as error:
             raise database_error(error) from error
+
+    @property
+    def completed_total(self) -> int:
+        """Jobs completed since this queue opened."""
+        return self._totals["completed"]
 
     @property
     def wakeup(self) -> asyncio.Event:

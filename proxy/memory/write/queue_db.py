@@ -13,6 +13,7 @@ import os
 import sqlite3
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from proxy.memory.store.migrations import JOBS_SCHEMA_VERSION, JOBS_STEPS, ensure_jobs_schema, plan
@@ -117,8 +118,11 @@ FROM jobs
 class JobDatabase:
     """The SQLite side of the queue; every method runs on the queue's single thread."""
 
-    def __init__(self, settings: JobQueueSettings) -> None:
+    def __init__(self, settings: JobQueueSettings, *, producer: bool = False) -> None:
+        """``producer``: a chat process's connection, which only enqueues; the memory writer process owns the
+        queue (its lock, migrations, claims)."""
         self.settings = settings
+        self.producer = producer
         self.conn: sqlite3.Connection | None = None
         self.lock_fd: int | None = None
 
@@ -128,6 +132,13 @@ class JobDatabase:
         return self.conn
 
     def open(self) -> None:
+        if self.producer:
+            self.conn = _connect(self.settings.path / "jobs.sqlite3")
+            found = self.conn.execute("PRAGMA user_version").fetchone()[0]
+            if found != JOBS_SCHEMA_VERSION:
+                self.close()
+                raise QueueLocked(f"the job queue in {self.settings.path} is not ready (schema {found})")
+            return
         self.settings.path.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.settings.path / "jobs.lock", os.O_RDWR | os.O_CREAT, 0o600)
         try:
@@ -136,11 +147,7 @@ class JobDatabase:
             os.close(fd)
             raise QueueLocked(f"the job queue in {self.settings.path} is owned by another process") from None
         self.lock_fd = fd
-        conn = sqlite3.connect(self.settings.path / "jobs.sqlite3", isolation_level=None)
-        conn.row_factory = sqlite3.Row
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
+        conn = _connect(self.settings.path / "jobs.sqlite3")
         try:  # a newer database is refused before it is touched; an older one is migrated forward
             plan("job database", conn.execute("PRAGMA user_version").fetchone()[0], JOBS_SCHEMA_VERSION, JOBS_STEPS)
             conn.executescript(_SCHEMA)
@@ -150,6 +157,10 @@ class JobDatabase:
             self.close()
             raise
         self.conn = conn
+
+    def data_version(self) -> int:
+        """SQLite's count of commits by other connections (the chat processes' enqueues)."""
+        return int(self.c.execute("PRAGMA data_version").fetchone()[0])
 
     def close(self) -> None:
         if self.conn is not None:
@@ -383,6 +394,15 @@ class JobDatabase:
                     (user_id, key, json.dumps(new)),
                 )
             return new
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.row_factory = sqlite3.Row
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA synchronous=NORMAL")
+    conn.execute("PRAGMA busy_timeout=5000")
+    return conn
 
 
 def _one_per_lane(rows: Sequence[sqlite3.Row], limit: int) -> list[sqlite3.Row]:

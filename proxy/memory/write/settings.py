@@ -17,6 +17,10 @@ class WriterSettings(BaseModel):
     summary_max_new_turns: int = Field(default=40, ge=1)
     summary_max_turns_per_call: int = Field(default=60, ge=2)
     insights_debounce_s: float = Field(default=900.0, ge=0)
+    # the query adapter's refit (``[retrieval] query_adapter`` on): at most one per user per this many seconds,
+    # and only with at least this many (message, memory) pairs mined from their chats
+    adapter_refit_s: float = Field(default=86_400.0, gt=0)
+    adapter_min_pairs: int = Field(default=50, ge=10)
     reconcile_neighbours: int = Field(default=3, ge=1, le=20)
     # MiniLM: an update of a fact scores >= 0.6 against it ("lives in London" / "moved to Paris" 0.60), unrelated
     # facts of one user ~0.27 ("likes jazz" / "has a dog"); LoCoMo's facts of one speaker: 98% >= 0.5

@@ -33,7 +33,7 @@ from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.text_cap import query_texts
-from proxy.memory.write.extraction import Extractor
+from proxy.memory.write.extraction import ExtractionSettings, Extractor
 from proxy.memory.write.facts import FactJobs
 from proxy.memory.write.job_kinds import EXCHANGE_JOB, FACTS_JOB, SUMMARY_JOB
 from proxy.memory.write.payloads import ExchangePayload, exchange_payload, parse_payload
@@ -44,6 +44,12 @@ from proxy.memory.write.summaries import SummaryJobs
 from proxy.memory.write.turns import exchange_context_vectors, turn_records
 
 log = structlog.get_logger("memproxy.writer")
+
+
+async def enqueue_exchange(queue: JobQueue, exchange: Exchange, screens: ExtractionSettings) -> str:
+    """Durably enqueue a finished exchange (its payload screened by ``screens``); returns the job id once the
+    commit is on disk."""
+    return await queue.enqueue(EXCHANGE_JOB, exchange.user_id, exchange_payload(exchange, screens))
 
 
 class Writer:
@@ -74,9 +80,8 @@ class Writer:
 
     async def record(self, exchange: Exchange) -> str:
         """Durably enqueue a finished exchange; returns the job id once the commit is on disk."""
-        payload = exchange_payload(exchange, self._extractor.settings)
         self.pin_query_vectors(exchange.user_messages)
-        return await self._queue.enqueue(EXCHANGE_JOB, exchange.user_id, payload)
+        return await enqueue_exchange(self._queue, exchange, self._extractor.settings)
 
     def pin_query_vectors(self, user_messages: Sequence[str]) -> None:
         """Keep the read path's vectors of these messages for the exchange job (whichever path enqueues it)."""
