@@ -18,11 +18,11 @@ turns; this measures what write-time fact extraction adds without an LLM here), 
 is the shipped configuration exactly (``RetrievalSettings()`` and ``InjectionSettings()``: turns of all time,
 the recent messages, the 600-token budget) over turns with context vectors and observations standing in for
 extracted facts; its ranking is what the memory block would hold, best first (so at most a few items: its @10
-figures are "in the block"). ``product-<part>`` undoes one part of the block (``PRODUCT_ABLATIONS``: the former
-14-day turn window, the repeat check, ``max_past`` 12); ``product, turns only`` is the block of a user without
-facts (the held-out chats' shape). Named explicitly (``default_variants``), ``product+summaries`` adds the
-dataset's session summaries as the summariser's, of all time or standing in for their turns past a 14-day
-window.
+figures are "in the block"). ``product-<part>`` undoes one part of the block and ``product+<part>`` adds an
+option (``PRODUCT_ABLATIONS``: the former 14-day turn window, the repeat check, ``max_past`` 12); ``product,
+turns only`` is the block of a user without facts (the held-out chats' shape). Named explicitly
+(``default_variants``), ``product+summaries`` adds the dataset's session summaries as the summariser's, of all
+time or standing in for their turns past a 14-day window.
 
 ``answer_words`` is the share of the reference answer's content words (stems) found in the texts a variant
 returns: the block's items as injected (excerpts included), else the first 10 memories. The turn-level
@@ -47,7 +47,7 @@ by default), and the chain's ``+subjects`` step, over turns alone, has no subjec
 fitted per conversation on pairs the conversation itself yields (``locomo_adapter``; never the questions or their
 evidence) and used only when it beats no adapter on that conversation's newest pairs, as the product ships it.
 
-Neutralised for every variant but ``product``: any window of past turns (``turn_window_days=None``, now also the
+Neutralised for every variant but ``product``: any window of past turns (``turn_window_days=None``, also the
 default: the dataset spans months, and the questions ask about all of it), and the parts that never change the
 ranking (``recent_messages=0``, ``max_insights=0``, arm timeouts of 60 s so that a busy machine does not
 degrade an arm).
@@ -387,18 +387,17 @@ def variants() -> list[Variant]:
                     injection=InjectionSettings(**injection))
             for name, (changes, injection) in PRODUCT_ABLATIONS.items()]  # fmt: skip
     out.append(Variant("product, turns only", RetrievalSettings(), corpus=WRITER_CORPUS, block=True))
-    all_time = RetrievalSettings(turn_window_days=None)
-    out.append(Variant("product, turns only+all time", all_time, corpus=WRITER_CORPUS, block=True))
-    past_6 = RetrievalSettings(turn_window_days=None, max_past=6)
-    out.append(Variant("product, turns only+all time-past 12", past_6, corpus=WRITER_CORPUS, block=True))
+    window = RetrievalSettings(turn_window_days=14.0, turns_past_window="none")  # the former 14-day window
+    out.append(Variant("product, turns only-all time", window, corpus=WRITER_CORPUS, block=True))
+    out.append(Variant("product, turns only-past 12", RetrievalSettings(max_past=6), corpus=WRITER_CORPUS, block=True))
     tighter = InjectionSettings(max_item_tokens=45)  # more items, less of each (tried, not kept)
-    out.append(Variant("product, turns only+all time, 45-token items", all_time, WRITER_CORPUS, True, tighter))
+    out.append(Variant("product, turns only, 45-token items", RetrievalSettings(), WRITER_CORPUS, True, tighter))
     # The dataset's session summaries as the summariser's: all time (the default), and standing in for the turns
     # they tell past a 14-day window (a summary counts as a hit on no turn; see ``answer_words``). Run only when
     # named (``default_variants``).
     summarised = "context+observations+summaries"
-    out.append(Variant("product+summaries", RetrievalSettings(turn_window_days=None), corpus=summarised, block=True))
-    stand_in = RetrievalSettings(turns_past_window="unsummarised")
+    out.append(Variant("product+summaries", RetrievalSettings(), corpus=summarised, block=True))
+    stand_in = RetrievalSettings(turn_window_days=14.0)
     out.append(Variant("product+summaries, 14-day window", stand_in, corpus=summarised, block=True))
     # The per-user query adapter (seed 001), fitted per conversation on pairs the conversation yields.
     out.append(Variant("dense+adapter", harness_settings(**dict(steps)["dense"]), corpus=WRITER_CORPUS, adapter=True))
@@ -408,7 +407,7 @@ def variants() -> list[Variant]:
 
 # The shipped block with one of its parts undone: each part's gain (product minus this) on tune and on test.
 PRODUCT_ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "+all time": ({"turn_window_days": None}, {}),  # turns of all time (an option: docs/tuning.md)
+    "-all time": ({"turn_window_days": 14.0, "turns_past_window": "none"}, {}),  # the former 14-day turn window
     "+repeats dropped": ({}, {"drop_repeated": True}),  # an option, off: see docs/tuning.md
     "-past 12": ({"max_past": 6}, {}),
 }

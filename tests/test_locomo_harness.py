@@ -132,7 +132,8 @@ def test_variants_include_the_product_and_the_seed_scoring() -> None:
     assert product.injection == InjectionSettings()
     assert (product.corpus, product.block) == ("context+observations", True)
     assert chosen["minmax"].settings.scoring == "minmax"
-    assert chosen["product+all time"].settings.turn_window_days is None
+    former = chosen["product-all time"].settings  # the 14-day window that hid every older turn
+    assert (former.turn_window_days, former.turns_past_window) == (14.0, "none")
     assert chosen["product+repeats dropped"].injection == InjectionSettings(drop_repeated=True)
     assert chosen["product, turns only"].corpus == "context"
 

@@ -228,9 +228,9 @@ async def test_weak_keyword_matches_are_gated(store: MemoryStore, embedder: Hash
     assert result.arms[:4] == (DENSE, BM25, ENTITY, "gated")
 
 
-async def test_turns_of_any_age_are_candidates_without_a_window(store: MemoryStore, embedder: HashingEmbedder) -> None:
-    """With no turn window, a month-old turn is found beside a fact of any age; with the default 14 days, only the
-    fact."""
+async def test_turns_of_any_age_are_candidates_by_default(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """With no turn window (the default), a month-old turn is found beside a fact of any age; with a 14-day window
+    and nothing past it, only the fact."""
     await store.add(
         [
             _turn("maya", "We talked about tomato seedlings", "c1", days_ago=30),
@@ -238,9 +238,10 @@ async def test_turns_of_any_age_are_candidates_without_a_window(store: MemorySto
         ]
     )
     question = _ask("How are my tomato seedlings?")
-    result = await retrieve(store, embedder, question, "maya", _settings(turn_window_days=None), NOW)
+    result = await retrieve(store, embedder, question, "maya", _settings(), NOW)
     assert {c.record.kind for c in result.candidates} == {Kind.FACT, Kind.TURN}
-    windowed = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    window = _settings(turn_window_days=14.0, turns_past_window="none")
+    windowed = await retrieve(store, embedder, question, "maya", window, NOW)
     assert [c.record.kind for c in windowed.candidates] == [Kind.FACT]
 
 
@@ -280,7 +281,7 @@ async def test_past_the_window_a_summary_stands_in_for_the_turns_it_covers(
     await _seedlings_past_the_window(store)
     question = _ask("How are my tomato seedlings?")
     for names in (None, ReadCache()):  # coverage loaded from the store, or through the read cache
-        settings = _settings(turns_past_window="unsummarised")
+        settings = _settings(turn_window_days=14.0)
         result = await retrieve(store, embedder, question, "maya", settings, NOW, names=names)
         found = {c.record.text for c in result.candidates}
         assert found == {

@@ -68,9 +68,10 @@ class RetrievalSettings(BaseModel):
     # what gets injected
     max_facts: int = Field(8, ge=0)
     max_past: int = Field(12, ge=0)  # relevant past turns and summaries (the budget binds first)
-    turn_window_days: float | None = Field(14.0, gt=0)  # None: turns of all time (docs/tuning.md: what it costs)
+    # None: turns and summaries of all time (a summary is a lossy stand-in for the turns it tells, docs/tuning.md)
+    turn_window_days: float | None = Field(None, gt=0)
     # with a window, the turns past it: "unsummarised" those no summary stands in for, "none" none (summaries only)
-    turns_past_window: Literal["unsummarised", "none"] = "none"
+    turns_past_window: Literal["unsummarised", "none"] = "unsummarised"
     recent_messages: int = Field(5, ge=0)  # the user's last messages from other conversations
     max_insights: int = Field(10, ge=0)
     summary_cooldown_minutes: float = Field(0.0, ge=0)  # skip summaries injected this recently (0: off)

@@ -84,13 +84,17 @@ def bounded_scores(
     top = float(rel.max()) if rel.size else 0.0
     if top <= 0.0:
         return np.zeros_like(rel)
+    return (rel / top) * multipliers(age_s, importance, settings, current) / max_multiplier(settings)
+
+
+def multipliers(
+    age_s: npt.ArrayLike, importance: npt.ArrayLike, settings: RetrievalSettings, current: npt.ArrayLike | None = None
+) -> FloatArray:
+    """The time and importance multiplier of ``bounded_scores`` (``current``: which memories get the recency bonus)."""
     recency_part = recency_weights(age_s, settings.recency_half_life_days)
     if current is not None:
         recency_part = recency_part * np.asarray(current, dtype=np.float64)
-    multiplier = (
-        1.0 + settings.recency_bonus * recency_part + settings.importance_bonus * importance_weights(importance)
-    )
-    return (rel / top) * multiplier / max_multiplier(settings)
+    return 1.0 + settings.recency_bonus * recency_part + settings.importance_bonus * importance_weights(importance)
 
 
 # --- minmax (the seed's formula) --------------------------------------------------------------------------
