@@ -15,10 +15,20 @@ and on test), the seed's ``minmax`` scoring, and the default over richer memorie
 the writer's layout is another (``WRITER_CORPUS``), ``+observations`` (the dataset's ``observation`` facts,
 LLM-extracted per session and linked to their turns, also stored as facts: a hit on a fact counts as a hit on its linked
 turns; this measures what write-time fact extraction adds without an LLM here), and both. ``product``
-is the shipped configuration exactly (``RetrievalSettings()`` and ``InjectionSettings()``: the 14-day turn
-window, the recent messages, the 600-token budget) over turns with context vectors and observations standing
-in for extracted facts; its ranking is what the memory block would hold, best first (so at most a few
-items: its @10 figures are "in the block").
+is the shipped configuration exactly (``RetrievalSettings()`` and ``InjectionSettings()``: turns of all time,
+the recent messages, the 600-token budget) over turns with context vectors and observations standing in for
+extracted facts; its ranking is what the memory block would hold, best first (so at most a few items: its @10
+figures are "in the block"). ``product-<part>`` undoes one part of the block and ``product+<part>`` adds an
+option (``PRODUCT_ABLATIONS``: the former 14-day turn window, the repeat check, ``max_past`` 12); ``product,
+turns only`` is the block of a user without facts (the held-out chats' shape). Named explicitly
+(``default_variants``), ``product+summaries`` adds the dataset's session summaries as the summariser's, of all
+time or standing in for their turns past a 14-day window.
+
+``answer_words`` is the share of the reference answer's content words (stems) found in the texts a variant
+returns: the block's items as injected (excerpts included), else the first 10 memories. The turn-level
+metrics cannot see what an item kept (a fact counts as a hit on its turns, an excerpt as its whole memory), so
+a change that makes items shorter or swaps a turn for a fact must not lower it. Dates live in the items' heads,
+so temporal answers ("7 May 2023") score low on it everywhere.
 
 The clock (``--clock``): ``dataset`` (the default) is the product as it runs: every memory is created and last
 accessed at its own session's date, and each question is asked one day after its own conversation's last
@@ -37,8 +47,8 @@ by default), and the chain's ``+subjects`` step, over turns alone, has no subjec
 fitted per conversation on pairs the conversation itself yields (``locomo_adapter``; never the questions or their
 evidence) and used only when it beats no adapter on that conversation's newest pairs, as the product ships it.
 
-Neutralised for every variant but ``product``: the 14-day window of past turns (``turn_window_days=None``:
-the dataset spans months, and the questions ask about all of it), and the parts that never change the
+Neutralised for every variant but ``product``: any window of past turns (``turn_window_days=None``, also the
+default: the dataset spans months, and the questions ask about all of it), and the parts that never change the
 ranking (``recent_messages=0``, ``max_insights=0``, arm timeouts of 60 s so that a busy machine does not
 degrade an arm).
 
@@ -87,6 +97,7 @@ from proxy.memory.read.retrieval import retrieve
 from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
 from proxy.memory.store.records import Kind, MemoryRecord
+from proxy.memory.words import stems, terms
 from proxy.memory.write.settings import WriterSettings
 from proxy.memory.write.subjects import new_subject, relinked, subject_names
 from proxy.memory.write.turns import context_vector
@@ -105,7 +116,7 @@ CONTEXT_WEIGHT = WriterSettings().context_weight
 # fastest here. Only bulk embedding uses them: the store gets vectors, and questions are embedded up front.
 EMBEDDER = EmbedderSettings(threads=os.cpu_count() or 1, batch_size=16)
 HARNESS = {"turn_window_days": None, "recent_messages": 0, "max_insights": 0, "arm_timeout_ms": 60_000.0}
-METRICS = ("evidence_recall@5", "evidence_recall@10", "hit@1", "hit@5", "hit@10", "all@10", "mrr")
+METRICS = ("evidence_recall@5", "evidence_recall@10", "hit@1", "hit@5", "hit@10", "all@10", "mrr", "answer_words")
 
 
 # --- the dataset ------------------------------------------------------------------------------------------
@@ -141,12 +152,21 @@ class Observation:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionSummary:
+    """The dataset's summary of one session (``session_<n>_summary``)."""
+
+    session: int
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class Question:
-    """A category 1-4 question and its (normalised, non-empty) evidence turns."""
+    """A category 1-4 question, its (normalised, non-empty) evidence turns and its reference answer."""
 
     text: str
     category: int
     evidence: tuple[str, ...]
+    answer: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +178,7 @@ class Conversation:
     turns: tuple[Turn, ...]
     observations: tuple[Observation, ...]
     questions: tuple[Question, ...]
+    summaries: tuple[SessionSummary, ...] = ()
 
 
 _SESSION = re.compile(r"^session_(\d+)$")
@@ -202,7 +223,7 @@ def _questions(sample: Mapping[str, Any], turns: Sequence[Turn]) -> list[Questio
         if qa["category"] in CATEGORIES:
             evidence = dia_ids(qa.get("evidence", []), existing)
             if evidence:
-                out.append(Question(qa["question"], int(qa["category"]), evidence))
+                out.append(Question(qa["question"], int(qa["category"]), evidence, str(qa.get("answer", ""))))
     return out
 
 
@@ -213,11 +234,31 @@ def load_conversations(path: Path) -> list[Conversation]:
     for index, sample in enumerate(samples):
         turns = _turns(sample["conversation"])
         obs, questions = _observations(sample, turns), _questions(sample, turns)
-        out.append(Conversation(index, sample["sample_id"], tuple(turns), tuple(obs), tuple(questions)))
+        summaries = _summaries(sample, turns)
+        out.append(Conversation(index, sample["sample_id"], tuple(turns), tuple(obs), tuple(questions), summaries))
     return out
 
 
+def _summaries(sample: Mapping[str, Any], turns: Sequence[Turn]) -> tuple[SessionSummary, ...]:
+    """The sample's session summaries of sessions that have turns, in session order."""
+    sessions = {t.session for t in turns}
+    found = ((int(re.findall(r"\d+", key)[0]), text) for key, text in sample.get("session_summary", {}).items())
+    return tuple(SessionSummary(n, str(text)) for n, text in sorted(found) if n in sessions and text)
+
+
 # --- metrics (pure) ---------------------------------------------------------------------------------------
+
+
+def answer_words(answer: str, texts: Iterable[str]) -> float:
+    """The share of the answer's content words (stems) that ``texts`` hold (1 for an answer without any).
+
+    A check the turn-level metrics cannot make: a fact counts as a hit on its turns and an excerpt as a hit on
+    its memory whatever they kept, so a block that cuts its items shorter scores higher on R@10 while holding
+    less of what answers the question."""
+    wanted = stems(" ".join(terms(answer)))
+    if not wanted:
+        return 1.0
+    return len(wanted & stems(" ".join(terms(" ".join(texts))))) / len(wanted)
 
 
 def ranked_turns(ids: Sequence[str], turns_of: Mapping[str, Sequence[str]]) -> list[str]:
@@ -268,15 +309,16 @@ def summarise(rows: Sequence[Row]) -> dict[str, Any]:
 class Variant:
     """A named read-path configuration and the memories it searches (turns only, or turns and facts).
 
-    ``block``: rank what the memory block would hold (``inject`` under ``InjectionSettings()``), not every
-    candidate. ``adapter``: the dense arm's query goes through the conversation's query adapter
-    (``locomo_adapter``), when one was kept.
+    ``block``: rank what the memory block would hold (``inject`` under ``injection``), not every candidate.
+    ``adapter``: the dense arm's query goes through the conversation's query adapter (``locomo_adapter``), when
+    one was kept.
     """
 
     name: str
     settings: RetrievalSettings
     corpus: str = "turns"
     block: bool = False
+    injection: InjectionSettings = field(default_factory=InjectionSettings)
     adapter: bool = False
 
 
@@ -341,10 +383,40 @@ def variants() -> list[Variant]:
         )
     )
     out.append(Variant("product", RetrievalSettings(), corpus="context+observations", block=True))
+    out += [Variant(f"product{name}", RetrievalSettings(**changes), corpus="context+observations", block=True,
+                    injection=InjectionSettings(**injection))
+            for name, (changes, injection) in PRODUCT_ABLATIONS.items()]  # fmt: skip
+    out.append(Variant("product, turns only", RetrievalSettings(), corpus=WRITER_CORPUS, block=True))
+    window = RetrievalSettings(turn_window_days=14.0, turns_past_window="none")  # the former 14-day window
+    out.append(Variant("product, turns only-all time", window, corpus=WRITER_CORPUS, block=True))
+    out.append(Variant("product, turns only-past 12", RetrievalSettings(max_past=6), corpus=WRITER_CORPUS, block=True))
+    tighter = InjectionSettings(max_item_tokens=45)  # more items, less of each (tried, not kept)
+    out.append(Variant("product, turns only, 45-token items", RetrievalSettings(), WRITER_CORPUS, True, tighter))
+    # The dataset's session summaries as the summariser's: all time (the default), and standing in for the turns
+    # they tell past a 14-day window (a summary counts as a hit on no turn; see ``answer_words``). Run only when
+    # named (``default_variants``).
+    summarised = "context+observations+summaries"
+    out.append(Variant("product+summaries", RetrievalSettings(), corpus=summarised, block=True))
+    stand_in = RetrievalSettings(turn_window_days=14.0)
+    out.append(Variant("product+summaries, 14-day window", stand_in, corpus=summarised, block=True))
     # The per-user query adapter (seed 001), fitted per conversation on pairs the conversation yields.
     out.append(Variant("dense+adapter", harness_settings(**dict(steps)["dense"]), corpus=WRITER_CORPUS, adapter=True))
     out.append(Variant("default+adapter", harness_settings(), corpus=WRITER_CORPUS, adapter=True))
     return out
+
+
+# The shipped block with one of its parts undone: each part's gain (product minus this) on tune and on test.
+PRODUCT_ABLATIONS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "-all time": ({"turn_window_days": 14.0, "turns_past_window": "none"}, {}),  # the former 14-day turn window
+    "+repeats dropped": ({}, {"drop_repeated": True}),  # an option, off: see docs/tuning.md
+    "-past 12": ({"max_past": 6}, {}),
+}
+
+
+def default_variants() -> list[Variant]:
+    """The variants of a run that names none: all but those over the summaries corpus, whose summaries would
+    change the keyword index's word statistics (shared by every harness user) and so every other figure."""
+    return [v for v in variants() if "summaries" not in v.corpus]
 
 
 SUBJECT_WEIGHT = 0.4  # subject fusion's weight before it was measured with subjects present (now off by default)
@@ -392,18 +464,19 @@ def turn_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: d
 
 
 def fact_records(user_id: str, conv: Conversation, vectors: Vectors, accessed: datetime | None) -> list[MemoryRecord]:
-    """The conversation's observations as facts: the speaker as entity, the linked turn ids as sources."""
+    """The conversation's observations as facts: the speaker as entity, the linked turns' record ids as sources (as the
+    writer links a fact to the turns it was drawn from)."""
     return [
         MemoryRecord(user_id=user_id, kind=Kind.FACT, text=o.text, id=record_id(user_id, f"fact{i}"),
                      created_at=o.at + timedelta(microseconds=i),
                      last_accessed_at=accessed or o.at + timedelta(microseconds=i),
                      embedding=vectors[i], conversation_id=f"{conv.sample_id}:session_{o.session}",
-                     entities=(o.speaker,), source_ids=o.dia_ids)
+                     entities=(o.speaker,), source_ids=tuple(record_id(user_id, d) for d in o.dia_ids))
         for i, o in enumerate(conv.observations)
     ]  # fmt: skip
 
 
-CORPORA = ("turns", "context", "observations", "context+observations")
+CORPORA = ("turns", "context", "observations", "context+observations", "context+observations+summaries")
 # The memories as the product's writer stores them: turns with context vectors (``WriterSettings.context_weight``),
 # so that the default and the chain measure the product.
 WRITER_CORPUS = "context"
@@ -416,7 +489,8 @@ def corpora(
 
     ``turns``: the turns, each embedded alone. ``context``: the same turns' vectors mixed with their session's
     previous turn's (``context_vectors``, what the writer stores). ``observations``: the turns and the
-    dataset's observation facts. ``context+observations``: both.
+    dataset's observation facts. ``context+observations``: both. ``+summaries``: and the dataset's session
+    summaries as the summariser's (``summary_records``), which count as a hit on no turn.
     """
     out = {}
     for name in names:
@@ -424,9 +498,24 @@ def corpora(
         turn_vectors = vectors["context" if name.startswith("context") else "turns"]
         turns = turn_records(user_id, conv, turn_vectors, accessed)
         turns_of = {r.id: (t.dia_id,) for r, t in zip(turns, conv.turns, strict=True)}
-        facts = fact_records(user_id, conv, vectors["facts"], accessed) if name.endswith("observations") else []
-        turns_of.update({r.id: r.source_ids for r in facts})
-        out[name] = Corpus(user_id, turns + facts + subject_records(facts), turns_of)
+        facts = fact_records(user_id, conv, vectors["facts"], accessed) if "observations" in name else []
+        turns_of.update({r.id: o.dia_ids for r, o in zip(facts, conv.observations[: len(facts)], strict=True)})
+        summaries = summary_records(user_id, conv, vectors["summaries"]) if "summaries" in name else []
+        out[name] = Corpus(user_id, turns + facts + subject_records(facts) + summaries, turns_of)
+    return out
+
+
+def summary_records(user_id: str, conv: Conversation, vectors: Vectors) -> list[MemoryRecord]:
+    """The session summaries as the summariser stores a conversation's summary: spanning the session's turns,
+    created at its last, linked to them."""
+    out = []
+    for i, summary in enumerate(conv.summaries):
+        told = [t for t in conv.turns if t.session == summary.session]
+        out.append(MemoryRecord(user_id=user_id, kind=Kind.SUMMARY, text=summary.text,
+                                id=record_id(user_id, f"summary{summary.session}"), created_at=told[-1].at,
+                                start_at=told[0].at, end_at=told[-1].at, embedding=vectors[i],
+                                conversation_id=f"{conv.sample_id}:session_{summary.session}",
+                                source_ids=tuple(record_id(user_id, t.dia_id) for t in told)))  # fmt: skip
     return out
 
 
@@ -551,21 +640,26 @@ async def _embed_all(
     (``adapter``) every turn's words embedded as a query."""
     turns = [t.memory_text for c in conversations for t in c.turns]
     want_context = any(name.startswith("context") for name in corpora_needed)
-    want_facts = any(name.endswith("observations") for name in corpora_needed)
+    want_facts = any("observations" in name for name in corpora_needed)
+    want_summaries = any("summaries" in name for name in corpora_needed)
     facts = [o.text for c in conversations for o in c.observations] if want_facts else []
+    summaries = [s.text for c in conversations for s in c.summaries] if want_summaries else []
     questions = list(dict.fromkeys(q.text for c in conversations for q in c.questions))
     turn_vectors = await cache.embed(turns, "embed turns")
     fact_vectors = await cache.embed(facts, "embed observations")
+    summary_vectors = await cache.embed(summaries, "embed summaries")
     question_vectors = await cache.embed_queries(questions)
     said = [s.text for c in conversations for s in said_of(c.turns)[0]] if adapter else []
     said_vectors = await cache.embed_queries(said) if said else np.zeros((0, 1), dtype=np.float32)
-    out, t0, f0 = [], 0, 0
+    out, t0, f0, s0 = [], 0, 0, 0
     for c in conversations:
         t1, f1 = t0 + len(c.turns), f0 + (len(c.observations) if want_facts else 0)
+        s1 = s0 + (len(c.summaries) if want_summaries else 0)
         own = turn_vectors[t0:t1]
         context = context_vectors(c.turns, own) if want_context else own
-        out.append({"turns": own, "context": context, "facts": fact_vectors[f0:f1], "said": said_vectors[t0:t1]})
-        t0, f0 = t1, f1
+        out.append({"turns": own, "context": context, "facts": fact_vectors[f0:f1],
+                    "summaries": summary_vectors[s0:s1], "said": said_vectors[t0:t1]})  # fmt: skip
+        t0, f0, s0 = t1, f1, s1
     return out, dict(zip(questions, question_vectors, strict=True))
 
 
@@ -579,8 +673,9 @@ async def _ask(
     cache: ReadCache,
     run: Run,
     adapter: QueryAdapter | None = None,
-) -> list[str]:
-    """One question through the proxy's read path under one variant: its ranked turn ids."""
+) -> tuple[list[str], float]:
+    """One question through the proxy's read path under one variant: its ranked turn ids, and the share of the
+    answer's words its texts hold (the block's items as injected; else the first 10 memories)."""
     messages = [{"role": "user", "content": question.text}]
     started = time.perf_counter()
     adapter = adapter if variant.adapter else None
@@ -591,10 +686,12 @@ async def _ask(
     if result.degraded:
         run.degraded[variant.name] = run.degraded.get(variant.name, 0) + 1
     if variant.block:
-        terms = result.query.terms if result.query else ()
-        block = inject(messages, result.items, terms, InjectionSettings()).items
-        return ranked_turns([i.id for i in sorted(block, key=lambda i: -i.score)], corpus.turns_of)
-    return ranked_turns([c.id for c in result.candidates], corpus.turns_of)
+        query_terms = result.query.terms if result.query else ()
+        block = sorted(inject(messages, result.items, query_terms, variant.injection).items, key=lambda i: -i.score)
+        words = answer_words(question.answer, (i.text for i in block))
+        return ranked_turns([i.id for i in block], corpus.turns_of), words
+    words = answer_words(question.answer, (c.record.text for c in result.candidates[:10]))
+    return ranked_turns([c.id for c in result.candidates], corpus.turns_of), words
 
 
 async def _conversation(
@@ -616,8 +713,11 @@ async def _conversation(
     cache = ReadCache(ttl_s=1e9, recent_ttl_s=1e9)
     for question in conv.questions:
         for variant in chosen:
-            ranked = await _ask(store, embedder, users[variant.corpus], question, variant, now, cache, run, adapter)
-            row = Row(conv.index, question.category, question_metrics(ranked, question.evidence))
+            ranked, words = await _ask(
+                store, embedder, users[variant.corpus], question, variant, now, cache, run, adapter
+            )
+            metrics = {**question_metrics(ranked, question.evidence), "answer_words": words}
+            row = Row(conv.index, question.category, metrics)
             run.rows.setdefault(variant.name, []).append(row)
         bar.update(1)
 
@@ -704,7 +804,7 @@ def report(run: Run, chosen: Sequence[Variant], meta: Mapping[str, Any]) -> dict
 def table(document: Mapping[str, Any]) -> str:
     """The printed table: per variant, all ten conversations, then R@10 / MRR on tune and test."""
     head = (
-        f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}"
+        f"{'variant':<32}{'R@5':>7}{'R@10':>7}{'hit@1':>7}{'hit@5':>7}{'hit@10':>7}{'all@10':>7}{'MRR':>7}{'words':>7}"
         f"{'tune R@10':>10}{'tune MRR':>9}{'test R@10':>10}{'test MRR':>9}"
     )
     lines = [head, "-" * len(head)]
@@ -762,7 +862,7 @@ async def _main(args: argparse.Namespace) -> dict[str, Any]:
     conversations = load_conversations(args.data)
     if args.conversations:
         conversations = [conversations[i] for i in args.conversations]
-    chosen = [v for v in variants() if not args.variants or v.name in args.variants]
+    chosen = [v for v in variants() if v.name in args.variants] if args.variants else default_variants()
     if args.retrieval:  # the same [retrieval] overrides on every chosen variant (e.g. candidate depth)
         overrides = dict(pair.split("=", 1) for pair in args.retrieval)
         chosen = [
@@ -794,7 +894,7 @@ def main() -> None:
         "session (default); neutral: every memory last accessed at the retrieval clock",
     )
     parser.add_argument("--conversations", type=int, nargs="*", help="only these conversation indexes")
-    parser.add_argument("--variants", nargs="*", help="only these variants (default: all)")
+    parser.add_argument("--variants", nargs="*", help="only these variants (default: all but over summaries)")
     parser.add_argument(
         "--retrieval",
         nargs="*",

@@ -9,7 +9,7 @@ read path (``retrieve``) on the dataset's own clock (an hour after the conversat
 ranked memories, mapped to turn ids, are scored: evidence recall@5/@10, hit@1/5/10, all@10, MRR.
 
 Like the harness, the settings a dataset of months-old conversations cannot exercise are neutralised
-(``NEUTRALISED``: the 14-day window of past turns would hide almost every turn; there are no other
+(``NEUTRALISED``: a configured window of past turns would hide almost every turn; there are no other
 conversations, no insights, and arm deadlines are for live traffic, not a batch run); everything else is the
 configuration as given, recency included. The report lists what was neutralised.
 """

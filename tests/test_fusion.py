@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from proxy.memory.read.boosts import apply_date_boost, apply_subject_boost, conversation_lifts, smooth_neighbours
+from proxy.memory.read.boosts import (
+    apply_date_boost,
+    apply_subject_boost,
+    behind_newer_facts,
+    conversation_lifts,
+    smooth_neighbours,
+)
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, ArmHit, Candidate, min_max
 from proxy.memory.read.fusion import _ranked, _ranked_ids, fuse, keyword_gate, reciprocal_rank_fusion, weighted_fusion
 from proxy.memory.read.names import (
@@ -345,6 +351,39 @@ def test_conversation_lifts_follow_each_conversations_best_match() -> None:
     fused = {"a1": 0.9, "a2": 0.2, "b1": 0.5, "f": 1.0}
     lifts = conversation_lifts([*turns, fact], fused, 0.5)
     assert lifts == pytest.approx({"a1": 0.45, "a2": 0.45, "b1": 0.25})
+
+
+def test_a_lift_does_not_carry_a_fact_past_a_newer_fact_about_the_same_subject() -> None:
+    """An older fact lifted past a newer one naming the same entity (any case), which stands as high on its own,
+    ends level with it; one about another subject, or one that stands higher on its own, keeps its whole lift."""
+    old = _rec("User lives in London", "old", entities=("London",))
+    new = _rec("User lives in Paris", "new", entities=("Paris", "london"), created_at=T0 + timedelta(days=35))
+    other = _rec("parents live by the sea", "other", entities=("Brighton",))
+    fused = {"old": 1.0, "new": 1.0, "other": 1.0}
+    lifts = {"old": 0.6, "new": 0.3, "other": 0.6}
+    kept = behind_newer_facts([old, new, other], fused, lifts, {"old": 1.0, "new": 1.1, "other": 1.0})
+    assert kept == pytest.approx({"old": 0.3, "new": 0.3, "other": 0.6})
+    assert lifts["old"] == 0.6  # the lifts given are left as they were
+    ahead = behind_newer_facts([old, new, other], fused, lifts, {"old": 1.2, "new": 1.1, "other": 1.0})
+    assert ahead == lifts  # the older fact stands higher on its own
+    pair = {"old": 0.6, "new": 0.3}
+    lower = behind_newer_facts([old, new], {"old": 1.5, "new": 1.0}, pair, {"old": 1.0, "new": 1.1})
+    assert lower == pytest.approx({"old": 0.0, "new": 0.3})  # never below its own score
+
+
+def test_fuse_puts_the_newer_fact_first_when_an_old_conversation_matches_better() -> None:
+    """Told "I live in London" five weeks ago and "I moved to Paris" now, "where do I live?" ranks the Paris fact
+    above the London fact, although the old turn matches best and lifts its conversation."""
+    query = build_query([{"role": "user", "content": "Where do I live?"}])
+    assert query is not None
+    now = T0 + timedelta(weeks=5)
+    turn = _rec("I live in London", "turn", kind=Kind.TURN, conversation_id="spring")
+    london = _rec("User lives in London", "london", entities=("London",), conversation_id="spring")
+    paris = _rec("User lives in Paris", "paris", entities=("Paris", "London"), conversation_id="summer", created_at=now)
+    arms = {DENSE: _hits((turn, 0.9), (london, 0.5), (paris, 0.5), (INK, 0.1))}
+    settings = RetrievalSettings(neighbour_weight=0, date_weight=0, day_weight=0, term_match_weight=0)
+    assert _ids(fuse(arms, query, settings, now=now).candidates)[:3] == ["turn", "paris", "london"]
+    assert _ids(fuse(arms, query, settings).candidates)[:3] == ["turn", "paris", "london"]  # no clock: fused scores
 
 
 def test_fuse_lifts_the_conversation_of_the_best_match() -> None:

@@ -213,6 +213,33 @@ def test_items_already_in_the_conversation_are_not_injected() -> None:
     assert "dup-of-chat" in kept.ids
 
 
+def test_a_fact_drawn_only_from_turns_above_it_is_left_out() -> None:
+    """With ``drop_repeated``, a fact whose turns the block already holds above it gives its room to the next
+    memory; a fact with a turn the block lacks, a fact above its turn, and a turn below its fact all stay."""
+    turn = _item("I adopted a beagle called Pip last week", 0.9, Section.PAST, rid="turn-pip")
+    other = _item("We went hiking near the lake", 0.5, Section.PAST, rid="turn-hike")
+    repeated = MemoryItem("fact-pip", Section.ABOUT_USER, "Maya has a beagle, Pip", "2026-03-01", 0.8,
+                          sources=("turn-pip",))  # fmt: skip
+    half_told = MemoryItem("fact-pets", Section.ABOUT_USER, "Maya adopted Pip and a cat", "2026-03-01", 0.7,
+                           sources=("turn-pip", "turn-cat"))  # fmt: skip
+    dropping = ROOMY.model_copy(update={"drop_repeated": True})
+    chosen = inject(_chat(), [turn, other, repeated, half_told], (), dropping)
+    assert chosen.ids == ["fact-pets", "turn-pip", "turn-hike"]
+    above = MemoryItem("fact-pip", Section.ABOUT_USER, "Maya has a beagle, Pip", "2026-03-01", 0.95,
+                       sources=("turn-pip",))  # fmt: skip
+    assert set(inject(_chat(), [turn, above], (), dropping).ids) == {"fact-pip", "turn-pip"}
+    assert set(inject(_chat(), [turn, repeated], (), ROOMY).ids) == {"fact-pip", "turn-pip"}  # off by default
+
+
+def test_a_fact_item_carries_the_turns_it_was_drawn_from() -> None:
+    """A fact's item keeps its source turns (what ``drop_repeated`` checks); a summary's does not (it tells far
+    more than its last batch of turns)."""
+    fact = MemoryRecord(user_id="u", kind=Kind.FACT, text="Maya has a beagle", source_ids=("t1",), created_at=T0)
+    summary = MemoryRecord(user_id="u", kind=Kind.SUMMARY, text="They talked dogs", source_ids=("t1",), created_at=T0)
+    assert item_from_record(fact, 1.0).sources == ("t1",)
+    assert item_from_record(summary, 1.0).sources == ()
+
+
 def test_dedupe_reads_the_newest_messages_as_stored_turns_are_capped() -> None:
     """A pasted 1 MB document is not normalised whole (~0.1 s of the event loop per MB): dedupe looks at the
     newest messages, each capped as a stored turn is, so the turn stored from that message still counts as

@@ -6,18 +6,22 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bench.locomo import (
     Row,
+    answer_words,
     clock,
+    corpora,
     load_conversations,
     question_metrics,
     run_benchmark,
     summarise,
     variants,
 )
-from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.retrieval_settings import InjectionSettings, RetrievalSettings
+from proxy.memory.store.records import Kind
 from tests.support.embedder import HashingEmbedder
 
 
@@ -94,6 +98,19 @@ def test_loading_keeps_valid_category_1_to_4_questions_and_normalises_evidence(l
     assert first.observations[1].dia_ids == ("D1:4",)
 
 
+def test_facts_link_to_their_turns_records_as_the_writer_links_them(locomo_file: Path) -> None:
+    """An observation's fact holds its turns' record ids as sources (what the block's repeat check reads) and
+    counts as a hit on those turns."""
+    first, _ = load_conversations(locomo_file)
+    turns, facts = np.zeros((len(first.turns), 4), np.float32), np.zeros((len(first.observations), 4), np.float32)
+    vectors = {"turns": turns, "context": turns, "facts": facts}
+    corpus = corpora(first, vectors, None, ["observations"])["observations"]
+    turn_ids = {r.text.split(": ", 1)[1]: r.id for r in corpus.records if r.kind is Kind.TURN}
+    cello = next(r for r in corpus.records if r.kind is Kind.FACT and "cello" in r.text)
+    assert cello.source_ids == (turn_ids["I started learning something new last week"],)
+    assert corpus.turns_of[cello.id] == ("D1:4",)
+
+
 def test_the_dataset_clock_asks_each_conversation_a_day_after_its_own_last_session(locomo_file: Path) -> None:
     """Dataset clock: conv-a is asked on 21 June 2023 and conv-b on 3 March 2024, memories dated as told;
     neutral clock: both on 3 March 2024, every memory last accessed then."""
@@ -112,8 +129,13 @@ def test_variants_include_the_product_and_the_seed_scoring() -> None:
     chosen = {v.name: v for v in variants()}
     product = chosen["product"]
     assert product.settings == RetrievalSettings()
+    assert product.injection == InjectionSettings()
     assert (product.corpus, product.block) == ("context+observations", True)
     assert chosen["minmax"].settings.scoring == "minmax"
+    former = chosen["product-all time"].settings  # the 14-day window that hid every older turn
+    assert (former.turn_window_days, former.turns_past_window) == (14.0, "none")
+    assert chosen["product+repeats dropped"].injection == InjectionSettings(drop_repeated=True)
+    assert chosen["product, turns only"].corpus == "context"
 
 
 def test_metrics_of_a_known_ranking() -> None:
@@ -130,13 +152,20 @@ def test_metrics_of_a_known_ranking() -> None:
 def test_summary_splits_tune_and_test_conversations() -> None:
     """Conversations 0-4 are the tune half, 5-9 the test half; categories are averaged separately."""
     perfect = {"evidence_recall@5": 1.0, "evidence_recall@10": 1.0, "hit@1": 1.0, "hit@5": 1.0, "hit@10": 1.0,
-               "all@10": 1.0, "mrr": 1.0}  # fmt: skip
+               "all@10": 1.0, "mrr": 1.0, "answer_words": 1.0}  # fmt: skip
     rows = [Row(0, 4, perfect), Row(7, 1, dict.fromkeys(perfect, 0.0))]
     summary = summarise(rows)
     assert summary["overall"]["mrr"] == 0.5
     assert summary["tune"]["mrr"] == 1.0
     assert summary["test"]["mrr"] == 0.0
     assert summary["by_category"]["1 multi-hop"]["n"] == 1
+
+
+def test_answer_words_is_the_share_of_the_answers_content_stems_the_texts_hold() -> None:
+    """Stems count ("adopted" finds "adopting"), stop words do not, and an answer without content words is held."""
+    assert answer_words("Adopted a beagle", ["Maya was adopting", "a small beagle"]) == 1.0
+    assert answer_words("the Riverside orchestra", ["she plays in an orchestra"]) == 0.5
+    assert answer_words("yes", ["anything"]) == 1.0
 
 
 async def test_harness_ranks_turns_through_the_read_path(locomo_file: Path, tmp_path: Path) -> None:

@@ -228,8 +228,9 @@ async def test_weak_keyword_matches_are_gated(store: MemoryStore, embedder: Hash
     assert result.arms[:4] == (DENSE, BM25, ENTITY, "gated")
 
 
-async def test_old_turns_leave_the_window_but_facts_do_not(store: MemoryStore, embedder: HashingEmbedder) -> None:
-    """Turns older than 14 days are not candidates; facts of any age are; no window brings turns back."""
+async def test_turns_of_any_age_are_candidates_by_default(store: MemoryStore, embedder: HashingEmbedder) -> None:
+    """With no turn window (the default), a month-old turn is found beside a fact of any age; with a 14-day window
+    and nothing past it, only the fact."""
     await store.add(
         [
             _turn("maya", "We talked about tomato seedlings", "c1", days_ago=30),
@@ -237,10 +238,69 @@ async def test_old_turns_leave_the_window_but_facts_do_not(store: MemoryStore, e
         ]
     )
     question = _ask("How are my tomato seedlings?")
-    windowed = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    result = await retrieve(store, embedder, question, "maya", _settings(), NOW)
+    assert {c.record.kind for c in result.candidates} == {Kind.FACT, Kind.TURN}
+    window = _settings(turn_window_days=14.0, turns_past_window="none")
+    windowed = await retrieve(store, embedder, question, "maya", window, NOW)
     assert [c.record.kind for c in windowed.candidates] == [Kind.FACT]
-    unbounded = await retrieve(store, embedder, question, "maya", _settings(turn_window_days=None), NOW)
-    assert {c.record.kind for c in unbounded.candidates} == {Kind.FACT, Kind.TURN}
+
+
+def _summary(user: str, text: str, conversation: str, start_days_ago: float, end_days_ago: float) -> MemoryRecord:
+    """A conversation summary spanning its turns from ``start_days_ago`` to ``end_days_ago``."""
+    return MemoryRecord(
+        user_id=user,
+        kind=Kind.SUMMARY,
+        text=text,
+        conversation_id=conversation,
+        created_at=NOW - timedelta(days=end_days_ago),
+        start_at=NOW - timedelta(days=start_days_ago),
+        end_at=NOW - timedelta(days=end_days_ago),
+    )
+
+
+async def _seedlings_past_the_window(store: MemoryStore) -> None:
+    """Old seedling turns of three conversations: c1 summarised, c2 not, c3 summarised up to its first turn."""
+    await store.add(
+        [
+            _turn("maya", "We talked about tomato seedlings in the summarised chat", "c1", days_ago=40),
+            _summary("maya", "Maya and the assistant discussed tomato seedlings", "c1", 40, 40),
+            _turn("maya", "Tomato seedlings again, in a chat nobody summarised", "c2", days_ago=30),
+            _turn("maya", "Early tomato seedlings note of c3", "c3", days_ago=25),
+            _summary("maya", "Tomato seedlings were planned in c3", "c3", 25, 25),
+            _turn("maya", "Late tomato seedlings note of c3", "c3", days_ago=20),
+            _fact("maya", "Maya grows tomato seedlings", days_ago=300),
+        ]
+    )
+
+
+async def test_past_the_window_a_summary_stands_in_for_the_turns_it_covers(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """With a 14-day window, a turn past it is hidden only where its conversation's summary covers it; turns no
+    summary tells (an unsummarised chat, a tail after the summary) stay, and so do summaries and facts."""
+    await _seedlings_past_the_window(store)
+    question = _ask("How are my tomato seedlings?")
+    for names in (None, ReadCache()):  # coverage loaded from the store, or through the read cache
+        settings = _settings(turn_window_days=14.0)
+        result = await retrieve(store, embedder, question, "maya", settings, NOW, names=names)
+        found = {c.record.text for c in result.candidates}
+        assert found == {
+            "Maya and the assistant discussed tomato seedlings",
+            "Tomato seedlings again, in a chat nobody summarised",
+            "Tomato seedlings were planned in c3",
+            "Late tomato seedlings note of c3",
+            "Maya grows tomato seedlings",
+        }
+
+
+async def test_past_the_window_none_keeps_only_summaries_and_facts(
+    store: MemoryStore, embedder: HashingEmbedder
+) -> None:
+    """``turns_past_window = "none"`` hides every turn past the window; old summaries and facts stay."""
+    await _seedlings_past_the_window(store)
+    settings = _settings(turn_window_days=14.0, turns_past_window="none")
+    result = await retrieve(store, embedder, _ask("How are my tomato seedlings?"), "maya", settings, NOW)
+    assert {c.record.kind for c in result.candidates} == {Kind.FACT, Kind.SUMMARY}
 
 
 async def test_superseded_facts_are_never_retrieved(store: MemoryStore, embedder: HashingEmbedder) -> None:

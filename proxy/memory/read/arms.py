@@ -1,13 +1,14 @@
 """The arms and lookups of one retrieval, run concurrently: dense, keyword, entity, insights, recent messages.
 
-The dense arm embeds the query and searches the vectors (facts of all time, and turns and summaries within the
-window, plus the query's nearest subjects for subject fusion); the keyword arm runs BM25 over the same two pools;
-the entity arm matches the query against the user's name index (entities of facts, names of subjects): a name on
-at most ``entity_surface_max`` memories brings those memories in (one ``read_many``), a commoner name only lifts
-memories the dense or keyword arm found. The user's current insights and their last messages from other
-conversations are looked up beside them. Each runs as a guarded step (``steps``) within its own timeout; without
-the embedder, BM25 alone answers. Pass a ``ReadCache`` as ``names`` so that the name index, the insights and the
-newest turns are not listed from the store on every request.
+The dense arm embeds the query and searches the vectors (facts and summaries of all time, turns within the window
+and, past it, turns that no summary stands in for; plus the query's nearest subjects for subject fusion); the
+keyword arm runs BM25 over the same pools; the entity arm matches the query against the user's name index (entities
+of facts, names of subjects): a name on at most ``entity_surface_max`` memories brings those memories in (one
+``read_many``), a commoner name only lifts memories the dense or keyword arm found. The user's current insights and
+their last messages from other conversations are looked up beside them, and so is what the user's summaries cover
+(``visible``). Each runs as a guarded step (``steps``) within its own timeout; without the embedder, BM25 alone
+answers. Pass a ``ReadCache`` as ``names`` so that the name index, the insights and the newest turns are not listed
+from the store on every request.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from proxy.memory.read.candidates import BM25, DENSE, ENTITY, PAST_KINDS, ArmHit
 from proxy.memory.read.names import NameIndex, entity_scores, names_in_query
 from proxy.memory.read.query import Query
 from proxy.memory.read.read_cache import (
+    Coverage,
     ReadCache,
     RetrievalStore,
+    load_coverage,
     load_insights,
     load_name_index,
     load_newest_turns,
@@ -37,14 +40,37 @@ from proxy.memory.store.records import Kind, MemoryRecord, Pool
 
 
 def window_start(now: datetime, settings: RetrievalSettings) -> datetime | None:
-    """The start of the window for turns and summaries (None: all time)."""
+    """The start of the window for turns (None: all time)."""
     days = settings.turn_window_days
     return None if days is None else now - timedelta(days=days)
 
 
-def _pools(k: int, since: datetime | None) -> list[Pool]:
-    """One arm's two pools: facts of all time, and turns and summaries since ``since``."""
-    return [Pool(k, (Kind.FACT,)), Pool(k, PAST_KINDS, since)]
+def _pools(k: int, since: datetime | None, settings: RetrievalSettings) -> list[Pool]:
+    """One arm's pools: facts of all time, and turns and summaries of all time (``visible`` then drops the turns
+    past the window that a summary stands in for) or, with ``turns_past_window = "none"``, turns and summaries
+    since ``since`` and summaries before it."""
+    if since is None or settings.turns_past_window == "unsummarised":
+        return [Pool(k, (Kind.FACT,)), Pool(k, PAST_KINDS)]
+    return [Pool(k, (Kind.FACT,)), Pool(k, PAST_KINDS, since), Pool(k, (Kind.SUMMARY,), until=since - _TICK)]
+
+
+_TICK = timedelta(microseconds=1)
+
+
+def visible(record: MemoryRecord, since: datetime | None, coverage: Coverage | None) -> bool:
+    """Whether a memory may be a candidate: facts, summaries and turns within the window always; a turn past the
+    window only where no summary stands in for it (``coverage`` None: none past the window).
+
+    A summary stands in for the turns of its conversation up to the end of its span. Turns nothing stands in
+    for (the summariser off, a conversation too short to be summarised, the tail not summarised yet) stay
+    searchable: hiding them would lose what the user said outright.
+    """
+    if record.kind is not Kind.TURN or since is None or record.created_at >= since:
+        return True
+    if coverage is None:
+        return False
+    covered = coverage.get(record.conversation_id or "")
+    return covered is None or record.created_at > covered
 
 
 def _by_score(found: Sequence[Sequence[ScoredRecord]]) -> list[ScoredRecord]:
@@ -84,12 +110,13 @@ async def _dense_arm(
     if adapter is not None and adapter.model_id == embedder.model_id:
         vector = adapter.apply(vector)
 
-    pools = _pools(settings.dense_k, since)
+    pools = _pools(settings.dense_k, since, settings)
+    searched = len(pools)
     if subjects_wanted and settings.subject_weight > 0:
         pools.append(Pool(settings.subject_top_n, (Kind.SUBJECT,)))
     found = await store.vector_search_pools(user_id, vector, pools)
-    kept = [h for h in _by_score(found[:2]) if h.score >= settings.min_dense_score]
-    return Dense(hits=kept, subjects=list(found[2]) if len(found) > 2 else [])
+    kept = [h for h in _by_score(found[:searched]) if h.score >= settings.min_dense_score]
+    return Dense(hits=kept, subjects=list(found[searched]) if len(found) > searched else [])
 
 
 def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
@@ -103,17 +130,14 @@ def _has_subjects(user_id: str, names: NameIndex | ReadCache | None) -> bool:
 async def _keyword_arm(
     store: RetrievalStore, user_id: str, text: str, settings: RetrievalSettings, since: datetime | None
 ) -> list[ScoredRecord]:
-    """BM25 hits over both pools."""
-    return _by_score(await store.keyword_search_pools(user_id, text, _pools(settings.bm25_k, since)))
+    """BM25 hits over the same pools as the dense arm."""
+    return _by_score(await store.keyword_search_pools(user_id, text, _pools(settings.bm25_k, since, settings)))
 
 
-def _in_scope(record: MemoryRecord, since: datetime | None) -> bool:
-    """Whether a memory belongs in the candidates: valid facts, and valid turns/summaries in the window."""
-    if not record.valid:
-        return False
-    if record.kind is Kind.FACT:
-        return True
-    return record.kind in PAST_KINDS and (since is None or record.created_at >= since)
+def _in_scope(record: MemoryRecord) -> bool:
+    """Whether a memory belongs in the candidates: valid facts, turns and summaries (``visible`` then applies the
+    window)."""
+    return record.valid and (record.kind is Kind.FACT or record.kind in PAST_KINDS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,7 +154,6 @@ async def _entity_arm(
     query: Query,
     index: NameIndex,
     settings: RetrievalSettings,
-    since: datetime | None,
 ) -> Entity:
     """Score memories by the names the query mentions; fetch those of rare names so they can surface.
 
@@ -142,7 +165,7 @@ async def _entity_arm(
     rare = {rid for name in names if len(index.names[name]) <= settings.entity_surface_max for rid in index.names[name]}
     ids = sorted((rid for rid in scores if rid in rare), key=lambda rid: -scores[rid])[: settings.entity_k]
     records = await store.read_many(user_id, ids) if ids else []
-    return Entity(scores=scores, surfaced=[r for r in records if _in_scope(r, since)])
+    return Entity(scores=scores, surfaced=[r for r in records if _in_scope(r)])
 
 
 def entity_hits(
@@ -172,11 +195,10 @@ async def _entity_step(
     query: Query,
     names: NameIndex | ReadCache | None,
     settings: RetrievalSettings,
-    since: datetime | None,
 ) -> Entity:
     """The entity arm with its name index."""
     index = await _name_index(store, user_id, names)
-    return await _entity_arm(store, user_id, query, index, settings, since)
+    return await _entity_arm(store, user_id, query, index, settings)
 
 
 async def _insights(
@@ -258,7 +280,7 @@ async def run_arms(
         ),
         step(
             ENTITY,
-            lambda: _entity_step(store, user_id, query, names, settings, since),
+            lambda: _entity_step(store, user_id, query, names, settings),
             settings.entity_k > 0,
             timeout_s,
             report,
@@ -278,10 +300,43 @@ async def run_arms(
             report,
         ),
     )
+    covering = step(
+        "coverage", lambda: _coverage(store, user_id, names), _summaries_stand_in(since, settings), timeout_s, report
+    )
     dense, bm25, entity, insights, recent = steps
     if at_hand(store, embedder, user_id):
-        return Found(await dense, await bm25, await entity, await insights, await recent)
-    return Found(*await asyncio.gather(dense, bm25, entity, insights, recent))
+        found = Found(await dense, await bm25, await entity, await insights, await recent)
+        coverage = await covering
+    else:
+        gathered = await asyncio.gather(dense, bm25, entity, insights, recent, covering)
+        found, coverage = Found(*gathered[:5]), gathered[5]
+    if since is None:
+        return found
+    return _windowed(found, since, (coverage or {}) if _summaries_stand_in(since, settings) else None)
+
+
+def _summaries_stand_in(since: datetime | None, settings: RetrievalSettings) -> bool:
+    """Whether turns past the window are searched, so what the summaries cover must be known."""
+    return since is not None and settings.turns_past_window == "unsummarised"
+
+
+async def _coverage(store: RetrievalStore, user_id: str, cache: NameIndex | ReadCache | None) -> Coverage:
+    """What the user's summaries cover (cached when a ``ReadCache`` is given)."""
+    if isinstance(cache, ReadCache):
+        return await cache.coverage(store, user_id)
+    return await load_coverage(store, user_id)
+
+
+def _windowed(found: Found, since: datetime, coverage: Coverage | None) -> Found:
+    """``found`` without the turns past the window that a summary stands in for (``visible``)."""
+    dense = found.dense
+    if dense is not None:
+        dense = Dense([h for h in dense.hits if visible(h.record, since, coverage)], dense.subjects)
+    bm25 = None if found.bm25 is None else [h for h in found.bm25 if visible(h.record, since, coverage)]
+    entity = found.entity
+    if entity is not None:
+        entity = Entity(entity.scores, [r for r in entity.surfaced if visible(r, since, coverage)])
+    return Found(dense, bm25, entity, found.insights, found.recent)
 
 
 def at_hand(store: RetrievalStore, embedder: Embedder, user_id: str) -> bool:

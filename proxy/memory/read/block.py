@@ -64,6 +64,7 @@ class MemoryItem:
     score: float
     label: str = ""
     expires_at: datetime | None = None  # the memory's own expiry: a request after it must not carry the item
+    sources: tuple[str, ...] = ()  # a fact's: the turns it was drawn from (``injection.drop_repeated``)
 
 
 # --- quoting ----------------------------------------------------------------------------------------------
@@ -120,6 +121,7 @@ def item_from_record(record: MemoryRecord, score: float, section: Section | None
         score=score,
         label=record_label(record),
         expires_at=record.expires_at,
+        sources=record.source_ids if record.kind is Kind.FACT else (),
     )
 
 

@@ -1,5 +1,6 @@
 """Additive boosts on fused scores: subject similarity, adjacent turns, the best match's conversation, and dates
-the query names (pure functions).
+the query names (pure functions). The conversation lift stops short of newer facts about the same subject
+(``behind_newer_facts``).
 
 Each boost computes *lifts* (memory id -> amount added to its fused score) from what fusion found; ``fuse``
 adds them in order, so that a later boost sees the earlier ones. The ``apply_*`` functions add one boost to a
@@ -8,6 +9,7 @@ list of ``Candidate`` values (tests, and callers that fuse step by step).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import operator
 from collections.abc import Mapping, Sequence
@@ -56,6 +58,7 @@ def neighbour_lifts(
 
 
 _TURN_ORDER = operator.attrgetter("created_at", "id")
+_CREATED = operator.attrgetter("created_at")
 _LONGEST_S = timedelta.max.total_seconds()  # a longer window (a huge or infinite setting) is every gap
 
 
@@ -71,6 +74,57 @@ def conversation_lifts(records: Sequence[MemoryRecord], fused: Mapping[str, floa
             if (value := fused[r.id]) > get(conversation, 0.0):
                 best[conversation] = value
     return {rid: weight * get(conversation, 0.0) for rid, conversation in members}
+
+
+def behind_newer_facts(
+    records: Sequence[MemoryRecord], fused: Mapping[str, float], lifts: Lifts, standing: Mapping[str, float]
+) -> Lifts:
+    """``lifts`` cut so that none carries a fact past a newer fact about the same subject (one naming an entity it
+    names) that stands at least as high on its own (``standing``: a fact's ``fused`` score as the scoring will
+    weigh it, its time and importance multiplier applied); never below the fact's own score.
+
+    A fact is a claim about the user's present: of two about one subject ("lives in London", then "lives in
+    Paris"), the newer one is current unless the older one is more relevant on its own by more than the scoring's
+    time bonus. A lift says where the query's context lies, not which claim holds: an old conversation that
+    matches well (its turn "I live in London") must not lift its stale fact above the fact that replaced it. Facts
+    created at the same moment are not each other's newer.
+    """
+    facts = sorted((r for r in records if r.kind is Kind.FACT and r.entities), key=_TURN_ORDER, reverse=True)
+    if len(facts) < 2:
+        return lifts
+    out = dict(lifts)
+    newer: dict[str, _Standings] = {}  # entity -> the newer facts naming it
+    for _, same_moment in itertools.groupby(facts, key=_CREATED):
+        placed = [_capped(fact, fused[fact.id], standing[fact.id], out, newer) for fact in same_moment]
+        for names, stands, score in placed:
+            for name in names:
+                standings, scores = newer.setdefault(name, ([], []))
+                at = bisect.bisect_right(standings, stands)
+                standings.insert(at, stands)
+                scores.insert(at, score)
+    return out
+
+
+_Standings = tuple[list[float], list[float]]  # facts' standings (ascending) and their scores, lifts included
+
+
+def _capped(
+    fact: MemoryRecord, own: float, stands: float, lifts: Lifts, newer: Mapping[str, _Standings]
+) -> tuple[set[str], float, float]:
+    """The fact's subjects, standing and score: its lift cut (in ``lifts``) to end at the lowest score, lift
+    included, of a newer fact about one of them that stands at least as high."""
+    names = {entity.casefold() for entity in fact.entities}
+    lift = lifts.get(fact.id, 0.0)
+    score = own + lift
+    for name in names:
+        if (found := newer.get(name)) is not None:
+            standings, scores = found
+            at = bisect.bisect_left(standings, stands)
+            if at < len(scores):
+                score = min(score, *scores[at:])
+    if score < own + lift:
+        lifts[fact.id] = max(0.0, score - own)
+    return names, stands, max(score, own)
 
 
 def _record_dates(record: MemoryRecord) -> list[tuple[int, int]]:

@@ -4,7 +4,7 @@ The arms' union is the candidate set, so a hit of any one arm can surface. Fusio
 of min-max normalised arm scores or reciprocal rank fusion. The entity arm's scores are already on [0, 1] and
 carry the damping by how many memories share a name, so they are used as they are (min-max would flatten
 them). The boosts follow: subject similarity, term matching (``term_match``), adjacent turns, the best match's
-conversation, and dates the query names (``boosts``). Keyword
+conversation (never past a newer fact about the same subject), and dates the query names (``boosts``). Keyword
 gating leaves BM25 out when none of its top results holds enough of the query's terms.
 """
 
@@ -14,14 +14,23 @@ import math
 import operator
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 from proxy.memory.pieces import TermVectors
-from proxy.memory.read.boosts import Lifts, conversation_lifts, date_lifts, neighbour_lifts, subject_lifts
+from proxy.memory.read.boosts import (
+    Lifts,
+    behind_newer_facts,
+    conversation_lifts,
+    date_lifts,
+    neighbour_lifts,
+    subject_lifts,
+)
 from proxy.memory.read.candidates import BM25, DENSE, ENTITY, NO_BOOSTS, Candidate, ScoredRecord, min_max
 from proxy.memory.read.query import Query
 from proxy.memory.read.retrieval_settings import RetrievalSettings
+from proxy.memory.read.scoring import multipliers
 from proxy.memory.read.term_match import StoredPieces, term_match_lifts
-from proxy.memory.store.records import MemoryRecord
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.words import stem, stems
 
 RAW_SCORE_ARMS = frozenset({ENTITY})  # arms whose scores are used without min-max normalisation
@@ -169,6 +178,7 @@ def fuse(
     term_vectors: TermVectors | None = None,
     stored_pieces: StoredPieces | None = None,
     explain: bool = True,
+    now: datetime | None = None,
 ) -> Fusion:
     """Gate, fuse and boost the arms' hits into one candidate list, best first.
 
@@ -178,7 +188,9 @@ def fuse(
     ``stored_pieces``: the memories' pieces the store keeps (``term_match_lifts``).
     ``explain``: each candidate lists the boosts that lifted it and its score in each arm that found it
     (``Candidate.boosts``, ``Candidate.arm_scores``, for the search preview); the chat path, which never shows
-    them, passes False and gets neither.
+    them, passes False and gets neither. ``now``: the request's clock, for the time bonus the scoring will give
+    the facts that the conversation lift may not carry past a newer one (``boosts.behind_newer_facts``; None:
+    their fused scores alone decide).
     """
     if gated is None:
         gated = is_gated(arms.get(DENSE, ()), arms.get(BM25, ()), query, settings)
@@ -207,7 +219,8 @@ def fuse(
     if settings.neighbour_weight > 0:
         add("neighbour", neighbour_lifts(records, fused, settings.neighbour_weight, settings.neighbour_window_s))
     if settings.conversation_weight > 0:
-        add("conversation", conversation_lifts(records, fused, settings.conversation_weight))
+        lifts = conversation_lifts(records, fused, settings.conversation_weight)
+        add("conversation", behind_newer_facts(records, fused, lifts, _standing(records, fused, settings, now)))
     if settings.date_weight > 0 or settings.day_weight > 0:
         add("date", date_lifts(records, query.text, settings.date_weight, settings.day_weight))
     order = _ranked_ids(union.records, fused)
@@ -219,6 +232,19 @@ def fuse(
         Candidate(union.records[rid], union.scores(rid), fused[rid], 0.0, boosts.get(rid, NO_BOOSTS)) for rid in chosen
     ]
     return Fusion(candidates=built, gated=gated)
+
+
+def _standing(
+    records: Sequence[MemoryRecord], fused: Mapping[str, float], settings: RetrievalSettings, now: datetime | None
+) -> dict[str, float]:
+    """The facts that name an entity, each at its ``fused`` score times the multiplier the scoring will give it
+    (``bounded``; under ``minmax``, or without ``now``, the fused score alone)."""
+    facts = [r for r in records if r.kind is Kind.FACT and r.entities]
+    if now is None or settings.scoring != "bounded" or len(facts) < 2:
+        return {r.id: fused[r.id] for r in facts}
+    ages = [(now - r.created_at).total_seconds() for r in facts]
+    weights = multipliers(ages, [r.importance for r in facts], settings)
+    return {r.id: fused[r.id] * float(w) for r, w in zip(facts, weights, strict=True)}
 
 
 def _boosts_of(chosen: Sequence[str], applied: Sequence[tuple[str, Lifts]]) -> dict[str, dict[str, float]]:

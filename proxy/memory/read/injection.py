@@ -5,9 +5,10 @@ app's own instructions come first and stay byte-for-byte the prefix they were (g
 caching); list-shaped content gets the block as one more text part. With no system message, the block becomes a
 new first message with role ``system``.
 
-Budget: items are first cut to ``max_item_tokens`` (``excerpts.excerpt``: the excerpt holding most query
-terms), items already present in the conversation are left out, then the lowest-scored items are dropped until
-the whole block (preamble included) fits ``budget_tokens``.
+Budget: items already present in the conversation are left out, and so are facts drawn only from turns above
+them (``drop_repeated``); the rest are cut to ``max_item_tokens`` (``excerpts.excerpt``: the excerpt holding most
+query terms), then the lowest-scored items are dropped until the whole block (preamble included) fits
+``budget_tokens``.
 """
 
 from __future__ import annotations
@@ -82,6 +83,20 @@ def drop_present(items: Sequence[MemoryItem], conversation: Sequence[str]) -> li
     return list(kept.values())
 
 
+def drop_repeated(ranked: Sequence[MemoryItem]) -> list[MemoryItem]:
+    """``ranked`` (best first) without the facts drawn only from turns above them: those turns already say what
+    the fact was drawn from, and its tokens go to a memory the block would leave out. (A turn below a fact drawn
+    from it stays: a turn holds more than the fact taken from it.)"""
+    kept: list[MemoryItem] = []
+    kept_ids: set[str] = set()
+    for item in ranked:
+        if item.sources and kept_ids.issuperset(item.sources):
+            continue
+        kept.append(item)
+        kept_ids.add(item.id)
+    return kept
+
+
 def select_items(
     items: Sequence[MemoryItem],
     query_terms: Sequence[str],
@@ -94,6 +109,8 @@ def select_items(
     """
     fresh = drop_present(items, conversation) if settings.dedupe_against_conversation else list(items)
     ranked = sorted(fresh, key=lambda i: -i.score)
+    if settings.drop_repeated:
+        ranked = drop_repeated(ranked)
     cut = (_with_text(i, excerpt(i.text, query_terms, settings.max_item_tokens)) for i in ranked)
     return fitting_prefix(cut, settings.budget_tokens)
 
@@ -102,7 +119,7 @@ def _with_text(item: MemoryItem, text: str) -> MemoryItem:
     """``item`` with another text (an excerpt)."""
     if text == item.text:
         return item
-    return MemoryItem(item.id, item.section, text, item.date, item.score, item.label, item.expires_at)
+    return MemoryItem(item.id, item.section, text, item.date, item.score, item.label, item.expires_at, item.sources)
 
 
 # --- merging into the request -----------------------------------------------------------------------------

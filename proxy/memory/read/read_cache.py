@@ -1,15 +1,14 @@
 """What the read path needs from the store, and a cache of the per-user lookups that change slowly.
 
-``RetrievalStore`` is the slice of ``MemoryStore`` the read path uses (every call scoped to one user). Three
-lookups do not depend on the query: the user's name index (entities of facts, names
-of subjects), their current insights, and their newest turns. They come from the vector cache
-(``MemoryStore.newest``), which holds the user's records anyway. ``ReadCache`` keeps them per user (names and
-insights ``ttl_s``, 5 minutes by default, newest turns ``recent_ttl_s``, 30 s), at most ``max_users`` users
-(LRU); ``invalidate`` drops a user at once, e.g. after their memories change or they are forgotten.
-Concurrent requests for one user share one load. An expired name index or insight set is still served while
-it reloads in the background, so only a user's first request after start (or after ``invalidate``) pays those
-listings (``bench/readpath.py``'s cold figure); a new fact is found by the dense
-and keyword arms at once, only its entity lift waits for the next load.
+``RetrievalStore`` is the slice of ``MemoryStore`` the read path uses (every call scoped to one user). Four lookups
+do not depend on the query: the user's name index (entities of facts, names of subjects), their current insights,
+what their summaries cover, and their newest turns. They come from the vector cache (``MemoryStore.newest``), which
+holds the user's records anyway. ``ReadCache`` keeps them per user (names, insights and coverage ``ttl_s``, 5
+minutes by default, newest turns ``recent_ttl_s``, 30 s), at most ``max_users`` users (LRU); ``invalidate`` drops a
+user at once, e.g. after their memories change or they are forgotten. Concurrent requests for one user share one
+load. An expired name index or insight set is still served while it reloads in the background, so only a user's
+first request after start (or after ``invalidate``) pays those listings (``bench/readpath.py``'s cold figure); a new
+fact is found by the dense and keyword arms at once, only its entity lift waits for the next load.
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from datetime import datetime
 from typing import Any, Protocol, TypeVar, cast
 
 import numpy as np
@@ -59,6 +59,23 @@ async def load_insights(store: RetrievalStore, user_id: str, limit: int) -> list
     """The user's current insights: the newest generation's, most confident first."""
     records = await store.newest(user_id, [Kind.INSIGHT], limit)
     return newest_generation([r for r in records if r.valid])
+
+
+Coverage = dict[str, datetime]  # conversation id -> the newest turn time its summary covers
+
+
+async def load_coverage(store: RetrievalStore, user_id: str, *, max_records: int = 20_000) -> Coverage:
+    """What the user's current summaries cover: per conversation, the end of its valid summary's span.
+
+    A conversation's rolling summary spans its turns from the first to ``end_at`` (older summaries of it are
+    superseded), so its turns created up to then are told by the summary (``arms.visible``)."""
+    records = await store.newest(user_id, [Kind.SUMMARY], max_records)
+    coverage: Coverage = {}
+    for r in records:
+        if r.valid and r.conversation_id is not None:
+            end, known = r.end_at or r.created_at, coverage.get(r.conversation_id)
+            coverage[r.conversation_id] = end if known is None else max(known, end)
+    return coverage
 
 
 async def load_newest_turns(store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:
@@ -116,6 +133,12 @@ class ReadCache:
         """The user's current insights."""
         return await self._cached(
             user_id, ("insights", limit), self._ttl_s, lambda: load_insights(store, user_id, limit), stale_ok=True
+        )
+
+    async def coverage(self, store: RetrievalStore, user_id: str) -> Coverage:
+        """What the user's summaries cover (``load_coverage``); a new summary hides its turns within ``ttl_s``."""
+        return await self._cached(
+            user_id, ("coverage",), self._ttl_s, lambda: load_coverage(store, user_id), stale_ok=True
         )
 
     async def newest_turns(self, store: RetrievalStore, user_id: str, limit: int) -> list[MemoryRecord]:

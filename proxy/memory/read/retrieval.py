@@ -119,6 +119,7 @@ async def retrieve(
         term_vectors=vectors,
         stored_pieces=None if vectors is None else functools.partial(store.term_pieces, user_id, vectors=vectors),
         explain=explain,
+        now=now,
     )
     candidates, ran = fused.candidates, list(arms)
     if reranker is not None and reranker.wanted(arms.get(DENSE, ()), () if gated else arms.get(BM25, ())):

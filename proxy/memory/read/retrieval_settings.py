@@ -67,8 +67,11 @@ class RetrievalSettings(BaseModel):
     recency_decay: float = Field(0.995, gt=0, le=1)  # minmax, and recent messages: per hour since last access
     # what gets injected
     max_facts: int = Field(8, ge=0)
-    max_past: int = Field(6, ge=0)  # relevant past turns and summaries
-    turn_window_days: float | None = Field(14.0, gt=0)  # None: turns and summaries of all time
+    max_past: int = Field(12, ge=0)  # relevant past turns and summaries (the budget binds first)
+    # None: turns and summaries of all time (a summary is a lossy stand-in for the turns it tells, docs/tuning.md)
+    turn_window_days: float | None = Field(None, gt=0)
+    # with a window, the turns past it: "unsummarised" those no summary stands in for, "none" none (summaries only)
+    turns_past_window: Literal["unsummarised", "none"] = "unsummarised"
     recent_messages: int = Field(5, ge=0)  # the user's last messages from other conversations
     max_insights: int = Field(10, ge=0)
     summary_cooldown_minutes: float = Field(0.0, ge=0)  # skip summaries injected this recently (0: off)
@@ -86,6 +89,7 @@ class InjectionSettings(BaseModel):
     budget_tokens: int = Field(600, ge=0)  # the whole block, preamble included (estimated, see injection)
     max_item_tokens: int = Field(90, ge=8)  # longer items are cut to their best excerpt
     dedupe_against_conversation: bool = True
+    drop_repeated: bool = False  # leave out a fact drawn only from turns the block holds above it (docs/tuning.md)
     # Where the block goes (proxy.memory.read.placement): "cached" keeps the provider's prompt cache (a stable
     # part fixed per conversation in the system prompt, later additions attached to user messages), "system"
     # re-writes the system prompt every request, "user" puts the whole block on the latest user message.

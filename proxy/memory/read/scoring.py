@@ -10,8 +10,8 @@ Two formulas, chosen by ``RetrievalSettings.scoring``:
   seconds or years old, and a stale fact that was injected yesterday does not pass for current. The recency
   bonus goes to facts only: a fact is a claim about the user's present ("lives in Paris"), so the newer of
   two near-identical facts is the current one; turns and summaries are a dated record of what was said, as
-  true months later, and the turn window already keeps them recent (on LoCoMo, where questions ask about
-  any session, a recency bonus on turns only cost recall). Since the
+  true months later (on LoCoMo, where questions ask about any session, a recency bonus on turns only cost
+  recall). Since the
   multiplier lies in ``[1 - 0.8 importance_bonus, 1 + recency_bonus + importance_bonus]``, time and
   importance can reorder memories whose relevance is within that ratio (near-ties: the newer of two
   near-identical facts wins) and can never lift a memory above one that is more relevant by more than it
@@ -84,13 +84,17 @@ def bounded_scores(
     top = float(rel.max()) if rel.size else 0.0
     if top <= 0.0:
         return np.zeros_like(rel)
+    return (rel / top) * multipliers(age_s, importance, settings, current) / max_multiplier(settings)
+
+
+def multipliers(
+    age_s: npt.ArrayLike, importance: npt.ArrayLike, settings: RetrievalSettings, current: npt.ArrayLike | None = None
+) -> FloatArray:
+    """The time and importance multiplier of ``bounded_scores`` (``current``: which memories get the recency bonus)."""
     recency_part = recency_weights(age_s, settings.recency_half_life_days)
     if current is not None:
         recency_part = recency_part * np.asarray(current, dtype=np.float64)
-    multiplier = (
-        1.0 + settings.recency_bonus * recency_part + settings.importance_bonus * importance_weights(importance)
-    )
-    return (rel / top) * multiplier / max_multiplier(settings)
+    return 1.0 + settings.recency_bonus * recency_part + settings.importance_bonus * importance_weights(importance)
 
 
 # --- minmax (the seed's formula) --------------------------------------------------------------------------
