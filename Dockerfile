@@ -13,7 +13,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     MEMPROXY_SERVER__PORT=8080 \
     MEMPROXY_STORAGE__PATH=/data \
     ARROW_DEFAULT_MEMORY_POOL=system \
-    MALLOC_MMAP_THRESHOLD_=131072
+    MALLOC_MMAP_THRESHOLD_=131072 \
+    MALLOC_ARENA_MAX=2
 
 RUN groupadd --system --gid 10001 memproxy \
     && useradd --system --uid 10001 --gid 10001 --home-dir /app --shell /usr/sbin/nologin memproxy \

@@ -53,7 +53,7 @@ install-test: $(VENV)/.test tests/node/node_modules/.installed $(VENV)/.chromium
 # The allocator settings the Dockerfile sets too (docs/operations.md, "Memory (RSS)"); the environment's win.
 serve: install
 	ARROW_DEFAULT_MEMORY_POOL=$${ARROW_DEFAULT_MEMORY_POOL:-system} MALLOC_MMAP_THRESHOLD_=$${MALLOC_MMAP_THRESHOLD_:-131072} \
-		$(BIN)/memproxy serve $(ARGS)
+		MALLOC_ARENA_MAX=$${MALLOC_ARENA_MAX:-2} $(BIN)/memproxy serve $(ARGS)
 
 test: install-test
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
