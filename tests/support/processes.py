@@ -72,7 +72,11 @@ class Process:
 
 
 # What the Dockerfile and ``make serve`` set (docs/operations.md, "Memory (RSS)"): the benchmarks run memproxy so.
-DEPLOYED_ALLOCATOR = {"ARROW_DEFAULT_MEMORY_POOL": "system", "MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_ARENA_MAX": "2"}
+DEPLOYED_ALLOCATOR = {
+    "ARROW_DEFAULT_MEMORY_POOL": "system",
+    "MALLOC_MMAP_THRESHOLD_": "131072",
+    "MALLOC_ARENA_MAX": "2",
+}
 
 
 def child_env(**extra: str) -> dict[str, str]:
