@@ -75,6 +75,31 @@ async def test_resume_wakes_only_that_users_waiting_jobs(tmp_path: Path) -> None
         assert rows[ann]["run_after"] < rows[ben]["run_after"]
 
 
+async def test_a_key_that_arrives_while_the_job_runs_is_not_missed(tmp_path: Path) -> None:
+    """The user's key arrives (``resume_waiting``) after the job looked for it and before it is parked as
+    waiting: the job runs again at once instead of waiting out ``waiting_recheck_s`` (a lost wake-up)."""
+    key_arrived = False
+    runs = 0
+
+    async def handler(job: Job) -> None:
+        nonlocal runs, key_arrived
+        runs += 1
+        if not key_arrived:
+            key_arrived = True
+            await queue.resume_waiting(job.user_id)  # nothing is waiting yet: this job is still running
+            raise WaitForConfig("no_key", "the upstream wants a key")
+
+    async with JobQueue(settings(tmp_path, waiting_recheck_s=3600)) as queue:
+        job_id = await queue.enqueue("facts", "ann", {})
+        async with JobRunner(queue, {"facts": handler}):
+
+            async def done() -> bool:
+                return await state_of(queue, job_id) == "done"
+
+            await eventually(done)
+    assert runs == 2
+
+
 async def test_a_queue_from_before_waiting_jobs_opens_and_keeps_its_jobs(tmp_path: Path) -> None:
     """A jobs.sqlite3 made without the ``waiting`` column gains it at open; its pending job still runs."""
     async with JobQueue(settings(tmp_path)) as queue:

@@ -15,7 +15,7 @@ import random
 import sqlite3
 import time
 import uuid
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
@@ -40,6 +40,9 @@ log = structlog.get_logger("memproxy.jobs")
 
 T = TypeVar("T")
 JSON = dict[str, Any]
+
+
+RESUMES_KEPT = 10_000  # users whose resume count the queue keeps (a lost one waits for the periodic recheck)
 
 
 @dataclasses.dataclass
@@ -110,6 +113,9 @@ class JobQueue:
         self._steps: dict[str, StepLatency] = {}
         self._totals = {"completed": 0, "failed": 0, "deferred": 0, "dead": 0}
         self._waits: Counter[str] = Counter()
+        # Each user's ``resume_waiting`` calls (the users of the latest RESUMES_KEPT): a job that starts waiting
+        # after what it waited for arrived, while it ran, is resumed by the runner (``resumes_of``).
+        self._resumes: OrderedDict[str, int] = OrderedDict()
 
     async def __aenter__(self) -> JobQueue:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="memproxy-jobs")
@@ -322,8 +328,15 @@ class JobQueue:
         await self._finish(job, changes)
         self._waits[reason] += 1
 
+    def resumes_of(self, user_id: str) -> int:
+        """How many times the user's waiting jobs were resumed (0 for users not among the latest kept)."""
+        return self._resumes.get(user_id, 0)
+
     async def resume_waiting(self, user_id: str) -> int:
         """Make the user's waiting jobs due now (something they waited for may have arrived); returns how many."""
+        self._resumes[user_id] = self._resumes.pop(user_id, 0) + 1
+        while len(self._resumes) > RESUMES_KEPT:
+            self._resumes.popitem(last=False)
         count = await self._call(self._db.resume_waiting, user_id, time.time())
         if count:
             self.wakeup.set()

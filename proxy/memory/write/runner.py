@@ -166,6 +166,7 @@ class JobRunner:
         self._queue.observe_step(f"job.{job.kind}", time.perf_counter() - started)
 
     async def _attempt(self, job: Job) -> None:
+        resumes = self._queue.resumes_of(job.user_id)
         try:
             async with asyncio.timeout(self._settings.job_timeout_s):
                 await self._handlers[job.kind](job)
@@ -177,6 +178,8 @@ class JobRunner:
             log.error("job.dead", attempt=job.attempt, error=str(error))
         except WaitForConfig as error:
             await self._queue.wait_for_config(job, error.reason, str(error))
+            if self._queue.resumes_of(job.user_id) != resumes:  # what it waits for came while it ran
+                await self._queue.resume_waiting(job.user_id)
             log.warning(
                 "job.waiting",
                 reason=error.reason,
