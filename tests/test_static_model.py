@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import string
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -58,3 +59,17 @@ def test_word_pieces_of_plain_ascii_words_are_the_whole_tokenisers(static_model:
     for word in words:
         expected = sorted(set(static_model._tokenizer.encode(word, add_special_tokens=False).ids))
         assert static_model.pieces([word]).tolist() == expected, word
+
+
+def test_a_batch_embeds_as_the_whole_tokenizer_would(static_model: StaticModel) -> None:
+    """A batch of documents, plain ASCII ones from the word cache and the others through the pipeline: each row
+    the mean of the rows of the ids the whole tokenizer gives, in order."""
+    texts = ["I moved to Lisbon in May, with the dog.", "Café au lait à Paris", "", "東京に住んでいます", "ok\tgo\n"]
+    got = static_model.embed(texts)
+    for row, text in zip(got, texts, strict=True):
+        ids = static_model._tokenizer.encode(text, add_special_tokens=False).ids
+        if not ids:
+            assert not row.any()
+            continue
+        expected = static_model._table[ids].mean(axis=0, dtype=np.float32)
+        assert np.allclose(row, expected / np.linalg.norm(expected), atol=1e-6)

@@ -12,6 +12,7 @@ import string
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -53,16 +54,21 @@ class StaticModel:
         self._gather_buffer = np.empty((1024, dim), dtype=np.int8)
         self._widen_buffer = np.empty((1024, dim), dtype=np.float32)
         self._word_ids: dict[str, tuple[int, ...]] = {}
+        self._words_lock = threading.Lock()  # the word cache may be emptied (``_know``) while another thread reads
         self._wordpiece = self._tokenizer.model
 
     def embed(self, texts: Sequence[str]) -> Vectors:
         """One unit row per text (a text without tokens gets a zero row)."""
         out = np.zeros((len(texts), self._table.shape[1]), dtype=np.float32)
-        plain = self._plain_ids(texts[0]) if len(texts) == 1 else None  # a query, most often
-        if plain is not None:
-            encoded = [plain]
-        else:
-            encoded = [e.ids for e in self._tokenizer.encode_batch(list(texts), add_special_tokens=False)]
+        # Plain ASCII texts from the word cache (``_plain_ids``), the others through the whole pipeline: the
+        # pipeline's batch call was ~28% of the memory writer's main thread under sustained chat (py-spy,
+        # ``make bench-writes``), the turns being plain ASCII most often.
+        found = [self._plain_ids(text) for text in texts]
+        if others := [i for i, ids in enumerate(found) if ids is None]:
+            batch = self._tokenizer.encode_batch([texts[i] for i in others], add_special_tokens=False)
+            for i, encoding in zip(others, batch, strict=True):
+                found[i] = encoding.ids
+        encoded = cast("list[list[int]]", found)
         for row, ids in enumerate(encoded):
             if ids:
                 out[row] = self._table[ids].mean(axis=0, dtype=np.float32)
@@ -81,16 +87,18 @@ class StaticModel:
         if not folded.isprintable():
             return None
         tokens = _PLAIN_TOKENS.findall(folded)
-        self._know(tokens)
-        word_ids = self._word_ids
-        ids = [i for token in tokens for i in word_ids[token]]
+        with self._words_lock:  # a batch may be embedded in a worker thread while the loop embeds a query
+            self._know(tokens)
+            word_ids = self._word_ids
+            ids = [i for token in tokens for i in word_ids[token]]
         return ids[:MAX_TOKENS]
 
     def pieces(self, words: Sequence[str]) -> npt.NDArray[np.int64]:
         """The distinct token ids of ``words``, sorted (each word is tokenised once, then cached)."""
-        self._know(words)
-        word_ids = self._word_ids
-        ids = sorted({i for w in words for i in word_ids[w]})  # cheaper than np.unique for a query's few ids
+        with self._words_lock:
+            self._know(words)
+            word_ids = self._word_ids
+            ids = sorted({i for w in words for i in word_ids[w]})  # cheaper than np.unique for a query's few ids
         return np.fromiter(ids, dtype=np.int64, count=len(ids))
 
     def _know(self, words: Sequence[str]) -> None:
