@@ -32,7 +32,7 @@ class StoreTuning(BaseModel):
     # kill -9 loses at most about this much access-time history (plus touch_flush_s), never a memory.
     touch_granularity_s: float = Field(3600.0, ge=0)
     ann_index_min_rows: int = Field(50_000, ge=1)
-    vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~290 MB)
+    vector_cache_bytes: int = Field(512 * 2**20, ge=0)  # a 100k-memory user fits (~230 MB)
     # Once no read has come for 5 s, a user whose cached vectors no read has used for this many seconds is
     # dropped (their next read loads them again); 0 keeps every user until the byte budget evicts them.
     vector_cache_idle_s: float = Field(20.0, ge=0)
