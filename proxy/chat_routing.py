@@ -28,12 +28,12 @@ import structlog
 from aiohttp import web
 
 from proxy.errors import ServiceUnavailable
+from proxy.relay_memory import HOP, stream_back
 
 log = structlog.get_logger("memproxy.routing")
 
 ROUTED_HEADER = "X-Memproxy-Routed"
-_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
-_REQUEST_HOP = _HOP - {"host"}  # the owner checks the client's Host (``server.allowed_hosts``) as it came
+_REQUEST_HOP = HOP - {"host"}  # the owner checks the client's Host (``server.allowed_hosts``) as it came
 
 
 def owner_of(user_id: str, processes: int) -> int:
@@ -113,12 +113,4 @@ class ChatRouter:
             raise ServiceUnavailable("the process serving this user stopped; try again", code="restarting") from None
         async with upstream:
             self.relayed += 1
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in _HOP:
-                    response.headers.add(key, value)
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await stream_back(request, upstream)

@@ -17,7 +17,7 @@ from aiohttp import web
 from proxy.mirror import MEMORY_SOCKET
 
 MEMORY_PATHS = ("/v1/memory", "/v1/memory/{tail:.*}", "/mcp", "/mcp/{tail:.*}", "/ui", "/ui/{tail:.*}")
-_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("memory_relay_session", aiohttp.ClientSession)
 UNAVAILABLE = orjson.dumps(
     {"error": {"message": "memory management is restarting; try again shortly", "type": "server_error",
@@ -41,24 +41,29 @@ def add_memory_relay(app: web.Application, directory: Path) -> None:
 
 async def relay(request: web.Request) -> web.StreamResponse:
     """One request to the writer's app, the answer streamed back."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
     headers["X-Forwarded-For"] = request.remote or ""
     body = await request.read() if request.body_exists else None  # bounded by server.max_body_bytes
     try:
         async with request.app[_SESSION].request(
             request.method, f"http://memory{request.rel_url}", headers=headers, data=body, allow_redirects=False
         ) as upstream:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for key, value in upstream.headers.items():
-                if key.lower() not in _HOP:
-                    response.headers.add(key, value)
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-            return response
+            return await stream_back(request, upstream)
     except (aiohttp.ClientConnectionError, FileNotFoundError, ConnectionRefusedError):
         return web.Response(status=503, body=UNAVAILABLE, content_type="application/json")
+
+
+async def stream_back(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    """Another process's answer to ``request``, streamed back as it comes (hop-by-hop headers left out)."""
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+    for key, value in upstream.headers.items():
+        if key.lower() not in HOP:
+            response.headers.add(key, value)
+    await response.prepare(request)
+    async for chunk in upstream.content.iter_any():
+        await response.write(chunk)
+    await response.write_eof()
+    return response
 
 
 async def writer_metrics(app: web.Application) -> bytes:
