@@ -9,7 +9,9 @@ Models (anything else answers like ``fake-echo``):
 - ``fake-tools``: answers with a tool call to the first declared tool.
 The Responses API, Anthropic's Messages API and embeddings are served too (``tests.fake_dialects``). A body whose
 ``metadata`` holds ``fake_reply`` is answered with that text (benchmarks replaying a dialog).
-A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema.
+A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema. With
+``require_key`` (``--require-key``) a chat request without a bearer key gets a 401 in OpenAI's shape, as from
+every hosted API (the other dialects always do; most tests of chat completions still send none).
 It records every request (headers and JSON) in ``requests`` and counts streams cut by the client in
 ``disconnects``. Run as a script (``python -m tests.fake_upstream --port N --latency-ms L``) for benchmarks.
 """
@@ -25,7 +27,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from tests.fake_dialects import MEMORY_PART, DialectRoutes, minimal_instance, scripted_reply
+from tests.fake_dialects import MEMORY_PART, DialectRoutes, minimal_instance, openai_key_missing, scripted_reply
 
 
 def _last_user_text(body: dict[str, Any]) -> str:
@@ -73,13 +75,21 @@ class FakeUpstream:
     """The fake server; ``async with FakeUpstream() as fake`` gives ``fake.base_url``."""
 
     def __init__(
-        self, *, latency_s: float = 0.0, slow_s: float = 2.0, drip_s: float = 0.05, port: int = 0, record: bool = True
+        self,
+        *,
+        latency_s: float = 0.0,
+        slow_s: float = 2.0,
+        drip_s: float = 0.05,
+        port: int = 0,
+        record: bool = True,
+        require_key: bool = False,
     ) -> None:
         self.latency_s = latency_s
         self.slow_s = slow_s
         self.drip_s = drip_s
         self.port = port
         self.record = record
+        self.require_key = require_key
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
         self.disconnected = asyncio.Event()
@@ -127,6 +137,8 @@ class FakeUpstream:
         body = await request.json(loads=orjson.loads)
         if self.record:
             self.requests.append({"path": request.path, "headers": dict(request.headers), "json": body})
+        if self.require_key and (missing := openai_key_missing(request)) is not None:  # as any hosted API
+            return missing
         model = str(body.get("model", ""))
         if self.latency_s:
             await asyncio.sleep(self.latency_s)
@@ -191,8 +203,8 @@ class FakeUpstream:
         await response.write_eof()
 
 
-async def _main(port: int, latency_ms: float, record: bool) -> None:
-    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=record) as fake:
+async def _main(port: int, latency_ms: float, record: bool, require_key: bool) -> None:
+    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=record, require_key=require_key) as fake:
         print(f"fake upstream on {fake.base_url}", flush=True)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.Event().wait()
@@ -203,5 +215,6 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--record", action="store_true", help="keep requests for GET /_fake/requests")
+    parser.add_argument("--require-key", action="store_true", help="401 for a chat request without a bearer key")
     cli = parser.parse_args()
-    asyncio.run(_main(cli.port, cli.latency_ms, cli.record))
+    asyncio.run(_main(cli.port, cli.latency_ms, cli.record, cli.require_key))

@@ -88,11 +88,14 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def fake_upstream_process(latency_ms: float = 0.0, *, record: bool = False) -> Iterator[tuple[Process, str]]:
+def fake_upstream_process(
+    latency_ms: float = 0.0, *, record: bool = False, require_key: bool = False
+) -> Iterator[tuple[Process, str]]:
     """The fake upstream in its own process; yields it and its base URL (``record``: it keeps every request,
-    listed at ``GET <root>/_fake/requests``)."""
+    listed at ``GET <root>/_fake/requests``; ``require_key``: a chat request without a key gets a 401)."""
     args = [sys.executable, "-m", "tests.fake_upstream", "--port", "0", "--latency-ms", str(latency_ms)]
-    proc = Process([*args, "--record"] if record else args, child_env())
+    args += ["--record"] if record else []
+    proc = Process(args + (["--require-key"] if require_key else []), child_env())
     try:
         url = proc.wait_for(r"fake upstream on (\S+)").group(1)
         yield proc, url
