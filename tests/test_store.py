@@ -236,6 +236,23 @@ async def test_touch_sets_last_accessed_and_survives_a_restart(tmp_path: Path) -
         assert (await store.get("alice", record.id)).last_accessed_at == at
 
 
+async def test_an_access_soon_after_creation_is_shown_but_not_written(tmp_path: Path) -> None:
+    """A record used within the touch granularity of its creation shows the access time while the store runs,
+    but its row is not rewritten for it (recency counts hours; the creation time says as much): after a reopen
+    it has none. A record created two days before its use gets its access time written."""
+    at = T0 + timedelta(days=2)
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        new, old = await store.add([fact("alice", "Alice drinks oat milk", hours=48), fact("alice", "Alice rows")])
+        await store.read_many("alice", [new.id])  # the user's vectors cached: their creation times known
+        await store.touch("alice", [new.id, old.id], at=at + timedelta(minutes=5))
+        assert [r.last_accessed_at for r in await store.read_many("alice", [new.id, old.id])] == [
+            at + timedelta(minutes=5)
+        ] * 2
+    async with MemoryStore(settings_for(tmp_path), HashingEmbedder()) as store:
+        assert (await store.get("alice", new.id)).last_accessed_at is None
+        assert (await store.get("alice", old.id)).last_accessed_at == at + timedelta(minutes=5)
+
+
 async def test_a_user_loaded_into_the_cache_after_a_touch_shows_the_pending_access_time(store: MemoryStore) -> None:
     """Reads from the vector cache apply no touches, so a user's entry loaded while an access time is still
     pending (not yet written to LanceDB) carries it: every arm and lookup then shows it."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from proxy.memory.store.records import Kind, MemoryRecord
 from proxy.memory.store.touches import SHOWN_STEP, TouchBuffer, touch_chunks
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -61,3 +62,17 @@ def test_chunks_hold_every_note_once_and_at_most_size_each() -> None:
             assert not set(ids) & set(merged.get(user_id, {}))
             merged.setdefault(user_id, {}).update(ids)
     assert merged == pending
+
+
+def test_an_access_within_the_granularity_of_creation_is_shown_not_written() -> None:
+    """A young record's access time (created within the granularity before it) is shown to reads but never
+    taken for writing: it says what the creation time says. It is kept for the granularity, then dropped."""
+    touches = TouchBuffer(timedelta(hours=1))
+    assert touches.note("u", ["young", "old"], T0, young={"young"}) == ["young", "old"]
+    assert touches.note("u", ["young"], T0 + SHOWN_STEP / 2, young={"young"}) == []  # the same step as pending
+    assert touches.take() == {"u": {"old": T0}}
+    record = MemoryRecord(user_id="u", kind=Kind.TURN, text="t", created_at=T0, id="young")
+    assert touches.touched(record).last_accessed_at == T0
+    touches.note("u", ["other"], T0 + timedelta(minutes=61))
+    touches.take()
+    assert touches.touched(record).last_accessed_at is None

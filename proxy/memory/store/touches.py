@@ -7,11 +7,16 @@ them here). A record whose access time was written less than ``granularity`` ago
 the written time, in the cache as on disk: recency is
 measured in hours and days, and rewriting the same rows every minute held the store's writes up for a good
 part of every minute under a busy chat.
+
+An access within ``granularity`` of the record's creation (``young``) is shown to reads but never written: it
+says what ``created_at`` already says, to within the granularity, and writing it rewrote the row (its vector
+included) of nearly every new memory once more, since a chat's new memories are the ones its next requests use
+(``make bench-writes``: a sixth of the writer's LanceDB work). Shown times are kept ``granularity`` long.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from datetime import datetime, timedelta
 
 from proxy.memory.store.records import MemoryRecord
@@ -27,29 +32,32 @@ class TouchBuffer:
         self.granularity = granularity
         self._pending: Pending = {}
         self._written: Pending = {}  # access times written within the last ``granularity``
+        self._shown: Pending = {}  # young records' access times: shown to reads, never written
         self._last_write: datetime | None = None
+        self._latest: datetime | None = None  # the latest access noted
 
     def __bool__(self) -> bool:
         return bool(self._pending)
 
-    def note(self, user_id: str, ids: Iterable[str], when: datetime) -> list[str]:
+    def note(self, user_id: str, ids: Iterable[str], when: datetime, young: Collection[str] = ()) -> list[str]:
         """Note that the user's records ``ids`` were used at ``when`` (a later note wins); returns the ids whose
         shown access time should move to ``when``: noted ones that were not pending, or pending since at least
         ``SHOWN_STEP``. Records whose access time was written within the granularity are not noted (they
         keep the written one); a record used again within the step keeps showing its first time (the
         store's cache then copies no record for it: under a busy chat, the same memories are used many
-        times a minute)."""
+        times a minute). Those of ``young`` (created within the granularity before ``when``) are shown only."""
         written = self._written.get(user_id, {})
         ids = [i for i in ids if (at := written.get(i)) is None or when - at >= self.granularity]
         if not ids:  # no empty entry: the writer takes the latest time of what is pending
             return ids
-        pending = self._pending.setdefault(user_id, {})
+        self._latest = when if self._latest is None else max(self._latest, when)
         shown = []
         for record_id in ids:
-            before = pending.get(record_id)
+            kept = (self._shown if record_id in young else self._pending).setdefault(user_id, {})
+            before = kept.get(record_id)
             if before is None or when - before >= SHOWN_STEP:
                 shown.append(record_id)
-                pending[record_id] = when if before is None else max(when, before)
+                kept[record_id] = when if before is None else max(when, before)
         return shown
 
     def pending_of(self, user_id: str) -> Mapping[str, datetime]:
@@ -61,7 +69,9 @@ class TouchBuffer:
         granularity are forgotten here, once a flush (``wrote`` runs once per chunk of it)."""
         pending, self._pending = self._pending, {}
         if self._last_write is not None:
-            self._forget_written_before(self._last_write - self.granularity)
+            self._written = _since(self._written, self._last_write - self.granularity)
+        if self._latest is not None:
+            self._shown = _since(self._shown, self._latest - self.granularity)
         return pending
 
     def wrote(self, pending: Pending, at: datetime) -> None:
@@ -72,14 +82,6 @@ class TouchBuffer:
             self._written.setdefault(user_id, {}).update(dict.fromkeys(ids, at))
         self._last_write = at
 
-    def _forget_written_before(self, horizon: datetime) -> None:
-        for user_id in list(self._written):
-            kept = {i: t for i, t in self._written[user_id].items() if t > horizon}
-            if kept:
-                self._written[user_id] = kept
-            else:
-                del self._written[user_id]
-
     def restore(self, pending: Pending) -> None:
         """Put notes that could not be written back, for the next round."""
         for user_id, ids in pending.items():
@@ -87,17 +89,18 @@ class TouchBuffer:
 
     def drop_user(self, user_id: str) -> None:
         """Forget the user's notes (the user is being forgotten)."""
-        self._pending.pop(user_id, None)
-        self._written.pop(user_id, None)
+        for kept in (self._pending, self._written, self._shown):
+            kept.pop(user_id, None)
 
     def drop(self, user_id: str, record_id: str) -> None:
         """Forget the note of one record (it is being deleted)."""
-        self._pending.get(user_id, {}).pop(record_id, None)
-        self._written.get(user_id, {}).pop(record_id, None)
+        for kept in (self._pending, self._written, self._shown):
+            kept.get(user_id, {}).pop(record_id, None)
 
     def toucher(self, user_id: str) -> Callable[[MemoryRecord], MemoryRecord]:
-        """Applies the user's pending access times to their records; identity when there are none."""
-        touches = self._pending.get(user_id)
+        """Applies the user's pending (and shown) access times to their records; identity when there are none."""
+        pending, shown = self._pending.get(user_id), self._shown.get(user_id)
+        touches = {**shown, **pending} if pending and shown else pending or shown
         if not touches:
             return _same
 
@@ -116,6 +119,12 @@ class TouchBuffer:
 
 def _same(record: MemoryRecord) -> MemoryRecord:
     return record
+
+
+def _since(times: Pending, horizon: datetime) -> Pending:
+    """``times`` without the entries at or before ``horizon``."""
+    kept = {user: {i: t for i, t in ids.items() if t > horizon} for user, ids in times.items()}
+    return {user: ids for user, ids in kept.items() if ids}
 
 
 def touch_chunks(pending: Pending, size: int) -> list[Pending]:

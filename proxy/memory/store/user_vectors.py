@@ -372,6 +372,11 @@ class UserVectors:
             out.append(values[offsets[at] : offsets[at + 1]] if at >= 0 and held[at] else None)
         return out
 
+    def created_after(self, ids: Sequence[str], horizon: datetime) -> frozenset[str]:
+        """Those of ``ids`` held here that were created after ``horizon``."""
+        index, created, after = self.index, self.created, micros(horizon)
+        return frozenset(i for i in ids if (row := index.get(i)) is not None and created[row] > after)
+
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
         """The current records for ``ids`` (None where deleted), materialised from the loaded columns."""
         rows = [self.index.get(record_id) for record_id in ids]

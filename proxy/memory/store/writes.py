@@ -294,9 +294,12 @@ class StoreWrites:
         check_user_id(user_id)
         when = at or utcnow()
         valid = [record_id for record_id in ids if valid_record_id(record_id)]
-        noted = self._touches.note(user_id, valid, when)
+        entry, granularity = self._cache.peek(user_id), self._touches.granularity
+        young = entry.created_after(valid, when - granularity) if entry is not None and granularity else ()
+        noted = self._touches.note(user_id, valid, when, young)
         # The cached records show it at once (reads from the cache apply no touches); LanceDB gets it at the next
-        # flush. Records whose time was written within the granularity keep that one, in the cache as on disk.
+        # flush (not for a record created within the granularity: ``TouchBuffer``). Records whose time was
+        # written within the granularity keep that one, in the cache as on disk.
         if noted:
             self._cache.patch(user_id, noted, last_accessed_at=when)
 
