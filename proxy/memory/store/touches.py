@@ -34,7 +34,7 @@ class TouchBuffer:
         self._written: Pending = {}  # access times written within the last ``granularity``
         self._shown: Pending = {}  # young records' access times: shown to reads, never written
         self._last_write: datetime | None = None
-        self._latest: datetime | None = None  # the latest access noted
+        self._pruned: datetime | None = None  # when ``_shown`` last lost what is older than the granularity
 
     def __bool__(self) -> bool:
         return bool(self._pending)
@@ -50,7 +50,8 @@ class TouchBuffer:
         ids = [i for i in ids if (at := written.get(i)) is None or when - at >= self.granularity]
         if not ids:  # no empty entry: the writer takes the latest time of what is pending
             return ids
-        self._latest = when if self._latest is None else max(self._latest, when)
+        if self._pruned is None or when - self._pruned >= self.granularity:  # once per granularity
+            self._shown, self._pruned = _since(self._shown, when - self.granularity), when
         shown = []
         for record_id in ids:
             kept = (self._shown if record_id in young else self._pending).setdefault(user_id, {})
@@ -70,8 +71,6 @@ class TouchBuffer:
         pending, self._pending = self._pending, {}
         if self._last_write is not None:
             self._written = _since(self._written, self._last_write - self.granularity)
-        if self._latest is not None:
-            self._shown = _since(self._shown, self._latest - self.granularity)
         return pending
 
     def wrote(self, pending: Pending, at: datetime) -> None:
