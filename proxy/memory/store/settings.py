@@ -18,7 +18,7 @@ class StoreTuning(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     flush_max_rows: int = Field(256, ge=1)
-    flush_interval_ms: int = Field(100, ge=0)
+    flush_interval_ms: int = Field(20, ge=0)
     optimize_interval_s: float = Field(300.0, gt=0)
     # ...or sooner, after this many appends: each makes a fragment, and a write's id check and a user's first
     # read walk every fragment not yet compacted (at a thousand fragments an append took several times as long)
