@@ -47,10 +47,7 @@ from proxy.memory.store.write_vectors import WriteVectors
 
 log = structlog.get_logger(__name__)
 
-# Versions an optimize keeps: a local table's readers query its latest version for milliseconds (ten minutes
-# kept 6,600 manifests that every cleanup read again, and 2 GB of old files); replicas on object storage read a
-# shared table on their own clocks: ten minutes there.
-KEEP_VERSIONS, KEEP_SHARED_VERSIONS = timedelta(minutes=1), timedelta(minutes=10)
+OPTIMIZE_KEEP_VERSIONS = timedelta(minutes=10)
 TOUCH_CHUNK = 1_000  # access times per LanceDB update (ten times as many held the write lock for a second)
 # A keyword index in more segments than this, after a maintenance interval without writes, is rewritten as one
 # (each search walks every segment: the read path's searches cost measurably more CPU in six segments than in
@@ -423,7 +420,7 @@ class StoreWrites:
         # Compaction beside the appends (Lance resolves an append against it): under the write lock it held every
         # new memory back for seconds (``make bench-writes``: reply -> searchable p99 up to 8 s).
         async with self.rewrites:
-            await self._lance.optimize(KEEP_VERSIONS if self._lance.shared is None else KEEP_SHARED_VERSIONS)
+            await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)
         async with self._holding("optimize"):
             if self.needs_repair:
                 await self.repair()
