@@ -30,7 +30,7 @@ import os
 import pickle
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -124,8 +124,8 @@ def writer_routes(
         return web.Response(status=204)
 
     async def touches(request: web.Request) -> web.Response:
-        for user_id, ids, at in orjson.loads(await request.read()):
-            await store.touch(user_id, ids, datetime.fromisoformat(at))
+        for user_id, ids, at, young in orjson.loads(await request.read()):
+            await store.touch(user_id, ids, datetime.fromisoformat(at), young)
         return web.Response(status=204)
 
     app.router.add_get("/_memproxy/changes", mirror.stream)
@@ -152,7 +152,7 @@ class WriterLink:
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._chats: dict[str, tuple[str, str, str | None]] = {}
-        self._touches: list[tuple[str, list[str], str]] = []
+        self._touches: list[tuple[str, list[str], str, list[str]]] = []
         self._pushed = asyncio.Event()
         self.connected = False
         self._followed = asyncio.Event()  # set at the first connection
@@ -186,9 +186,10 @@ class WriterLink:
         self._chats[user_id] = (model, route, key.get_secret_value() if key is not None else None)
         self._pushed.set()
 
-    def note_touch(self, user_id: str, ids: Sequence[str], at: datetime) -> None:
-        """Memories a request sent (sent within ``TOUCH_S``)."""
-        self._touches.append((user_id, list(ids), at.isoformat()))
+    def note_touch(self, user_id: str, ids: Sequence[str], at: datetime, young: Collection[str] = ()) -> None:
+        """Memories a request sent, and which of them are young (``MemoryStore.young_of``; sent within
+        ``TOUCH_S``)."""
+        self._touches.append((user_id, list(ids), at.isoformat(), sorted(young)))
 
     async def _follow(self) -> None:
         pause = 0.05

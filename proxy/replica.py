@@ -94,7 +94,8 @@ class ReplicaEngine(ReadSide):
         self.adapters.clear()
 
     async def touch(self, user_id: str, ids: Sequence[str]) -> None:
-        self.link.note_touch(user_id, ids, utcnow())
+        at = utcnow()  # the young ones are told apart here: the writer does not cache the user
+        self.link.note_touch(user_id, ids, at, self.store.young_of(user_id, ids, at))
 
     async def record(self, exchange: Exchange) -> None:
         """Commit the exchange to the queue (durable when this returns); the writer hears of the chat (model,

@@ -9,7 +9,7 @@ described in ``writes.py``.
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Sequence
 from contextlib import AsyncExitStack
 from datetime import datetime, timedelta
 from typing import Any
@@ -25,7 +25,7 @@ from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.keyword import KeywordIndex
 from proxy.memory.store.reads import Due, Hit, Page, StoreParts, StoreReads
-from proxy.memory.store.records import Kind, MemoryRecord, Pool
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, utcnow
 from proxy.memory.store.settings import DocumentEmbedder, StoreSettings, StoreTuning
 from proxy.memory.store.table import MemoryTable, SharedTable
 from proxy.memory.store.touches import TouchBuffer
@@ -320,9 +320,19 @@ class MemoryStore:
         await self.update(user_id, old_id, valid=False, superseded_by=added.id)
         return added
 
-    async def touch(self, user_id: str, ids: Sequence[str], at: datetime | None = None) -> None:
-        """Note that these records were used now (reads see it at once; LanceDB within ``touch_flush_s``)."""
-        await self.writes.touch(user_id, ids, at)
+    async def touch(
+        self, user_id: str, ids: Sequence[str], at: datetime | None = None, young: Collection[str] | None = None
+    ) -> None:
+        """Note that these records were used now (reads see it at once; LanceDB within ``touch_flush_s``, but for
+        ``young`` ones: ``young_of``; None: as this store's cache knows them)."""
+        when = at or utcnow()
+        await self.writes.touch(user_id, ids, when, self.young_of(user_id, ids, when) if young is None else young)
+
+    def young_of(self, user_id: str, ids: Sequence[str], at: datetime) -> frozenset[str]:
+        """Those of ``ids`` created within the touch granularity before ``at``, as far as the vector cache holds
+        the user (their access time is shown, never written: ``touches.TouchBuffer``)."""
+        entry, granularity = self._cache.peek(user_id), self._touches.granularity
+        return entry.created_after(ids, at - granularity) if entry is not None and granularity else frozenset()
 
     async def delete(self, user_id: str, id: str) -> bool:
         """Delete one record from both arms and the cache; False if the user has no such record."""

@@ -62,8 +62,9 @@ class TouchBuffer:
         return shown
 
     def pending_of(self, user_id: str) -> Mapping[str, datetime]:
-        """The user's access times not yet written (record id -> time; read-only)."""
-        return self._pending.get(user_id, {})
+        """The user's access times not on disk: pending, or shown only (record id -> time; read-only)."""
+        pending, shown = self._pending.get(user_id), self._shown.get(user_id)
+        return {**shown, **pending} if pending and shown else pending or shown or {}
 
     def take(self) -> Pending:
         """Every pending note, leaving none (``restore`` them if writing fails); writes older than the
@@ -98,8 +99,7 @@ class TouchBuffer:
 
     def toucher(self, user_id: str) -> Callable[[MemoryRecord], MemoryRecord]:
         """Applies the user's pending (and shown) access times to their records; identity when there are none."""
-        pending, shown = self._pending.get(user_id), self._shown.get(user_id)
-        touches = {**shown, **pending} if pending and shown else pending or shown
+        touches = self.pending_of(user_id)
         if not touches:
             return _same
 
