@@ -16,7 +16,8 @@ supervisor's private directory (``writer.sock``, reachable by this user only):
   that key), batched every ``PUSH_S``. Keys stay in memory in both processes; a writer that restarts (recycled
   or killed) gets them all again from every chat process when the stream reconnects, so jobs waiting for a key
   resume without waiting for the user's next chat.
-* ``POST /_memproxy/touches``: the memories each request sent (their access times), batched every ``TOUCH_S``.
+* ``POST /_memproxy/touches``: the memories each request sent (their access times) and which of them are young
+  (``MemoryStore.young_of``: the chat process caches the user, the writer does not), batched every ``TOUCH_S``.
 
 Exchanges do not go through the link: a chat process commits them to the job queue's SQLite file itself
 (durably, before its reply's end goes out), so an answered exchange is stored whether or not the writer is up.
