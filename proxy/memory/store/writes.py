@@ -286,13 +286,10 @@ class StoreWrites:
             await self._publish(new, vectors, pieces, keyword)
         return [self._touches.touched(record) for record in new]
 
-    async def touch(
-        self, user_id: str, ids: Sequence[str], at: datetime | None = None, young: Iterable[str] = ()
-    ) -> None:
-        """Note that these records were used now (reads see it at once; LanceDB within ``touch_flush_s``, but not
-        for the ``young``: ``MemoryStore.young_of``)."""
+    async def touch(self, user_id: str, ids: Sequence[str], when: datetime, young: Iterable[str]) -> None:
+        """Note that these records were used at ``when`` (reads see it at once; LanceDB within ``touch_flush_s``,
+        but not for the ``young``: ``MemoryStore.young_of``)."""
         check_user_id(user_id)
-        when = at or utcnow()
         valid = [record_id for record_id in ids if valid_record_id(record_id)]
         noted = self._touches.note(user_id, valid, when, frozenset(young))
         # The cached records show it at once (reads from the cache apply no touches); LanceDB gets it at the next
