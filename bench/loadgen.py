@@ -115,6 +115,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds each kind of thread of a process has used so far, by thread name with its number dropped
+    (``lancedb-tokio-w``, ``merge_thread_``, ``python`` for the interpreter and threads that did not name
+    themselves...); threads that ended are not counted, so compare a long-lived pool's figures only."""
+    out: dict[str, float] = {}
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except (FileNotFoundError, ProcessLookupError):
+        return out
+    for task in tasks:
+        try:
+            name, _, rest = (task / "stat").read_text().partition(" (")[2].rpartition(") ")
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        fields = rest.split()
+        kind = name.rstrip("0123456789-")
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
 def rss_mb(pid: int) -> float:
     """Resident memory of a process in MiB (Linux ``/proc``; 0 once it is gone)."""
     try:

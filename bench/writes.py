@@ -61,7 +61,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loadgen import cpu_seconds, percentile, rss_mb
+from bench.loadgen import cpu_seconds, percentile, rss_mb, thread_cpu_s
 from bench.locomo import DATA, Conversation, load_conversations
 from tests.fake_upstream import minimal_instance
 from tests.support.processes import DEPLOYED_ALLOCATOR, memproxy_process, process_tree
@@ -220,6 +220,11 @@ def rss_parts_mb(pid: int) -> dict[str, float]:
 def cpu_parts_s(pid: int) -> dict[str, float]:
     """CPU seconds used so far by each of memproxy's processes, by role."""
     return {role: cpu_seconds(child) for child, role in sorted(process_tree(pid).items())}
+
+
+def thread_parts_s(pid: int) -> dict[str, dict[str, float]]:
+    """CPU seconds used so far by each kind of thread (``loadgen.thread_cpu_s``) of each memproxy process."""
+    return {role: thread_cpu_s(child) for child, role in sorted(process_tree(pid).items()) if role != "supervisor"}
 
 
 def memproxy_rss_mb(pid: int) -> float:
@@ -384,7 +389,7 @@ async def minute_marks(session: aiohttp.ClientSession, base: str, data: Path, pi
         await asyncio.sleep(max(0.0, started + 60 * i - time.monotonic()))
         parts = rss_parts_mb(pid)
         marks.append({**await asyncio.to_thread(queue_counts, data), "rss_mb": sum(parts.values()),
-                      "rss_parts_mb": parts, "cpu_parts_s": cpu_parts_s(pid),
+                      "rss_parts_mb": parts, "cpu_parts_s": cpu_parts_s(pid), "threads_s": thread_parts_s(pid),
                       **await metric_marks(session, base)})  # fmt: skip
     return marks
 
@@ -407,6 +412,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             texts_before = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0)
             minutes = [Minute() for _ in range(args.minutes)]
             before: dict[str, Any] = {**await asyncio.to_thread(queue_counts, data), "cpu_parts_s": cpu_parts_s(pid),
+                                      "threads_s": thread_parts_s(pid),
                                       **await metric_marks(session, base)}  # fmt: skip
             started = time.monotonic()
             end = started + 60 * args.minutes
@@ -485,6 +491,17 @@ def per_arrival(before: Mapping[str, Any], after: Mapping[str, Any], arrivals: i
     return {role: round(1000 * max(0.0, cpu) / max(1, arrivals), 2) for role, cpu in spent.items()}
 
 
+def per_arrival_by_thread(before: Mapping[str, Any], after: Mapping[str, Any], arrivals: int) -> dict[str, Any]:
+    """Each process's CPU time in a minute by kind of thread, in ms per chat answered in it (0.1 ms and up):
+    where a process's growth comes from (LanceDB's threads, Tantivy's merges, the interpreter)."""
+    out = {}
+    for role, threads in after.get("threads_s", {}).items():
+        earlier = before.get("threads_s", {}).get(role, {})
+        spent = {name: 1000 * (cpu - earlier.get(name, 0.0)) / max(1, arrivals) for name, cpu in threads.items()}
+        out[role] = {name: round(ms, 2) for name, ms in sorted(spent.items(), key=lambda kv: -kv[1]) if ms >= 0.1}
+    return out
+
+
 Stages = Mapping[str, tuple[float, float]]
 
 
@@ -512,6 +529,7 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any
             "rss_mb": round(marks[i + 1]["rss_mb"], 1), "errors": minute.errors, "probes": len(minute.searchable_s),
             "rss_parts_mb": marks[i + 1]["rss_parts_mb"],
             "cpu_ms_per_arrival": per_arrival(marks[i], marks[i + 1], minute.arrivals),
+            "cpu_ms_per_arrival_by_thread": per_arrival_by_thread(marks[i], marks[i + 1], minute.arrivals),
             "stage_mean_ms": stage_means(marks[i]["stages"], marks[i + 1]["stages"]),
             "memory_parts_mb": marks[i + 1]["memory_mb"],
         })  # fmt: skip

@@ -16,6 +16,7 @@ import pyarrow as pa
 import pytest
 
 from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
+from proxy.memory.store import compaction
 from proxy.memory.store.keyword import KeywordIndex
 from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
@@ -100,6 +101,44 @@ async def test_busy_writes_compact_before_the_interval(tmp_path: Path) -> None:
 
         await eventually(compacted, 5.0)
         assert await store.count("alice") == 5
+
+
+async def test_a_round_leaves_full_fragments_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compaction rewrites the small fragments only: a fragment that has reached the target keeps its data file
+    in later rounds (LanceDB's own optimize() merged it with every new append, rewriting the whole table each
+    round), deletions still get materialized, and every row stays readable and searchable."""
+    monkeypatch.setattr(compaction, "TARGET_ROWS", 40)
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600, optimize_after_commits=10_000)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        table = store._lance.table
+
+        async def files() -> set[str]:
+            return {f.data_files()[0].path for f in (await table.to_lance()).get_fragments()}
+
+        bulk = await store.add([fact("alice", f"bulk note {i}") for i in range(40)])
+        for i in range(8):
+            await store.add([fact("alice", f"small note {i}")])
+        await store.optimize()
+        full = await files()
+        for i in range(8):
+            await store.add([fact("bob", f"later note {i}")])
+        stats = await compaction.maintain(table, None, timedelta(minutes=10))
+        assert (stats.fragments_removed, stats.fragments_added) == (8, 1)  # the new appends, as one fragment
+        await store.optimize()
+        after = await files()
+        big = {path for path in full if path in after}
+        assert big, "the fragment that reached the target was rewritten"
+        assert len(after) == 2  # the full one, and the two rounds' partial ones merged
+        assert await store.count("alice") == 48
+        assert await store.count("bob") == 8
+        assert await vector_ids(store, "bob", "later note 3", k=1)
+        assert len(await keyword_ids(store, "alice", "bulk", k=50)) == 40
+
+        doomed = [record.id for record in bulk[:30]]
+        assert len(await store.delete_many("alice", doomed)) == 30
+        await store.optimize()
+        assert not (await files()) & big  # most of its rows deleted: rewritten without them
+        assert await store.count("alice") == 18
 
 
 async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp_path: Path) -> None:

@@ -4,7 +4,7 @@ LanceDB is the source of truth. One table holds every kind of memory of every us
 manifest beside it (``manifest.py``) names the live table and the embedding model it was built with. Every
 read and delete goes through a filter of ``filters.py``, scoped to one user. The indexes (``indexes.py``:
 Bitmap on ``user_id``, BTree on ``id``, HNSW-SQ cosine on ``embedding`` past a size) are created as the table grows;
-writes are batched by ``background.BatchWriter`` and compaction runs on ``background.Ticker``.
+writes are batched by ``background.BatchWriter`` and compaction (``compaction.py``) runs on ``background.Ticker``.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pyarrow.compute as pc
 import structlog
 
 from proxy.memory.errors import EmbedderMismatch, StoreError
-from proxy.memory.store import indexes
+from proxy.memory.store import compaction, indexes
 from proxy.memory.store.filters import record_filter, sql_in, sql_string
 from proxy.memory.store.gate import ReadGate
 from proxy.memory.store.ids import check_user_id, valid_record_id
@@ -92,6 +92,7 @@ class MemoryTable:
         self._table: Any = None
         self.manifest: Manifest | None = None
         self.gate = ReadGate()
+        self.cleanups = compaction.Cleanups()
 
     @property
     def table(self) -> Any:
@@ -265,16 +266,18 @@ class MemoryTable:
         await self._rebuild_scalar_indexes()  # the Bitmap index keeps the user's id as a key otherwise
         async with self.gate.exclusive():
             if self.shared is None:
-                await self.table.optimize(cleanup_older_than=_PURGE_CLEANUP, delete_unverified=True)
+                await compaction.maintain(self.table, None, _PURGE_CLEANUP, delete_unverified=True)
             else:  # files of another replica's commit in flight are unreferenced too: leave those
-                await self.table.optimize(cleanup_older_than=self.shared.purge_cleanup)
+                await compaction.maintain(self.table, self.shared.storage_options, self.shared.purge_cleanup)
 
     async def _rebuild_scalar_indexes(self) -> None:
         await indexes.rebuild_scalar_indexes(self.table)
 
     async def optimize(self, cleanup_older_than: timedelta) -> None:
-        """Compact small fragments, fold new rows into the indexes, drop old versions, add scalar indexes."""
-        await self.table.optimize(cleanup_older_than=cleanup_older_than)
+        """Compact small fragments, fold new rows into the indexes, drop old versions (every few minutes:
+        ``compaction``), add scalar indexes."""
+        options = self.shared.storage_options if self.shared else None
+        await compaction.maintain(self.table, options, self.cleanups.due(cleanup_older_than))
         await self.ensure_scalar_indexes()
 
     async def _indexed_columns(self) -> dict[tuple[str, ...], str]:

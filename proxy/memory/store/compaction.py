@@ -1,0 +1,124 @@
+"""The memory table's maintenance round: compact small fragments, fold new rows into the indexes, drop old versions.
+
+LanceDB's ``AsyncTable.optimize()`` does the same three steps but compacts with Lance's default target of 1M rows
+per fragment: every fragment under it is a candidate, so a table that grows by small appends has its one big
+fragment merged with the new small ones in *every* round, and each round rewrites the whole table (lancedb#2325).
+Under ``make bench-writes`` that was the writer's LanceDB threads climbing from 28% to 52% of a core in 12 minutes
+while the appends stayed the same. Here compaction targets ``TARGET_ROWS`` rows per fragment: a fragment that has
+reached it is left alone unless deletions make it a candidate, so a round rewrites at most about ``TARGET_ROWS``
+rows plus what arrived since the last round, however large the table.
+
+pylance (the Lance package that LanceDB is built on; the same Lance release as the lancedb pinned) opens the
+dataset for the round; its commits are Lance transactions like LanceDB's, resolved against appends committed
+meanwhile. Only the process that owns the table's writes runs this.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger(__name__)
+
+# Rows per fragment compaction aims for: large enough that a scan of a million rows meets ~30 files, small enough
+# that a round's rewrite (up to this many rows of the last partial fragment, plus the new ones) stays a fraction of
+# a second of one core.
+TARGET_ROWS = 1 << 15
+# Old versions are removed in a round at most this often. Removing them reads every manifest kept (ten minutes of
+# commits: thousands under load, each listing every fragment), so in every round it grew with the commit rate and
+# took more of each round than the compaction (0.1 -> 2.1 s a round in 4 minutes of ``make bench-writes``).
+CLEANUP_EVERY_S = 300.0
+# The caches of the dataset a round opens (manifests, index pages while remapping and merging): freed with it.
+_ROUND_CACHE_BYTES = 64 << 20
+
+
+class Cleanups:
+    """When a round should also remove old versions: the first round, then every ``CLEANUP_EVERY_S``."""
+
+    def __init__(self) -> None:
+        self._next = 0.0
+
+    def due(self, older_than: timedelta) -> timedelta | None:
+        """``older_than`` if this round removes old versions (and it is counted as done), else None."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + CLEANUP_EVERY_S
+        return older_than
+
+
+@dataclass(frozen=True)
+class RoundStats:
+    """What one round did."""
+
+    fragments_removed: int
+    fragments_added: int
+    versions_removed: int
+    bytes_removed: int
+    compact_s: float
+    index_s: float
+    cleanup_s: float
+
+
+def _round(
+    uri: str, storage_options: dict[str, str] | None, cleanup_older_than: timedelta | None, delete_unverified: bool
+) -> RoundStats:
+    import lance  # only the table's writer needs it: chat processes never import it
+
+    started = time.perf_counter()
+    dataset = lance.dataset(
+        uri,
+        storage_options=storage_options,
+        index_cache_size_bytes=_ROUND_CACHE_BYTES,
+        metadata_cache_size_bytes=_ROUND_CACHE_BYTES,
+    )
+    compaction = dataset.optimize.compact_files(target_rows_per_fragment=TARGET_ROWS)
+    compacted = time.perf_counter()
+    dataset.optimize.optimize_indices()
+    indexed = time.perf_counter()
+    versions_removed = bytes_removed = 0
+    if cleanup_older_than is not None:
+        cleanup = dataset.cleanup_old_versions(older_than=cleanup_older_than, delete_unverified=delete_unverified)
+        versions_removed, bytes_removed = cleanup.old_versions, cleanup.bytes_removed
+    return RoundStats(
+        fragments_removed=compaction.fragments_removed,
+        fragments_added=compaction.fragments_added,
+        versions_removed=versions_removed,
+        bytes_removed=bytes_removed,
+        compact_s=compacted - started,
+        index_s=indexed - compacted,
+        cleanup_s=time.perf_counter() - indexed,
+    )
+
+
+async def maintain(
+    table: Any,
+    storage_options: dict[str, str] | None,
+    cleanup_older_than: timedelta | None,
+    *,
+    delete_unverified: bool = False,
+) -> RoundStats:
+    """Run a maintenance round on the LanceDB ``table`` (in a thread), then point the table at its result.
+
+    ``cleanup_older_than``: remove the versions older than this (None: keep them this round).
+    ``delete_unverified`` also deletes files no version references however young (a failed write's), which is
+    safe only while no other process writes the table.
+    """
+    stats = await asyncio.to_thread(_round, await table.uri(), storage_options, cleanup_older_than, delete_unverified)
+    await table.checkout_latest()
+    log.info(
+        "memory.compacted",
+        fragments_removed=stats.fragments_removed,
+        fragments_added=stats.fragments_added,
+        versions_removed=stats.versions_removed,
+        bytes_removed=stats.bytes_removed,
+        compact_ms=round(stats.compact_s * 1000),
+        index_ms=round(stats.index_s * 1000),
+        cleanup_ms=round(stats.cleanup_s * 1000),
+    )
+    return stats
