@@ -141,6 +141,33 @@ async def test_a_round_leaves_full_fragments_alone(tmp_path: Path, monkeypatch: 
         assert await store.count("alice") == 18
 
 
+async def test_old_versions_are_removed_every_few_minutes(tmp_path: Path) -> None:
+    """Removing old versions reads every manifest kept, so it runs once per ``CLEANUP_EVERY_S``, not in every
+    round; when it runs it leaves only the versions younger than asked, and the data reads the same."""
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600, optimize_after_commits=10_000)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        lance = store._lance
+        versions_dir = tmp_path / "data" / "lance" / f"{lance.manifest.table}.lance" / "_versions"  # type: ignore[union-attr]
+
+        def versions() -> int:
+            return len(list(versions_dir.glob("*.manifest")))
+
+        for i in range(5):
+            await store.add([fact("alice", f"note number {i}")])
+        await asyncio.sleep(0.01)
+        await lance.remove_old_versions(timedelta(milliseconds=1))  # the first time: due
+        assert versions() == 1
+        for i in range(5):
+            await store.add([fact("alice", f"later note {i}")])
+        await lance.remove_old_versions(timedelta(milliseconds=1))  # again at once: not due
+        assert versions() >= 5
+        lance.cleanups = compaction.Cleanups()  # as if the interval had passed
+        await lance.remove_old_versions(timedelta(milliseconds=1))
+        assert versions() == 1
+        assert await store.count("alice") == 10
+        assert len(await keyword_ids(store, "alice", "note", k=20)) == 10
+
+
 async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp_path: Path) -> None:
     """A table written before any maintenance round (in one go, or imported) gets its Bitmap and BTree indexes
     as soon as the store opens, not an interval later: until then every update and delete by id scans it."""

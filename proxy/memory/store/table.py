@@ -263,22 +263,23 @@ class MemoryTable:
         elif fragments:
             where = " OR ".join(f"(_rowaddr >= {f << 32} AND _rowaddr < {(f + 1) << 32})" for f in fragments)
             await self.table.update(updates_sql={"importance": "importance"}, where=where)
-        await self._rebuild_scalar_indexes()  # the Bitmap index keeps the user's id as a key otherwise
+        await indexes.rebuild_scalar_indexes(self.table)  # the Bitmap index keeps the user's id as a key otherwise
         async with self.gate.exclusive():
             if self.shared is None:
                 await compaction.maintain(self.table, None, _PURGE_CLEANUP, delete_unverified=True)
             else:  # files of another replica's commit in flight are unreferenced too: leave those
                 await compaction.maintain(self.table, self.shared.storage_options, self.shared.purge_cleanup)
 
-    async def _rebuild_scalar_indexes(self) -> None:
-        await indexes.rebuild_scalar_indexes(self.table)
-
-    async def optimize(self, cleanup_older_than: timedelta) -> None:
-        """Compact small fragments, fold new rows into the indexes, drop old versions (every few minutes:
-        ``compaction``), add scalar indexes."""
-        options = self.shared.storage_options if self.shared else None
-        await compaction.maintain(self.table, options, self.cleanups.due(cleanup_older_than))
+    async def optimize(self) -> None:
+        """Compact small fragments, fold new rows into the indexes (``compaction``), add scalar indexes."""
+        await compaction.maintain(self.table, self.shared.storage_options if self.shared else None, None)
         await self.ensure_scalar_indexes()
+
+    async def remove_old_versions(self, older_than: timedelta) -> None:
+        """Remove versions older than ``older_than``, every few minutes (``compaction.Cleanups``)."""
+        if self.cleanups.due():
+            options = self.shared.storage_options if self.shared else None
+            await compaction.remove_versions(self.table, options, older_than)
 
     async def _indexed_columns(self) -> dict[tuple[str, ...], str]:
         return await indexes.indexed_columns(self.table)

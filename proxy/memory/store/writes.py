@@ -418,7 +418,8 @@ class StoreWrites:
         # Compaction beside the appends (Lance resolves an append against it): under the write lock it held every
         # new memory back for seconds (``make bench-writes``: reply -> searchable p99 up to 8 s).
         async with self.rewrites:
-            await self._lance.optimize(OPTIMIZE_KEEP_VERSIONS)
+            await self._lance.optimize()
+        await self._lance.remove_old_versions(OPTIMIZE_KEEP_VERSIONS)  # commits nothing: beside every write
         async with self._holding("optimize"):
             if self.needs_repair:
                 await self.repair()
