@@ -29,9 +29,10 @@ log = structlog.get_logger(__name__)
 # that a round's rewrite (up to this many rows of the last partial fragment, plus the new ones) stays a fraction of
 # a second of one core.
 TARGET_ROWS = 1 << 15
-# Old versions are removed in a round at most this often. Removing them reads every manifest kept (ten minutes of
-# commits: thousands under load, each listing every fragment), so in every round it grew with the commit rate and
-# took more of each round than the compaction (0.1 -> 2.1 s a round in 4 minutes of ``make bench-writes``).
+# Old versions are removed at most this often (after a round, outside the store's locks). Removing them reads every
+# manifest kept (ten minutes of commits: thousands under load, each listing every fragment); done in every round it
+# grew with the commit rate and took more of a round than the compaction (0.1 -> 2.1 s in 4 minutes of
+# ``make bench-writes``).
 CLEANUP_EVERY_S = 300.0
 # The caches of the dataset a round opens (manifests, index pages while remapping and merging): freed with it.
 _ROUND_CACHE_BYTES = 64 << 20
