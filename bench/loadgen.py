@@ -106,13 +106,19 @@ async def run(
     return Sample(results, [], errors, wall)
 
 
+def _stat(path: Path) -> tuple[str, float]:
+    """The name and user + system CPU seconds in a ``/proc`` stat file (of a process or one of its threads)."""
+    name, _, rest = path.read_text().partition(" (")[2].rpartition(") ")
+    fields = rest.split()
+    return name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process (all its threads) has used so far (Linux ``/proc``; 0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return _stat(Path(f"/proc/{pid}/stat"))[1]
     except (FileNotFoundError, ProcessLookupError):
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 def thread_cpu_s(pid: int) -> dict[str, float]:
@@ -126,12 +132,11 @@ def thread_cpu_s(pid: int) -> dict[str, float]:
         return out
     for task in tasks:
         try:
-            name, _, rest = (task / "stat").read_text().partition(" (")[2].rpartition(") ")
+            name, cpu = _stat(task / "stat")
         except (FileNotFoundError, ProcessLookupError):
             continue
-        fields = rest.split()
         kind = name.rstrip("0123456789-")
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        out[kind] = out.get(kind, 0.0) + cpu
     return out
 
 

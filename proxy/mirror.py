@@ -187,7 +187,7 @@ class WriterLink:
         self._chats[user_id] = (model, route, key.get_secret_value() if key is not None else None)
         self._pushed.set()
 
-    def note_touch(self, user_id: str, ids: Sequence[str], at: datetime, young: Collection[str] = ()) -> None:
+    def note_touch(self, user_id: str, ids: Sequence[str], at: datetime, young: Collection[str]) -> None:
         """Memories a request sent, and which of them are young (``MemoryStore.young_of``; sent within
         ``TOUCH_S``)."""
         self._touches.append((user_id, list(ids), at.isoformat(), sorted(young)))

@@ -122,7 +122,7 @@ async def test_a_round_leaves_full_fragments_alone(tmp_path: Path, monkeypatch: 
         full = await files()
         for i in range(8):
             await store.add([fact("bob", f"later note {i}")])
-        stats = await compaction.maintain(table, None, timedelta(minutes=10))
+        stats = await compaction.maintain(table, None)
         assert (stats.fragments_removed, stats.fragments_added) == (8, 1)  # the new appends, as one fragment
         await store.optimize()
         after = await files()

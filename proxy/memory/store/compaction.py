@@ -59,16 +59,11 @@ class RoundStats:
 
     fragments_removed: int
     fragments_added: int
-    versions_removed: int
-    bytes_removed: int
     compact_s: float
     index_s: float
-    cleanup_s: float
 
 
-def _round(
-    uri: str, storage_options: dict[str, str] | None, cleanup_older_than: timedelta | None, delete_unverified: bool
-) -> RoundStats:
+def _round(uri: str, storage_options: dict[str, str] | None) -> RoundStats:
     import lance  # only the table's writer needs it: chat processes never import it
 
     started = time.perf_counter()
@@ -81,65 +76,51 @@ def _round(
     compaction = dataset.optimize.compact_files(target_rows_per_fragment=TARGET_ROWS)
     compacted = time.perf_counter()
     dataset.optimize.optimize_indices()
-    indexed = time.perf_counter()
-    versions_removed = bytes_removed = 0
-    if cleanup_older_than is not None:
-        cleanup = dataset.cleanup_old_versions(older_than=cleanup_older_than, delete_unverified=delete_unverified)
-        versions_removed, bytes_removed = cleanup.old_versions, cleanup.bytes_removed
     return RoundStats(
         fragments_removed=compaction.fragments_removed,
         fragments_added=compaction.fragments_added,
-        versions_removed=versions_removed,
-        bytes_removed=bytes_removed,
         compact_s=compacted - started,
-        index_s=indexed - compacted,
-        cleanup_s=time.perf_counter() - indexed,
+        index_s=time.perf_counter() - compacted,
     )
 
 
-async def maintain(
-    table: Any,
-    storage_options: dict[str, str] | None,
-    cleanup_older_than: timedelta | None,
-    *,
-    delete_unverified: bool = False,
-) -> RoundStats:
-    """Run a maintenance round on the LanceDB ``table`` (in a thread), then point the table at its result.
-
-    ``cleanup_older_than``: remove the versions older than this (None: keep them this round; ``remove_versions``
-    does it alone). ``delete_unverified`` also deletes files no version references however young (a failed
-    write's), which is safe only while no other process writes the table.
-    """
-    stats = await asyncio.to_thread(_round, await table.uri(), storage_options, cleanup_older_than, delete_unverified)
+async def maintain(table: Any, storage_options: dict[str, str] | None) -> RoundStats:
+    """Compact the LanceDB ``table`` and fold new rows into its indexes (in a thread), then point the table at the
+    result. Old versions stay (``remove_versions``)."""
+    stats = await asyncio.to_thread(_round, await table.uri(), storage_options)
     await table.checkout_latest()
     log.info(
         "memory.compacted",
         fragments_removed=stats.fragments_removed,
         fragments_added=stats.fragments_added,
-        versions_removed=stats.versions_removed,
-        bytes_removed=stats.bytes_removed,
         compact_ms=round(stats.compact_s * 1000),
         index_ms=round(stats.index_s * 1000),
-        cleanup_ms=round(stats.cleanup_s * 1000),
     )
     return stats
 
 
-def _remove_versions(uri: str, storage_options: dict[str, str] | None, older_than: timedelta) -> tuple[int, int]:
+def _remove_versions(
+    uri: str, storage_options: dict[str, str] | None, older_than: timedelta, delete_unverified: bool
+) -> tuple[int, int]:
     import lance
 
     dataset = lance.dataset(uri, storage_options=storage_options, metadata_cache_size_bytes=_ROUND_CACHE_BYTES)
-    cleanup = dataset.cleanup_old_versions(older_than=older_than)
+    cleanup = dataset.cleanup_old_versions(older_than=older_than, delete_unverified=delete_unverified)
     return cleanup.old_versions, cleanup.bytes_removed
 
 
-async def remove_versions(table: Any, storage_options: dict[str, str] | None, older_than: timedelta) -> None:
+async def remove_versions(
+    table: Any, storage_options: dict[str, str] | None, older_than: timedelta, *, delete_unverified: bool = False
+) -> None:
     """Remove the ``table``'s versions older than ``older_than`` and the files only they use (in a thread).
 
     Commits nothing, so it runs beside writes of every kind (the store calls it outside its locks: reading
     every manifest kept takes seconds under load, 17-21 s with ten minutes of commits in ``make bench-writes``).
+    ``delete_unverified`` also deletes files no version references however young (a failed write's), which is
+    safe only while no other process writes the table.
     """
     started = time.perf_counter()
-    versions, removed = await asyncio.to_thread(_remove_versions, await table.uri(), storage_options, older_than)
+    uri = await table.uri()
+    versions, removed = await asyncio.to_thread(_remove_versions, uri, storage_options, older_than, delete_unverified)
     log.info("memory.versions_removed", versions=versions, bytes_removed=removed,
              ms=round((time.perf_counter() - started) * 1000))  # fmt: skip

@@ -264,15 +264,15 @@ class MemoryTable:
             where = " OR ".join(f"(_rowaddr >= {f << 32} AND _rowaddr < {(f + 1) << 32})" for f in fragments)
             await self.table.update(updates_sql={"importance": "importance"}, where=where)
         await indexes.rebuild_scalar_indexes(self.table)  # the Bitmap index keeps the user's id as a key otherwise
-        async with self.gate.exclusive():
-            if self.shared is None:
-                await compaction.maintain(self.table, None, _PURGE_CLEANUP, delete_unverified=True)
-            else:  # files of another replica's commit in flight are unreferenced too: leave those
-                await compaction.maintain(self.table, self.shared.storage_options, self.shared.purge_cleanup)
+        async with self.gate.exclusive():  # shared: files of another replica's commit in flight are unreferenced too
+            options = self.shared.storage_options if self.shared else None
+            await compaction.maintain(self.table, options)
+            keep = self.shared.purge_cleanup if self.shared else _PURGE_CLEANUP
+            await compaction.remove_versions(self.table, options, keep, delete_unverified=self.shared is None)
 
     async def optimize(self) -> None:
         """Compact small fragments, fold new rows into the indexes (``compaction``), add scalar indexes."""
-        await compaction.maintain(self.table, self.shared.storage_options if self.shared else None, None)
+        await compaction.maintain(self.table, self.shared.storage_options if self.shared else None)
         await self.ensure_scalar_indexes()
 
     async def remove_old_versions(self, older_than: timedelta) -> None:
