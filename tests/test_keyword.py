@@ -224,3 +224,43 @@ async def test_an_index_of_an_older_schema_is_rebuilt(tmp_path: Path) -> None:
         await kw.upsert([doc("a1", "Alice adopted a dog")])
         await kw.commit()
         assert await ids(kw, "alice", "dog") == ["a1"]
+
+
+FACTS = KeywordFilter(kinds=("fact",))
+PAST = KeywordFilter(kinds=("summary", "turn"))
+
+
+async def test_the_read_path_s_pools_rank_and_score_as_a_filtered_search_does(tmp_path: Path) -> None:
+    """The pools the read path searches (a user's valid facts; their valid turns and summaries) go through the
+    user- and pool-scoped terms; the same pools asked with a time filter (which they cannot serve) go the other
+    way: the same documents with the same scores (the boosts give each scoped term its word's IDF over the whole
+    index; k is above every pool's size, so ties at the cut cannot differ), and never another user's, another
+    pool's or an invalid document."""
+    words = ["garden", "wedding", "marathon", "spanish", "piano", "lisbon", "pottery", "interview", "dog", "flat"]
+    docs = []
+    for n in range(600):
+        user = ("alice", "bob", "a|b")[n % 3]
+        kind = ("turn", "turn", "summary", "fact", "subject")[n % 5]
+        picked = [words[(n * 7 + i * 3) % len(words)] for i in range(1 + n % 4)]
+        text = f"I have been thinking about my {' and my '.join(picked)} plans ({n % 17}) 서울 {n % 2}"
+        docs.append(doc(f"d{n}", text, user=user, kind=kind, at=n, valid=n % 11 != 0))
+    async with KeywordIndex(tmp_path / "kw") as kw:
+        await kw.add(docs[:300])
+        await kw.commit()
+        await kw.add(docs[300:])  # two segments
+        await kw.commit()
+        for user in ("alice", "bob", "a|b", "carol"):
+            for text in ("thinking about the garden", "marathon and piano plans 3", "서울 dog", "my wedding"):
+                scoped = await kw.search_pools(user, text, [(400, FACTS), (400, PAST)])
+                filtered = await kw.search_pools(
+                    user, text, [(400, KeywordFilter(kinds=w.kinds, until_us=10**15)) for w in (FACTS, PAST)]
+                )
+                for got, want, kinds in zip(scoped, filtered, (("fact",), ("summary", "turn")), strict=True):
+                    assert dict(got) == pytest.approx(dict(want), rel=1e-4)
+                    assert [s for _, s in got] == sorted((s for _, s in got), reverse=True)
+                    for record_id, _ in got:
+                        held = docs[int(record_id[1:])]
+                        assert (held.user_id, held.valid) == (user, True)
+                        assert held.kind in kinds
+                if user != "carol":
+                    assert any(scoped), (user, text)

@@ -29,17 +29,23 @@ from tantivy import (
 from proxy.memory.errors import StoreError
 from proxy.memory.store.keyword_schema import (
     CJK,
+    CJK_FIELD,
+    SCOPED,
+    STEM_FIELD,
     STEMS,
     WORDS,
     KeywordDoc,
     KeywordFilter,
+    boost,
     cjk_analyzer,
     cjk_bigrams,
     document_json,
+    filter_scope,
     id_from_halves,
     ids_from_halves,
     index_schema,
     stem_analyzer,
+    user_key,
     word_analyzer,
 )
 
@@ -284,33 +290,54 @@ class KeywordIndex:
     async def search_pools(
         self, user_id: str, text: str, pools: Sequence[tuple[int, KeywordFilter]]
     ) -> list[list[tuple[str, float]]]:
-        """Top (id, BM25 score) in each (k, filter) pool of the user's documents, in one trip to the worker."""
+        """Top (id, BM25 score) in each (k, filter) pool of the user's documents, in one trip to the worker.
+
+        A pool the scoped terms cover (``filter_scope``) is searched through them, any other as the user's
+        documents that pass its filter and hold any of the words; both score the words alone, alike."""
         gen = self._g
-        matching = self._matching(gen.schema, text)
-        queries = [(_scoped(gen.schema, user_id, matching, where), k) for k, where in pools]
+        searcher = gen.index.searcher()  # one view for the statistics the boosts use and for the searches
+        terms = self._terms(text)
+        queries = [(self._pool_query(gen.schema, searcher, user_id, terms, where), k) for k, where in pools]
         if all(query is None or k <= 0 for query, k in queries):
             return [[] for _ in pools]
         # On the loop: a filtered top-k costs less than the hop to a worker thread would
         # (the handoff, the GIL passing twice); writes and commits stay on the workers.
-        return self._search_pools(gen, queries)
+        return self._search_pools(searcher, queries)
 
     @staticmethod
-    def _search_pools(gen: _Generation, queries: Sequence[tuple[Query | None, int]]) -> list[list[tuple[str, float]]]:
-        searcher = gen.index.searcher()
+    def _search_pools(
+        searcher: tantivy.Searcher, queries: Sequence[tuple[Query | None, int]]
+    ) -> list[list[tuple[str, float]]]:
         found = [[] if query is None or k <= 0 else searcher.search(query, k, count=False).hits for query, k in queries]
         ids = iter(_hit_ids(searcher, [address for hits in found for _, address in hits]))  # all pools' at once
         return [[(next(ids), float(score)) for score, _ in hits] for hits in found]
 
-    def _matching(self, schema: tantivy.Schema, text: str) -> Query | None:
-        """Documents holding any of the text's terms (None: it has none), scored by BM25; one per search, since
-        the pools' queries share it."""
-        words = _unique(self._stems.analyze(text), MAX_QUERY_TERMS)
-        bigrams = _unique(cjk_bigrams(text), MAX_QUERY_TERMS)
-        should = [(Occur.Should, Query.term_query(schema, "text_stem", word)) for word in words]
-        should += [(Occur.Should, Query.term_query(schema, "text_cjk", pair)) for pair in bigrams]
-        if not should:  # only stop words ("to be or not to be"): match them as plain words
-            plain = _unique(self._words.analyze(text), MAX_QUERY_TERMS)
-            should = [(Occur.Should, Query.term_query(schema, "text", word)) for word in plain]
+    def _terms(self, text: str) -> list[tuple[str, str]]:
+        """The (field, token) pairs a search matches: the text's stems and CJK bigrams, or, when it has only
+        stop words ("to be or not to be"), its plain words."""
+        terms = [(STEM_FIELD, word) for word in _unique(self._stems.analyze(text), MAX_QUERY_TERMS)]
+        terms += [(CJK_FIELD, pair) for pair in _unique(cjk_bigrams(text), MAX_QUERY_TERMS)]
+        return terms or [("text", word) for word in _unique(self._words.analyze(text), MAX_QUERY_TERMS)]
+
+    @staticmethod
+    def _pool_query(
+        schema: tantivy.Schema,
+        searcher: tantivy.Searcher,
+        user_id: str,
+        terms: Sequence[tuple[str, str]],
+        where: KeywordFilter,
+    ) -> Query | None:
+        """One pool's query (None: nothing can match)."""
+        scope = filter_scope(where)
+        if scope is None or any(field not in SCOPED for field, _ in terms):
+            return _scoped(schema, user_id, _matching(schema, terms), where)
+        prefix, docs = user_key(user_id) + scope, searcher.num_docs
+        should = []
+        for field, token in terms:
+            term = Query.term_query(schema, SCOPED[field], prefix + token)
+            if held := searcher.doc_freq(SCOPED[field], prefix + token):
+                weight = boost(docs, searcher.doc_freq(field, token), held)
+                should.append((Occur.Should, Query.boost_query(term, weight)))
         return Query.boolean_query(should) if should else None
 
     def holding(self, ids: Sequence[str]) -> set[str]:
@@ -347,29 +374,39 @@ class KeywordIndex:
         return await self._run(lambda: int(self._g.index.searcher().num_docs))
 
 
+def _matching(schema: tantivy.Schema, terms: Sequence[tuple[str, str]]) -> Query | None:
+    """Documents holding any of ``terms`` (None: there are none), scored by BM25."""
+    should = [(Occur.Should, Query.term_query(schema, field, token)) for field, token in terms]
+    return Query.boolean_query(should) if should else None
+
+
 def _scoped(schema: tantivy.Schema, user_id: str, matching: Query | None, where: KeywordFilter) -> Query | None:
-    """``matching`` within one user's documents that pass ``where`` (None when ``matching`` is)."""
+    """``matching`` within one user's documents that pass ``where`` (None when ``matching`` is), scored by
+    ``matching`` alone (the filters add nothing, so these scores and the scoped terms' agree)."""
     if matching is None:
         return None
-    must = [(Occur.Must, Query.term_query(schema, "user_id", user_id)), (Occur.Must, matching)]
+    must = [(Occur.Must, _unscored(Query.term_query(schema, "user_id", user_id))), (Occur.Must, matching)]
     return Query.boolean_query(must + _filter_clauses(schema, where))
+
+
+def _unscored(query: Query) -> Query:
+    return Query.const_score_query(query, 0.0)
 
 
 def _filter_clauses(schema: tantivy.Schema, where: KeywordFilter) -> list[tuple[Occur, Query]]:
     clauses: list[tuple[Occur, Query]] = []
     if not where.include_invalid:
-        clauses.append((Occur.Must, Query.term_query(schema, "valid", True)))
+        clauses.append((Occur.Must, _unscored(Query.term_query(schema, "valid", True))))
     if where.kinds:
         clauses.append((Occur.Must, _any_kind(schema, where.kinds)))
     if where.since_us is not None or where.until_us is not None:
         window = Query.range_query(schema, "created_us", FieldType.Integer, where.since_us, where.until_us)
-        clauses.append((Occur.Must, window))
+        clauses.append((Occur.Must, _unscored(window)))
     return clauses
 
 
 def _any_kind(schema: tantivy.Schema, kinds: Sequence[str]) -> Query:
-    """Documents of any of ``kinds``, scored 1 as a term set query would be: a disjunction of term queries
-    finds the same documents with the same scores at less than half the cost of a search (the term set query
-    walks an automaton over the terms)."""
-    either = Query.boolean_query([(Occur.Should, Query.term_query(schema, "kind", kind)) for kind in kinds])
-    return Query.const_score_query(either, 1.0)
+    """Documents of any of ``kinds``, unscored: a disjunction of term queries finds the same documents as a
+    term set query at less than half the cost of a search (the term set query walks an automaton over the
+    terms)."""
+    return _unscored(Query.boolean_query([(Occur.Should, Query.term_query(schema, "kind", kind)) for kind in kinds]))

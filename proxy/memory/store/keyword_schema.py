@@ -9,12 +9,22 @@ inside words), ``created_us`` (microseconds, exact range filters), ``valid`` and
 indexed fields, stored, which lets the store's startup repair find documents that disagree with LanceDB), and
 ``hex_id``, ``id_hi``, ``id_lo`` (fast columns: a generated id's two 64-bit halves, which a search reads
 instead of each hit's stored document).
-An index written before ``text_stem`` existed no longer matches the schema and is rebuilt from LanceDB.
+
+``user_stem`` and ``user_cjk`` hold the tokens of ``text_stem`` and ``text_cjk`` again, each prefixed with its
+user's key and its pool (``doc_scope``: valid facts, valid turns and summaries, the rest): a term of them
+lists one user's documents of one pool. The read path's searches (a user's valid facts, a user's valid turns and
+summaries, ``filter_scope``) are plain disjunctions of such terms, which Tantivy answers by block-max WAND,
+skipping documents that cannot reach the top k, instead of walking every document of the user (a filter on
+``user_id`` intersected with the words): with 600 turns of a user that all share the query's common words,
+0.3 against 4.6 ms a search of both pools. Each term is boosted so that it scores as its word does in
+``text_stem`` / ``text_cjk`` (BM25's IDF of the whole index: ``boost``), so both ways rank alike.
+An index written before these fields existed no longer matches the schema and is rebuilt from LanceDB.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +58,9 @@ def stem_analyzer() -> tantivy.TextAnalyzer:
     builder = TextAnalyzerBuilder(Tokenizer.simple()).filter(Filter.remove_long(MAX_TOKEN_CHARS))
     builder = builder.filter(Filter.lowercase()).filter(Filter.stopword("english"))
     return builder.filter(Filter.stemmer("english")).build()
+
+
+_STEMS = stem_analyzer()  # documents' scoped tokens (the index's own analyzer makes text_stem's from the text)
 
 
 def cjk_analyzer() -> tantivy.TextAnalyzer:
@@ -89,6 +102,48 @@ class KeywordDoc:
         return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=12).hexdigest()
 
 
+# --- user- and pool-scoped terms --------------------------------------------------------------------------
+
+STEM_FIELD, CJK_FIELD = "text_stem", "text_cjk"
+SCOPED = {STEM_FIELD: "user_stem", CJK_FIELD: "user_cjk"}  # a word field -> its user- and pool-scoped copy
+SCOPE_FACTS, SCOPE_PAST, SCOPE_OTHER = "f", "p", "o"  # valid facts; valid turns and summaries; the rest
+_PAST = frozenset({str(Kind.TURN), str(Kind.SUMMARY)})
+
+
+def user_key(user_id: str) -> str:
+    """The user's prefix of scoped terms: a 128-bit digest of the id (fixed length, whatever the id's)."""
+    return hashlib.blake2b(user_id.encode("utf-8", "surrogatepass"), digest_size=16).hexdigest()
+
+
+def doc_scope(doc: KeywordDoc) -> str:
+    """The pool a document's scoped terms name."""
+    if not doc.valid:
+        return SCOPE_OTHER
+    if doc.kind == str(Kind.FACT):
+        return SCOPE_FACTS
+    return SCOPE_PAST if doc.kind in _PAST else SCOPE_OTHER
+
+
+def filter_scope(where: KeywordFilter) -> str | None:
+    """The pool whose scoped terms find exactly the documents ``where`` admits (None: no pool does)."""
+    if where.include_invalid or where.since_us is not None or where.until_us is not None:
+        return None
+    kinds = frozenset(where.kinds)
+    if kinds == {str(Kind.FACT)}:
+        return SCOPE_FACTS
+    return SCOPE_PAST if kinds == _PAST else None
+
+
+def boost(docs: int, word_docs: int, scoped_docs: int) -> float:
+    """What makes a scoped term score as its word does: the ratio of their BM25 IDFs among ``docs`` documents
+    (Tantivy's formula), the word held by ``word_docs`` of them, the scoped term by ``scoped_docs``."""
+    return _idf(docs, word_docs) / _idf(docs, scoped_docs)
+
+
+def _idf(docs: int, holding: int) -> float:
+    return math.log(1.0 + (docs - holding + 0.5) / (holding + 0.5))
+
+
 def index_schema() -> tantivy.Schema:
     builder = SchemaBuilder()
     builder.add_text_field("id", stored=True, tokenizer_name="raw", index_option="basic")
@@ -97,6 +152,8 @@ def index_schema() -> tantivy.Schema:
     builder.add_text_field("text", tokenizer_name=WORDS, index_option="freq")
     builder.add_text_field("text_stem", tokenizer_name=STEMS, index_option="freq")
     builder.add_text_field("text_cjk", tokenizer_name=CJK, index_option="freq")
+    builder.add_text_field(SCOPED[STEM_FIELD], tokenizer_name="raw", index_option="freq")
+    builder.add_text_field(SCOPED[CJK_FIELD], tokenizer_name="raw", index_option="freq")
     builder.add_integer_field("created_us", indexed=True, fast=True)
     builder.add_boolean_field("valid", indexed=True)
     builder.add_text_field("sig", stored=True, tokenizer_name="raw", index_option="basic")
@@ -127,6 +184,7 @@ def id_from_halves(high: int, low: int) -> str:
 def document_json(doc: KeywordDoc) -> str:
     """The document as Tantivy JSON (cheaper to build and add than a ``Document`` of keywords)."""
     hex_id, high, low = id_halves(doc.id)
+    prefix = user_key(doc.user_id) + doc_scope(doc)
     fields = {
         "id": doc.id,
         "hex_id": hex_id,
@@ -137,6 +195,8 @@ def document_json(doc: KeywordDoc) -> str:
         "text": doc.text,
         "text_stem": doc.text,
         "text_cjk": cjk_runs(doc.text),
+        SCOPED[STEM_FIELD]: [prefix + token for token in _STEMS.analyze(doc.text)],
+        SCOPED[CJK_FIELD]: [prefix + pair for pair in cjk_bigrams(doc.text)],
         "created_us": doc.created_us,
         "valid": doc.valid,
         "sig": doc.sig,
