@@ -2,7 +2,9 @@
 
 A long text is cut into chunks (words, and single CJK characters), each with its cost inside the quotes and the
 stems it holds, cached per text; a query's few stems then count their chunks without a pass over all of them, and
-the best window of chunks within the budget is the excerpt.
+the best window of chunks within the budget is the excerpt. A chunk's cost and stems are cached per chunk too:
+words recur from text to text, and working them out (quoting, the token estimate's passes, stemming) was most of
+cutting a text the first time (a block's long turns, seen once each, were a tenth of a busy chat process's CPU).
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def _chunked(text: str) -> _Chunks:
     """A long text's chunks, each chunk's cost inside the quotes, and which chunks hold which stems (cached
     per text; a query's few stems then count their chunks without a pass over all of them)."""
     found = list(_CHUNK.finditer(text))
-    costs = [estimate_tokens(quote(m.group())) - 2 for m in found]
-    pairs = [(hash(stem), index) for index, m in enumerate(found) for stem in stems(m.group())]
+    known = [_chunk[m.group()] for m in found]
+    costs = [cost for cost, _ in known]
+    pairs = [(stem_hash, index) for index, (_, hashes) in enumerate(known) for stem_hash in hashes]
     hashes, chunks = zip(*pairs, strict=True) if pairs else ((), ())
     return _Chunks(
         np.array([m.span() for m in found], dtype=np.int32).reshape(-1, 2),
@@ -47,6 +50,12 @@ def _chunked(text: str) -> _Chunks:
         np.array(hashes, dtype=np.int64),
         np.array(chunks, dtype=np.int32),
     )
+
+
+@byte_cache(2 * MIB, lambda chunk, known: text_bytes(chunk) + 36 * len(known[1]))
+def _chunk(chunk: str) -> tuple[int, tuple[int, ...]]:
+    """A chunk's cost inside the quotes and the hashes of its stems."""
+    return estimate_tokens(quote(chunk)) - 2, tuple(hash(stem) for stem in stems(chunk))
 
 
 @functools.lru_cache(maxsize=256)
@@ -114,4 +123,5 @@ def excerpt(text: str, query_terms: Sequence[str], max_tokens: int) -> str:
 def clear_caches() -> None:
     """Empty this module's per-text and per-query caches (``text_caches.clear``)."""
     _chunked.cache_clear()
+    _chunk.cache_clear()
     _query_stems.cache_clear()
