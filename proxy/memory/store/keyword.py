@@ -331,13 +331,15 @@ class KeywordIndex:
         scope = filter_scope(where)
         if scope is None or any(field not in SCOPED for field, _ in terms):
             return _scoped(schema, user_id, _matching(schema, terms), where)
-        prefix, docs = user_key(user_id) + scope, searcher.num_docs
+        docs, prefix = _documents(searcher), user_key(user_id) + scope
         should = []
         for field, token in terms:
-            term = Query.term_query(schema, SCOPED[field], prefix + token)
-            if held := searcher.doc_freq(SCOPED[field], prefix + token):
+            scoped = prefix + token
+            if held := searcher.doc_freq(SCOPED[field], scoped):  # a term no document holds adds nothing
                 weight = boost(docs, searcher.doc_freq(field, token), held)
-                should.append((Occur.Should, Query.boost_query(term, weight)))
+                should.append(
+                    (Occur.Should, Query.boost_query(Query.term_query(schema, SCOPED[field], scoped), weight))
+                )
         return Query.boolean_query(should) if should else None
 
     def holding(self, ids: Sequence[str]) -> set[str]:
@@ -372,6 +374,12 @@ class KeywordIndex:
     async def count(self) -> int:
         """Documents visible to searches."""
         return await self._run(lambda: int(self._g.index.searcher().num_docs))
+
+
+def _documents(searcher: tantivy.Searcher) -> int:
+    """The document count BM25's IDF uses: every document in the searcher's segments, the deleted ones included
+    until a merge drops them (as the terms' document frequencies count them); every document holds ``valid``."""
+    return int(searcher.doc_freq("valid", True) + searcher.doc_freq("valid", False))
 
 
 def _matching(schema: tantivy.Schema, terms: Sequence[tuple[str, str]]) -> Query | None:
