@@ -1,9 +1,9 @@
 """The passthrough floor: the least an aiohttp relay can do (``floor`` target of ``make bench-load``).
 
 Relays ``POST /v1/chat/completions`` byte for byte to the upstream over one pooled client session and streams
-the answer back: no JSON parsing, no headers beyond the content type, no logging, no metrics. Whatever memproxy
-spends above this per request is the price of its features. Run as ``python -m bench.floor --upstream URL``;
-it prints ``floor relay on http://127.0.0.1:PORT/v1`` once listening.
+the answer back: no JSON parsing, no headers beyond the content type and the app's key, no logging, no
+metrics. Whatever memproxy spends above this per request is the price of its features. Run as
+``python -m bench.floor --upstream URL``; it prints ``floor relay on http://127.0.0.1:PORT/v1`` once listening.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 async def relay(request: web.Request) -> web.StreamResponse:
     """Send the body on as it came, stream the upstream's answer back as it comes."""
     data = await request.read()
-    headers = {"Content-Type": "application/json"}
+    headers = {"Content-Type": "application/json", "Authorization": request.headers.get("Authorization", "")}
     async with request.app[SESSION].post(
         request.app[UPSTREAM] + "/chat/completions", data=data, headers=headers
     ) as upstream:

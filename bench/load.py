@@ -40,7 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.loadgen import Sample, body, cpu_seconds, merge, percentile, rss_mb, run
+from bench.loadgen import APP_KEY, Sample, body, cpu_seconds, merge, percentile, rss_mb, run
 from bench.store import OBJECTS, PLACES, TIMES, VERBS, sentence
 from tests.support.processes import (
     DEPLOYED_ALLOCATOR,
@@ -329,7 +329,7 @@ def probe(chat_url: str, attempts: int = 20) -> dict[str, str]:
         request = urllib.request.Request(  # noqa: S310
             chat_url,
             data=body("What did I book in Kyoto last weekend?"),
-            headers={"Content-Type": "application/json", **ON},
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {APP_KEY}", **ON},
         )
         with urllib.request.urlopen(request, timeout=30) as response:  # noqa: S310 (our own http URL)
             headers = {

@@ -18,6 +18,8 @@ from typing import Any
 import aiohttp
 import orjson
 
+APP_KEY = "sk-bench-app"  # what an app's OpenAI client sends (the SDKs always send a key; the fake upstream wants one)
+
 
 @dataclasses.dataclass
 class Sample:
@@ -81,7 +83,7 @@ async def run(
     texts: list[str] | None = None,
 ) -> Sample:
     """Drive ``url`` with ``concurrency`` closed-loop clients until ``requests`` are done."""
-    hdrs = {"Content-Type": "application/json", **(headers or {})}
+    hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {APP_KEY}", **(headers or {})}
     prompts = texts or ["What did I say about my plans for the weekend?"]
     results: list[float] = []
     errors = 0

@@ -18,7 +18,7 @@ from proxy.config import load_settings
 from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.settings import EmbedderSettings
-from tests.fake_upstream import FakeUpstream
+from tests.fake_upstream import APP_KEY, FakeUpstream
 
 ProxyFactory = Callable[..., Awaitable[TestClient[Any, Any]]]
 
@@ -39,10 +39,14 @@ async def fake() -> AsyncIterator[FakeUpstream]:
 
 @pytest.fixture
 async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFactory]:
-    """Build a proxy in-process against ``fake``; keyword overrides are nested settings dicts."""
+    """Build a proxy in-process against ``fake``; keyword overrides are nested settings dicts. Its client sends
+    ``app_key`` as an app's OpenAI client does (None: no key), which the proxy passes to the fake upstream
+    (as every hosted API, it refuses a chat request without one) unless ``upstream.api_key`` is set."""
     clients: list[TestClient[Any, Any]] = []
 
-    async def build(memory_factory: MemoryFactory | None = None, **overrides: Any) -> TestClient[Any, Any]:
+    async def build(
+        memory_factory: MemoryFactory | None = None, *, app_key: str | None = APP_KEY, **overrides: Any
+    ) -> TestClient[Any, Any]:
         # Generous read-path deadlines: tests check behaviour, not speed, on a shared 2-core machine
         # (speed is the benchmarks' job).
         tree: dict[str, Any] = {
@@ -60,7 +64,7 @@ async def make_proxy(fake: FakeUpstream, tmp_path: Any) -> AsyncIterator[ProxyFa
         server = TestServer(
             build_app(settings, memory_factory=memory_factory), host="127.0.0.1", handler_cancellation=True
         )
-        client = TestClient(server)
+        client = TestClient(server, headers={"Authorization": f"Bearer {app_key}"} if app_key else None)
         await client.start_server()
         clients.append(client)
         return client

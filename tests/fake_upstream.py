@@ -9,9 +9,8 @@ Models (anything else answers like ``fake-echo``):
 - ``fake-tools``: answers with a tool call to the first declared tool.
 The Responses API, Anthropic's Messages API and embeddings are served too (``tests.fake_dialects``). A body whose
 ``metadata`` holds ``fake_reply`` is answered with that text (benchmarks replaying a dialog).
-A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema. With
-``require_key`` (``--require-key``) a chat request without a bearer key gets a 401 in OpenAI's shape, as from
-every hosted API (the other dialects always do; most tests of chat completions still send none).
+A ``json_schema`` response_format (memory-side calls) gets the smallest instance of the schema. A request without
+a bearer key gets a 401 in OpenAI's shape (Anthropic's for its dialect), as from every hosted API.
 It records every request (headers and JSON) in ``requests`` and counts streams cut by the client in
 ``disconnects``. Run as a script (``python -m tests.fake_upstream --port N --latency-ms L``) for benchmarks.
 """
@@ -71,6 +70,9 @@ def chunk(model: str, delta: dict[str, Any], finish: str | None = None) -> bytes
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+APP_KEY = "sk-app-key-for-tests"  # what an app's OpenAI client sends (the SDKs always send a key)
+
+
 class FakeUpstream:
     """The fake server; ``async with FakeUpstream() as fake`` gives ``fake.base_url``."""
 
@@ -82,14 +84,12 @@ class FakeUpstream:
         drip_s: float = 0.05,
         port: int = 0,
         record: bool = True,
-        require_key: bool = False,
     ) -> None:
         self.latency_s = latency_s
         self.slow_s = slow_s
         self.drip_s = drip_s
         self.port = port
         self.record = record
-        self.require_key = require_key
         self.requests: list[dict[str, Any]] = []
         self.disconnects = 0
         self.disconnected = asyncio.Event()
@@ -137,7 +137,7 @@ class FakeUpstream:
         body = await request.json(loads=orjson.loads)
         if self.record:
             self.requests.append({"path": request.path, "headers": dict(request.headers), "json": body})
-        if self.require_key and (missing := openai_key_missing(request)) is not None:  # as any hosted API
+        if (missing := openai_key_missing(request)) is not None:  # as any hosted API
             return missing
         model = str(body.get("model", ""))
         if self.latency_s:
@@ -203,8 +203,8 @@ class FakeUpstream:
         await response.write_eof()
 
 
-async def _main(port: int, latency_ms: float, record: bool, require_key: bool) -> None:
-    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=record, require_key=require_key) as fake:
+async def _main(port: int, latency_ms: float, record: bool) -> None:
+    async with FakeUpstream(latency_s=latency_ms / 1000, port=port, record=record) as fake:
         print(f"fake upstream on {fake.base_url}", flush=True)
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.Event().wait()
@@ -215,6 +215,5 @@ if __name__ == "__main__":
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--record", action="store_true", help="keep requests for GET /_fake/requests")
-    parser.add_argument("--require-key", action="store_true", help="401 for a chat request without a bearer key")
     cli = parser.parse_args()
-    asyncio.run(_main(cli.port, cli.latency_ms, cli.record, cli.require_key))
+    asyncio.run(_main(cli.port, cli.latency_ms, cli.record))

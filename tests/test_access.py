@@ -40,7 +40,7 @@ def _auth(key: str, **extra: str) -> dict[str, str]:
 async def test_missing_or_wrong_client_key_is_401(headers: dict[str, str], make_proxy: ProxyFactory,
                                                   fake: FakeUpstream) -> None:  # fmt: skip
     """With client keys configured, no key, a wrong key or a malformed header is a 401 in OpenAI's shape."""
-    proxy = await make_proxy(clients=CLIENTS)
+    proxy = await make_proxy(clients=CLIENTS, app_key=None)
     response = await proxy.post(CHAT, json=_chat("hi"), headers=headers)
     assert response.status == 401
     error = (await response.json())["error"]
@@ -61,7 +61,7 @@ async def test_client_key_is_never_sent_upstream(make_proxy: ProxyFactory, fake:
 
 async def test_apps_cannot_reach_each_others_users(make_proxy: ProxyFactory, fake: FakeUpstream) -> None:
     """App A's alice and app B's alice are different users: B's requests never see what A's alice said."""
-    proxy = await make_proxy(clients=CLIENTS, admin={"api_key": ADMIN})
+    proxy = await make_proxy(clients=CLIENTS, admin={"api_key": ADMIN}, upstream={"api_key": "sk-upstream"})
     told = await proxy.post(
         CHAT,
         json=_chat("Remember that my sister Priya moved to Lisbon last spring."),
@@ -87,7 +87,7 @@ async def test_apps_cannot_reach_each_others_users(make_proxy: ProxyFactory, fak
 
 async def test_openai_sdk_sees_an_authentication_error(make_proxy: ProxyFactory) -> None:
     """The real openai SDK raises AuthenticationError for a wrong client key and answers with the right one."""
-    proxy = await make_proxy(clients=CLIENTS)
+    proxy = await make_proxy(clients=CLIENTS, upstream={"api_key": "sk-upstream"})
     base = str(proxy.make_url("/v1"))
     wrong = openai.AsyncOpenAI(base_url=base, api_key="sk-not-a-client", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -172,6 +172,7 @@ class Zygote:
 def _memproxy_env(upstream: str, data: Path) -> dict[str, str]:
     return {
         "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream",  # the load's clients send none
         "MEMPROXY_STORAGE__PATH": str(data),
         "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1",
         "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",

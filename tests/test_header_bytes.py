@@ -85,7 +85,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[int]:
         app_settings = admin_settings(
             admin={"api_key": ADMIN},
             clients=[{"namespace": "app", "key_sha256": key_hash(CLIENT_KEY)}],
-            upstream={"base_url": upstream, "anthropic_base_url": upstream.removesuffix("/v1")},
+            upstream={
+                "base_url": upstream,
+                "anthropic_base_url": upstream.removesuffix("/v1"),
+                "api_key": "sk-upstream",
+            },
             server={"allowed_origins": ["http://app.example"]},
             storage={"path": str(tmp_path_factory.mktemp("header-bytes"))},
         )
@@ -157,7 +161,7 @@ def test_bad_bytes_log_json_lines_only_and_keep_the_request_line(tmp_path: Path)
     config.write_text(f'[[clients]]\nnamespace = "app"\nkey_sha256 = "{key_hash(CLIENT_KEY)}"\n')
     with fake_upstream_process() as (_, upstream):
         env = {"MEMPROXY_STORAGE__PATH": str(tmp_path / "data"), "MEMPROXY_UPSTREAM__BASE_URL": upstream,
-               "MEMPROXY_ADMIN__API_KEY": ADMIN}  # fmt: skip
+               "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream", "MEMPROXY_ADMIN__API_KEY": ADMIN}  # fmt: skip
         with memproxy_process(env, ["--config", str(config)]) as (proc, url):
             port = int(url.rsplit(":", 1)[1].split("/")[0])
             method, path, headers, _ = ROUTES[0]

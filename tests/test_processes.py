@@ -35,7 +35,7 @@ BURST = 80
 
 @pytest.fixture(scope="module")
 def upstream() -> Iterator[str]:
-    with fake_upstream_process(record=True, require_key=True) as (_, url):  # as any hosted API
+    with fake_upstream_process(record=True) as (_, url):  # as any hosted API
         yield url
 
 

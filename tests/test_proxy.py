@@ -17,7 +17,7 @@ from proxy.memory.read.placement import BlockPlan
 from proxy.memory.service import Exchange, Injection, MemoryService, NullMemory, ReadRequest
 from proxy.metrics import Metrics
 from tests.conftest import ProxyFactory
-from tests.fake_upstream import FakeUpstream
+from tests.fake_upstream import APP_KEY, FakeUpstream
 
 CHAT = "/v1/chat/completions"
 
@@ -159,7 +159,9 @@ async def test_client_disconnect_cancels_upstream(make_proxy: ProxyFactory, fake
     proxy = await make_proxy()
     async with ClientSession() as session:
         url = str(proxy.make_url(CHAT))
-        response = await session.post(url, json=_body(model="fake-drip", stream=True))
+        response = await session.post(
+            url, json=_body(model="fake-drip", stream=True), headers={"Authorization": f"Bearer {APP_KEY}"}
+        )
         await response.content.readany()
         response.close()
     await asyncio.wait_for(fake.disconnected.wait(), timeout=2.0)

@@ -252,6 +252,7 @@ async def test_two_8mb_messages_keep_rss_bounded(tmp_path: Path) -> None:
     with fake_upstream_process() as (_, upstream):
         env = {
             "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+            "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream",  # the test's client sends none
             "MEMPROXY_STORAGE__PATH": str(tmp_path),
             "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "20000",
         }

@@ -103,7 +103,7 @@ async def _ask(proxy: TestClient[Any, Any], question: str) -> str:
     response = await proxy.post(
         "/v1/chat/completions",
         json={"model": "fake-echo", "messages": [{"role": "user", "content": question}]},
-        headers={"X-Memory-User": "sam", "X-Memory-Mode": "read"},
+        headers={"X-Memory-User": "sam", "X-Memory-Mode": "read", "Authorization": "Bearer sk-app"},
     )
     assert response.status == 200
     return response.headers["X-Memory-Ids"]

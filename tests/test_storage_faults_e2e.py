@@ -55,6 +55,7 @@ async def _spool_empty(session: aiohttp.ClientSession, base: str, within_s: floa
 def _env(upstream: str, data: Path) -> dict[str, str]:
     return {
         "MEMPROXY_UPSTREAM__BASE_URL": upstream,
+        "MEMPROXY_UPSTREAM__API_KEY": "sk-upstream",  # the test's clients send none
         "MEMPROXY_STORAGE__PATH": str(data),
         "MEMPROXY_JOBS__POLL_INTERVAL_S": "0.1",
         "MEMPROXY_JOBS__BACKOFF_BASE_S": "0.1",

@@ -53,7 +53,7 @@ async def test_a_chat_request_is_one_trace_from_its_traceparent_to_the_job_that_
             reply = await client.post(
                 "/v1/chat/completions",
                 json={"model": "fake-echo", "messages": [{"role": "user", "content": "I keep bees in Devon."}]},
-                headers={"X-Memory-User": "tess", "traceparent": PARENT},
+                headers={"X-Memory-User": "tess", "traceparent": PARENT, "Authorization": "Bearer sk-app"},
             )
             assert reply.status == 200, await reply.text()
 

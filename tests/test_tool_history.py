@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestClient
 
 from proxy.tool_history import MAX_TOOL_CHARS, ToolReplyAssembler, new_tool_results, reply_tool_calls
 from tests.conftest import ProxyFactory
-from tests.fake_upstream import FakeUpstream, chunk, completion, minimal_instance
+from tests.fake_upstream import APP_KEY, FakeUpstream, chunk, completion, minimal_instance
 from tests.test_jobs import eventually
 
 CHAT = "/v1/chat/completions"
@@ -149,6 +149,7 @@ async def test_a_client_that_hangs_up_after_the_body_loses_nothing(make_proxy: P
         writer.write(
             (
                 f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Memory-User: hal\r\n"
+                f"Authorization: Bearer {APP_KEY}\r\n"
                 f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n{body}"
             ).encode()
         )

@@ -88,14 +88,12 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 @contextmanager
-def fake_upstream_process(
-    latency_ms: float = 0.0, *, record: bool = False, require_key: bool = False
-) -> Iterator[tuple[Process, str]]:
+def fake_upstream_process(latency_ms: float = 0.0, *, record: bool = False) -> Iterator[tuple[Process, str]]:
     """The fake upstream in its own process; yields it and its base URL (``record``: it keeps every request,
-    listed at ``GET <root>/_fake/requests``; ``require_key``: a chat request without a key gets a 401)."""
+    listed at ``GET <root>/_fake/requests``). A chat request without a key gets a 401, as from any hosted API."""
     args = [sys.executable, "-m", "tests.fake_upstream", "--port", "0", "--latency-ms", str(latency_ms)]
     args += ["--record"] if record else []
-    proc = Process(args + (["--require-key"] if require_key else []), child_env())
+    proc = Process(args, child_env())
     try:
         url = proc.wait_for(r"fake upstream on (\S+)").group(1)
         yield proc, url
