@@ -14,6 +14,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webdriver import WebDriver
 from selenium.webdriver.support import expected_conditions as ec
 
+from tests.fake_upstream import APP_KEY
 from tests.support.live_app import admin_settings, live_app
 from tests.support.processes import fake_upstream_process
 from tests.test_web_ui import KEY, browser, call, wait
@@ -30,7 +31,8 @@ def chat(base: str, text: str) -> None:
     """One chat request through the proxy for ``USER``."""
     body = {"model": "fake-echo", "messages": [{"role": "user", "content": text}]}
     request = urllib.request.Request(base + "/v1/chat/completions", data=json.dumps(body).encode(),  # noqa: S310
-                                     headers={"Content-Type": "application/json", "X-Memory-User": USER})  # fmt: skip
+                                     headers={"Content-Type": "application/json", "X-Memory-User": USER,
+                                              "Authorization": f"Bearer {APP_KEY}"})  # fmt: skip
     with urllib.request.urlopen(request, timeout=60) as response:  # noqa: S310 - local test server
         assert response.status == 200
 
