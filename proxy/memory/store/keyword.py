@@ -297,7 +297,17 @@ class KeywordIndex:
         gen = self._g
         searcher = gen.index.searcher()  # one view for the statistics the boosts use and for the searches
         terms = self._terms(text)
-        queries = [(self._pool_query(gen.schema, searcher, user_id, terms, where), k) for k, where in pools]
+        scopes = [filter_scope(where) for _, where in pools]
+        if any(field not in SCOPED for field, _ in terms):  # plain words (a stop-word query): no scoped copies
+            scopes = [None] * len(pools)
+        counts = _word_counts(searcher, terms) if any(scopes) else None
+        matching = _matching(gen.schema, terms) if None in scopes else None  # shared by the filtered pools
+        key = user_key(user_id)
+        queries = [
+            (_scoped(gen.schema, user_id, matching, where) if scope is None or counts is None
+             else _scoped_terms(gen.schema, searcher, key + scope, terms, counts), k)
+            for (k, where), scope in zip(pools, scopes, strict=True)
+        ]  # fmt: skip
         if all(query is None or k <= 0 for query, k in queries):
             return [[] for _ in pools]
         # On the loop: a filtered top-k costs less than the hop to a worker thread would
@@ -318,29 +328,6 @@ class KeywordIndex:
         terms = [(STEM_FIELD, word) for word in _unique(self._stems.analyze(text), MAX_QUERY_TERMS)]
         terms += [(CJK_FIELD, pair) for pair in _unique(cjk_bigrams(text), MAX_QUERY_TERMS)]
         return terms or [("text", word) for word in _unique(self._words.analyze(text), MAX_QUERY_TERMS)]
-
-    @staticmethod
-    def _pool_query(
-        schema: tantivy.Schema,
-        searcher: tantivy.Searcher,
-        user_id: str,
-        terms: Sequence[tuple[str, str]],
-        where: KeywordFilter,
-    ) -> Query | None:
-        """One pool's query (None: nothing can match)."""
-        scope = filter_scope(where)
-        if scope is None or any(field not in SCOPED for field, _ in terms):
-            return _scoped(schema, user_id, _matching(schema, terms), where)
-        docs, prefix = _documents(searcher), user_key(user_id) + scope
-        should = []
-        for field, token in terms:
-            scoped = prefix + token
-            if held := searcher.doc_freq(SCOPED[field], scoped):  # a term no document holds adds nothing
-                weight = boost(docs, searcher.doc_freq(field, token), held)
-                should.append(
-                    (Occur.Should, Query.boost_query(Query.term_query(schema, SCOPED[field], scoped), weight))
-                )
-        return Query.boolean_query(should) if should else None
 
     def holding(self, ids: Sequence[str]) -> set[str]:
         """Which of ``ids`` the index holds, any user's (term lookups, cheap enough for the loop)."""
@@ -376,10 +363,31 @@ class KeywordIndex:
         return await self._run(lambda: int(self._g.index.searcher().num_docs))
 
 
-def _documents(searcher: tantivy.Searcher) -> int:
-    """The document count BM25's IDF uses: every document in the searcher's segments, the deleted ones included
-    until a merge drops them (as the terms' document frequencies count them); every document holds ``valid``."""
-    return int(searcher.doc_freq("valid", True) + searcher.doc_freq("valid", False))
+def _word_counts(searcher: tantivy.Searcher, terms: Sequence[tuple[str, str]]) -> tuple[int, list[int]]:
+    """What the boosts need of the whole index, once per search: the document count BM25's IDF uses (every
+    document in the searcher's segments, the deleted ones included until a merge drops them, as the terms'
+    document frequencies count them; every document holds ``valid``) and how many documents hold each term."""
+    docs = int(searcher.doc_freq("valid", True) + searcher.doc_freq("valid", False))
+    return docs, [int(searcher.doc_freq(field, token)) for field, token in terms]
+
+
+def _scoped_terms(
+    schema: tantivy.Schema,
+    searcher: tantivy.Searcher,
+    prefix: str,
+    terms: Sequence[tuple[str, str]],
+    counts: tuple[int, list[int]],
+) -> Query | None:
+    """The words as ``prefix``'s scoped terms (a user's key and a pool), each boosted to score as its word does
+    over the whole index (``counts``: ``_word_counts``); None when the pool holds none of them."""
+    docs, word_docs = counts
+    should = []
+    for (field, token), held_by_word in zip(terms, word_docs, strict=True):
+        scoped = prefix + token
+        if held := searcher.doc_freq(SCOPED[field], scoped):  # a term no document holds adds nothing
+            term = Query.term_query(schema, SCOPED[field], scoped)
+            should.append((Occur.Should, Query.boost_query(term, boost(docs, held_by_word, held))))
+    return Query.boolean_query(should) if should else None
 
 
 def _matching(schema: tantivy.Schema, terms: Sequence[tuple[str, str]]) -> Query | None:
