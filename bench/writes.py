@@ -400,7 +400,8 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
     env = {"MEMPROXY_SERVER__WORKERS": str(args.workers)}
     if args.vector_cache_mb is not None:  # a working set several times the cache, sooner
         env["MEMPROXY_STORE__VECTOR_CACHE_BYTES"] = str(args.vector_cache_mb << 20)
-    env.update(setting.split("=", 1) for setting in args.env)
+    settings = dict(setting.split("=", 1) for setting in args.env)
+    env.update(settings)
     with memproxy(upstream.base_url, data, env) as (pid, base):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
             for i in range(20):  # warm-up: models loaded, caches and pools made
@@ -441,7 +442,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
             "rss_bound_mb": rss_bound_mb(rss_before, memory_processes), "rss_margin_mb_per_process": RSS_MARGIN_MB,
             "cache_budgets_mb_per_process": round(cache_budgets_mb(), 1), "processes": sorted(pids.values()),
             "same_processes_after_drain": same_processes, "workers": args.workers,
-            "env": dict(setting.split("=", 1) for setting in args.env),
+            "env": settings,
             "texts_embedded_per_exchange": round(texts / exchanges, 3) if exchanges else None,
             "disk": await disk_usage(data)}  # fmt: skip
 
