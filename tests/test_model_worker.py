@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 
 import numpy as np
@@ -97,3 +98,63 @@ async def test_close_fails_waiting_callers_and_refuses_new_work() -> None:
         await tasks[1]
     with pytest.raises(EmbedderError, match="closed"):
         await worker.submit(model, ["late"], urgent=True, per_text=True)
+
+
+class Overlapping:
+    """A stand-in model that notes how many calls run at once and on which threads: its first call waits until a
+    second one has begun (so two threads must be at it together); "boom" fails its call."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.calls = 0
+        self.running = 0
+        self.most = 0
+        self.threads: set[str] = set()
+        self.second = threading.Event()
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        with self.lock:
+            self.calls += 1
+            call = self.calls
+            self.running += 1
+            self.most = max(self.most, self.running)
+            self.threads.add(threading.current_thread().name)
+        if call == 1:
+            self.second.wait(10)
+        elif call == 2:
+            self.second.set()
+        with self.lock:
+            self.running -= 1
+        if "boom" in texts:
+            raise EmbedderError("the model failed")
+        return np.array([[float(len(t))] for t in texts], dtype=np.float32)
+
+
+async def test_two_threads_run_pieces_of_one_call_at_once_and_keep_its_order() -> None:
+    """With ``threads=2`` two pieces are at the model at once (one call's texts spread over both threads); the
+    caller gets its rows in its own order; a failing piece fails its call once and the threads serve on."""
+    model, worker = Overlapping(), ModelWorker(threads=2)
+    texts = ["a" * n for n in range(1, 9)]
+    rows = await worker.submit(model, texts, urgent=False, per_text=True)
+    assert rows.ravel().tolist() == [float(n) for n in range(1, 9)]
+    assert model.most == 2
+    assert len(model.threads) == 2
+    with pytest.raises(EmbedderError, match="failed"):
+        await worker.submit(model, ["x", "boom", "y", "z"], urgent=False, per_text=True)
+    assert (await worker.submit(model, ["fine"], urgent=True, per_text=True)).tolist() == [[4.0]]
+    worker.close()
+
+
+async def test_renice_lowers_the_threads_priority_only() -> None:
+    """``renice`` sets the model threads' own nice value (Linux: per thread), not the caller's."""
+    if not hasattr(os, "getpriority"):
+        pytest.skip("no per-thread priorities here")
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    worker = ModelWorker(threads=2)
+    target = min(19, mine + 5)
+    worker.renice(target)
+    ids = [t.native_id for t in worker._threads if t.native_id is not None]
+    assert len(ids) == 2
+    assert all(os.getpriority(os.PRIO_PROCESS, tid) == target for tid in ids)
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
+    worker.close()
