@@ -2,10 +2,11 @@
 
 ``.venv/bin/python bench/embed_cost.py``: 300 turns of LoCoMo's second conversation (``LOCOMO_DATA``), one
 onnxruntime thread, CPU time (``process_time``) so that a busy machine changes little. Per turn: the fp32 model
-in sorted batches of 64 (the former default), fp32 each text alone, int8 each text alone, the static model (the
-default). Per exchange (a user turn and its reply): the former writer (fp32, the two turns and the two
-"previous + turn" texts in one call) against today's (the two turns and the turn before the exchange), with
-int8 and with the static model; and one question as the read path embeds it. Prints a table only.
+in sorted batches of 64 (a former default), fp32 each text alone, int8 each text alone (the default document
+model), the static model (the default query side, and a document model option). Per exchange (a user turn and
+its reply): the former writer (fp32, the two turns and the two "previous + turn" texts in one call) against
+today's (the two turns and the turn before the exchange), with int8 and with the static model; and one question
+as the read path embeds it. Prints a table only.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.locomo import DATA, load_conversations
 from proxy.memory.embedders.factory import build_embedder
-from proxy.memory.embedders.model_files import ONNX_MODEL_DIR_NAME, default_model_dirs
+from proxy.memory.embedders.model_files import ONNX_MODEL_DIR_NAME, STATIC_MODEL_DIR_NAME, default_model_dirs
 from proxy.memory.embedders.settings import EmbedderSettings
 
-FP32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0])
-INT8 = EmbedderSettings(model_path=default_model_dirs(ONNX_MODEL_DIR_NAME)[0])
-STATIC = EmbedderSettings()  # the default
+FP32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0], query_model=None)
+# the default's document model (queries through it too here), and its query side
+INT8 = EmbedderSettings(model_path=default_model_dirs(ONNX_MODEL_DIR_NAME)[0], query_model=None)
+STATIC = EmbedderSettings(model_path=default_model_dirs(STATIC_MODEL_DIR_NAME)[0])
 
 
 async def cpu_ms(settings: EmbedderSettings, calls: Sequence[list[str]]) -> float:
@@ -60,19 +62,19 @@ async def main() -> None:
     rows = [
         ("fp32, batches of 64 sorted by length, ms per turn", await cpu_ms(FP32, chunks) / 300),
         ("fp32, each text alone, ms per turn", await cpu_ms(FP32, alone) / 300),
-        ("int8, each text alone (the former default), ms per turn", await cpu_ms(INT8, alone) / 300),
+        ("int8, each text alone (the default document model), ms per turn", await cpu_ms(INT8, alone) / 300),
         (
             "former writer (fp32, own + pair texts), ms per exchange",
             await cpu_ms(FP32, former) / 150,
         ),
-        ("static model (default), ms per turn", await cpu_ms(STATIC, alone) / 300),
+        ("static model (as the document model), ms per turn", await cpu_ms(STATIC, alone) / 300),
         (
-            "writer (int8, own + the turn before), ms per exchange",
+            "writer (int8, the default: own + the turn before), ms per exchange",
             await cpu_ms(INT8, today) / 150,
         ),
         ("writer (static, own + the turn before), ms per exchange", await cpu_ms(STATIC, today) / 150),
         ("query (int8), ms per question", await query_ms(INT8, questions)),
-        ("query (static), ms per question", await query_ms(STATIC, questions)),
+        ("query (static: the default query side), ms per question", await query_ms(STATIC, questions)),
     ]
     for name, value in rows:
         print(f"{name:60s} {value:7.2f}")

@@ -108,7 +108,10 @@ def seeded_store(count: int) -> Path:
     """A data dir holding ``count`` memories of USER, cached under bench/.cache/ by count."""
     path = CACHE / f"memories-{count}"
     done = path / ".seeded"
-    if done.exists() and done.read_text() == f"{count} {SEED_FORMAT}\n":
+    from proxy.memory.embedders.settings import EmbedderSettings
+
+    marker = f"{count} {SEED_FORMAT} {EmbedderSettings().label}\n"  # a store of another model would not open
+    if done.exists() and done.read_text() == marker:
         return path
     if path.exists():
         import shutil
@@ -117,7 +120,7 @@ def seeded_store(count: int) -> Path:
     path.mkdir(parents=True)
     started = time.perf_counter()
     asyncio.run(_seed(path, count))
-    done.write_text(f"{count} {SEED_FORMAT}\n")
+    done.write_text(marker)
     _progress(f"seeded {count} memories in {time.perf_counter() - started:.0f} s")
     return path
 

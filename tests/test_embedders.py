@@ -20,7 +20,7 @@ from aiohttp import web
 from proxy.memory.embedders.base import QueryCache
 from proxy.memory.embedders.factory import build_embedder
 from proxy.memory.embedders.local import LocalEmbedder
-from proxy.memory.embedders.model_files import ONNX_MODEL_DIR_NAME, default_model_dirs
+from proxy.memory.embedders.model_files import ONNX_MODEL_DIR_NAME, STATIC_MODEL_DIR_NAME, default_model_dirs
 from proxy.memory.embedders.protocol import Embedder
 from proxy.memory.embedders.remote import LiteLLMEmbedder
 from proxy.memory.embedders.settings import EmbedderSettings
@@ -31,7 +31,8 @@ from proxy.memory.pieces import term_vectors_of
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 MODEL_DIR = default_model_dirs(ONNX_MODEL_DIR_NAME)[0]  # MiniLM int8: the ONNX model these tests exercise
-INT8 = EmbedderSettings(model_path=MODEL_DIR)
+INT8 = EmbedderSettings(model_path=MODEL_DIR, query_model=None)  # queries through the model itself
+STATIC_MODEL = EmbedderSettings(model_path=default_model_dirs(STATIC_MODEL_DIR_NAME)[0])  # the static model alone
 FAKE_DIM = 8
 
 
@@ -186,12 +187,26 @@ async def test_corrupt_model_fails_fast_at_start(tmp_path: Path) -> None:
     broken = tmp_path / "broken"
     shutil.copytree(MODEL_DIR, broken, ignore=shutil.ignore_patterns("model.onnx"))
     (broken / "model.onnx").write_bytes(b"not an onnx model")
-    embedder = LocalEmbedder(EmbedderSettings(model_path=broken))
+    embedder = LocalEmbedder(EmbedderSettings(model_path=broken, query_model=None))
     started = time.monotonic()
     with pytest.raises(EmbedderError, match="cannot load"):
         await embedder.start()
     assert time.monotonic() - started < 5.0
     await embedder.aclose()
+
+
+async def test_with_a_static_query_side_the_model_loads_with_the_first_documents(tmp_path: Path) -> None:
+    """A static query side answers queries without the ONNX model, which loads (and fails, if broken) with the
+    first documents: a process that only reads never holds it."""
+    broken = tmp_path / "broken"
+    shutil.copytree(MODEL_DIR, broken, ignore=shutil.ignore_patterns("model.onnx"))
+    (broken / "model.onnx").write_bytes(b"not an onnx model")
+    async with LocalEmbedder(EmbedderSettings(model_path=broken)) as embedder:
+        query = await embedder.embed_query("Where does the user live?")
+        assert query.shape == (384,)
+        assert embedder._model is None
+        with pytest.raises(EmbedderError, match="cannot load"):
+            await embedder.embed_documents(["The user lives in Berlin."])
 
 
 async def test_model_dir_for_another_model_is_refused() -> None:
@@ -370,7 +385,7 @@ async def test_default_int8_model_lands_in_the_fp32_space_and_embeds_each_text_a
         "What did I say about my sister's cello lessons?",
         "Caroline: I went to the LGBTQ support group yesterday and it was so powerful, honestly life-changing.",
     ]
-    fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0])
+    fp32 = EmbedderSettings(model_path=default_model_dirs("all-MiniLM-L6-v2")[0], query_model=None)
     async with LocalEmbedder(INT8) as int8, LocalEmbedder(fp32) as full:
         batched = await int8.embed_documents(texts)
         alone = [await int8.embed_documents([text]) for text in texts]
@@ -418,10 +433,10 @@ async def test_static_query_side_finds_documents_of_the_model() -> None:
 async def test_static_query_side_makes_no_model_call() -> None:
     """A query on the static side costs no transformer pass: the model runs only for documents."""
     async with CountingLocal(EmbedderSettings(model_path=MODEL_DIR, query_model=STATIC)) as embedder:
-        embedder.calls.clear()
         await asyncio.gather(*(embedder.embed_query(f"question {i}") for i in range(5)))
+        assert embedder.calls == []
         await embedder.embed_documents(["a document"])
-    assert embedder.calls == [["a document"]]
+    assert embedder.calls == [["warm-up"], ["a document"]]  # the model loads (and warms up) with the first documents
 
 
 async def test_onnx_query_side_is_used_for_queries(tmp_path: Path) -> None:
@@ -464,12 +479,26 @@ async def test_query_model_none_can_be_spelt_as_text() -> None:
     assert EmbedderSettings(query_model="").query_model is None
 
 
-# --- the default: a static model as the document model ---------------------------------------------------------
+# --- the default: MiniLM int8 for documents, the static model for queries --------------------------------------
 
 
-async def test_default_embedder_is_the_static_model_and_loads_no_onnx_model() -> None:
-    """Out of the box the embedder is the static model: its own space, queries and documents alike, no thread."""
+async def test_default_embedder_is_minilm_int8_with_the_static_query_side() -> None:
+    """Out of the box documents go through MiniLM int8 (the fp32 model's space) and questions through the static
+    model distilled from it (``query_model = "auto"``: the side the model's manifest names)."""
+    assert EmbedderSettings().label == "models/all-MiniLM-L6-v2-int8"
     async with build_embedder(EmbedderSettings()) as embedder:
+        assert isinstance(embedder, LocalEmbedder)
+        assert embedder.model_id == "local/all-MiniLM-L6-v2-onnx-fp32"
+        assert embedder.weights_id == "local/all-MiniLM-L6-v2-onnx-int8"
+        assert embedder.query_model_id == "local/minilm-static-v1"
+        assert term_vectors_of(embedder) is not None  # term matching has the static side's word pieces
+    async with build_embedder(EmbedderSettings(query_model="none")) as embedder:
+        assert embedder.query_model_id is None
+
+
+async def test_the_static_model_as_the_document_model_loads_no_onnx_model() -> None:
+    """``model_path = models/minilm-static``: its own space, queries and documents alike, no thread."""
+    async with build_embedder(STATIC_MODEL) as embedder:
         assert isinstance(embedder, StaticEmbedder)
         assert embedder.model_id == embedder.weights_id == "local/minilm-static-v1"
         assert embedder.dim == 384
@@ -487,7 +516,7 @@ async def test_static_model_finds_the_matching_memory_and_spreads_like_minilm(lo
     memories = ["The user lives in Berlin.", "The user's cat likes tuna.", "My sister Anna plays the cello."]
     questions = ["Where does the user live?", "what does my cat eat", "which instrument does my sister play?"]
     unrelated = ["I planted tomatoes in my garden.", "Our CI pipeline keeps failing.", "I ran 10 km this morning."]
-    async with build_embedder(EmbedderSettings()) as static:
+    async with build_embedder(STATIC_MODEL) as static:
         docs = await static.embed_documents(memories)
         asked = np.stack([await static.embed_query(q) for q in questions])
         far = await static.embed_documents(unrelated)
@@ -504,7 +533,7 @@ async def test_static_model_lends_word_piece_vectors_for_term_matching() -> None
     """The static model's token rows serve term matching: distinct sorted ids per word list, a token's cosine
     with itself 1 (to within the int8 rows' ~0.003), and a word's other form nearer than an unrelated word. None
     before the model is loaded."""
-    embedder = build_embedder(EmbedderSettings())
+    embedder = build_embedder(STATIC_MODEL)
     assert term_vectors_of(embedder) is None
     async with embedder:
         await embedder.embed_query("warm-up")
@@ -524,23 +553,23 @@ async def test_static_query_side_lends_word_piece_vectors_too() -> None:
     """An ONNX model with the static query side lends that side's vectors; without one it lends none."""
     async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=STATIC)) as embedder:
         assert term_vectors_of(embedder) is not None
-    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR)) as embedder:
+    async with LocalEmbedder(EmbedderSettings(model_path=MODEL_DIR, query_model=None)) as embedder:
         assert term_vectors_of(embedder) is None
 
 
 async def test_static_model_refuses_another_query_side_and_an_onnx_loader() -> None:
     """A static model answers its own queries; the ONNX loader refuses its directory rather than failing later."""
     with pytest.raises(EmbedderError, match="answers its own queries"):
-        build_embedder(EmbedderSettings(query_model="all-MiniLM-L6-v2-int8"))
+        build_embedder(STATIC_MODEL.model_copy(update={"query_model": "all-MiniLM-L6-v2-int8"}))
     with pytest.raises(EmbedderError, match="static model"):
-        LocalEmbedder(EmbedderSettings())
-    assert isinstance(build_embedder(EmbedderSettings(query_model="minilm-static")), StaticEmbedder)
-    assert EmbedderSettings().label == "models/minilm-static"
+        LocalEmbedder(STATIC_MODEL)
+    assert isinstance(build_embedder(STATIC_MODEL.model_copy(update={"query_model": "minilm-static"})), StaticEmbedder)
+    assert isinstance(build_embedder(STATIC_MODEL.model_copy(update={"query_model": None})), StaticEmbedder)
 
 
 async def test_a_large_batch_of_documents_is_embedded_off_the_loop() -> None:
     """Big batches go to a worker thread (the loop keeps serving), small ones and queries stay inline."""
-    async with build_embedder(EmbedderSettings()) as embedder:
+    async with build_embedder(STATIC_MODEL) as embedder:
         assert isinstance(embedder, StaticEmbedder)
         threads: list[str] = []
         model = embedder._model

@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from proxy.memory.embedders import static
-from proxy.memory.embedders.model_files import resolve_model_dir
+from proxy.memory.embedders.model_files import STATIC_MODEL_DIR_NAME, default_model_dirs
 from proxy.memory.embedders.static import StaticModel
 
 
 @pytest.fixture(scope="module")
 def static_model() -> StaticModel:
-    return StaticModel(resolve_model_dir(None), 384)
+    return StaticModel(default_model_dirs(STATIC_MODEL_DIR_NAME)[0], 384)
 
 
 @settings(max_examples=300, deadline=None)

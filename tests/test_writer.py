@@ -9,7 +9,7 @@ import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ import pytest
 import structlog
 
 from proxy.memory.embedders.factory import build_embedder
+from proxy.memory.embedders.model_files import STATIC_MODEL_DIR_NAME, default_model_dirs
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
@@ -52,7 +53,7 @@ class Harness:
         exchange = Exchange(
             request_id=f"req-{self.sent}", user_id=user, conversation_id=conversation, model="chat-model",
             route="default", user_messages=(text,), assistant_text=reply,
-            partial=extra.get("partial", False), finished_at=datetime.now(UTC),
+            partial=extra.get("partial", False), finished_at=extra.get("finished_at", datetime.now(UTC)),
             system_prompt=extra.get("system_prompt"), context=extra.get("context", ()),
         )  # fmt: skip
         return await self.writer.record(exchange)
@@ -155,9 +156,11 @@ async def test_turn_vectors_carry_the_turn_they_answer(harness: Harness) -> None
 
 async def test_a_user_turn_reuses_its_query_vector_however_long_the_job_waited(tmp_path: Path, llm: FakeLLM) -> None:
     """The read path embedded the user's message as its query; the exchange job, run after the vector cache
-    has turned over many times (a write backlog), embeds only the reply (the shipped model, a 2-text cache)."""
+    has turned over many times (a write backlog), embeds only the reply (the static model, whose documents and
+    queries share one model, with a 2-text cache)."""
     message = "Which climbing gym do I like best?"
-    embedder = build_embedder(EmbedderSettings(query_cache_size=2))
+    static = default_model_dirs(STATIC_MODEL_DIR_NAME)[0]
+    embedder = build_embedder(EmbedderSettings(model_path=static, query_cache_size=2))
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(embedder)
         store = await stack.enter_async_context(MemoryStore(StoreSettings(path=tmp_path / "store"), embedder))
@@ -181,6 +184,39 @@ async def test_a_user_turn_reuses_its_query_vector_however_long_the_job_waited(t
     assert user_turn.text == message
     assert user_turn.embedding is not None
     assert float(np.dot(user_turn.embedding, query)) > 0.8  # its own vector, mixed with no turn before it
+
+
+async def test_an_exchange_that_waited_too_long_is_embedded_by_the_quick_query_side(
+    tmp_path: Path, llm: FakeLLM
+) -> None:
+    """The shipped embedder (MiniLM int8 documents, static query side): an exchange the writer reaches in time
+    gets the document model's vectors; one that waited over ``quick_vectors_after_s`` gets the static side's
+    (searchable at once, counted), and the next one in time the document model's again."""
+    async with contextlib.AsyncExitStack() as stack:
+        embedder = await stack.enter_async_context(build_embedder(EmbedderSettings()))
+        store = await stack.enter_async_context(MemoryStore(StoreSettings(path=tmp_path / "store"), embedder))
+        queue = await stack.enter_async_context(JobQueue(queue_settings(tmp_path / "queue")))
+        client = await stack.enter_async_context(
+            OpenAICompatibleLLM(OpenAICompatibleSettings(base_url=llm.base_url, timeout_s=5))
+        )
+        settings = WriterSettings(context_weight=0.0, quick_vectors_after_s=2.0)
+        writer = Writer(settings, store, queue, Extractor(ExtractionSettings(), client))
+        harness = Harness(store, queue, writer, llm)
+        await harness.chat(
+            "I moved to Lisbon in May.", user="late", finished_at=datetime.now(UTC) - timedelta(seconds=5)
+        )
+        async with JobRunner(queue, writer.handlers()):
+            await harness.settle()
+            await harness.chat("My sister plays the cello.", user="on-time")
+            await harness.settle()
+        late = next(r for r in await harness.records(Kind.TURN, user="late") if r.role == "user")
+        on_time = next(r for r in await harness.records(Kind.TURN, user="on-time") if r.role == "user")
+        [int8_late, int8_on_time] = await embedder.embed_documents([late.text, on_time.text])
+        [static_late] = await embedder.embed_queries([late.text])  # the static side
+    assert embedder.quick_texts == 2  # the late exchange's two turns
+    assert np.allclose(late.embedding, static_late, atol=1e-5)
+    assert not np.allclose(late.embedding, int8_late, atol=1e-3)
+    assert np.allclose(on_time.embedding, int8_on_time, atol=1e-5)
 
 
 async def test_context_weight_zero_embeds_each_turn_alone(tmp_path: Path, llm: FakeLLM) -> None:

@@ -19,6 +19,14 @@ class StoreError(MemoryLayerError):
     """The memory store could not do what was asked."""
 
 
+# The shipped models' directories by the vector space they write (the former defaults among them), so that a
+# store built by one of them says exactly how to keep it.
+SHIPPED_MODEL_DIRS = {
+    "local/minilm-static-v1": "models/minilm-static",
+    "local/all-MiniLM-L6-v2-onnx-fp32": "models/all-MiniLM-L6-v2-int8",
+}
+
+
 class EmbedderMismatch(StoreError):
     """The store was built with another embedding model or dimension than the one configured."""
 
@@ -27,11 +35,13 @@ class EmbedderMismatch(StoreError):
         self.stored_dim = stored_dim
         self.model = model
         self.dim = dim
+        shipped = SHIPPED_MODEL_DIRS.get(stored_model)
+        again = f" (MEMPROXY_EMBEDDER__MODEL_PATH={shipped})" if shipped else ""
         super().__init__(
             f"the memory store was built with embedding model {stored_model!r} (dim {stored_dim}) but the "
             f"configured embedder is {model!r} (dim {dim}); vectors from different models cannot be mixed. "
-            "Configure the original model again, or run `memproxy reindex` to re-embed every memory with "
-            "the new one."
+            f"Configure the original model again{again}, or run `memproxy reindex` to re-embed every memory "
+            "with the new one."
         )
 
 

@@ -41,10 +41,10 @@ class TermVectors(Protocol):
 
 
 def term_vectors_of(embedder: object) -> TermVectors | None:
-    """The word piece vectors ``embedder`` lends from its ``term_vectors()`` method (the static default, or a
-    static query side); None when it has no such method, none to lend, or has not loaded them yet. Looked up by
-    name: an ``isinstance`` check against a runtime protocol walks the protocol's members on every call (and
-    it is called twice a read)."""
+    """The word piece vectors ``embedder`` lends from its ``term_vectors()`` method (a static document model, or a
+    static query side: the default); None when it has no such method, none to lend, or has not loaded them yet.
+    Looked up by name: an ``isinstance`` check against a runtime protocol walks the protocol's members on every
+    call (and it is called twice a read)."""
     lend = getattr(embedder, "term_vectors", None)
     return cast("TermVectors | None", lend()) if callable(lend) else None
 

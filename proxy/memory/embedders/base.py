@@ -19,6 +19,8 @@ from proxy.memory.embedders.protocol import Vectors
 from proxy.memory.embedders.settings import EmbedderSettings
 from proxy.memory.errors import EmbedderError
 
+DOCUMENT_CACHE_TEXTS = 1024  # documents' own vectors kept beside a separate query side (~1.6 MB)
+
 
 class QueryCache:
     """LRU of a text (by its digest: a 16,000-character turn costs 16 bytes of key) to its read-only vector;
@@ -138,7 +140,11 @@ class BaseEmbedder(ABC):
     def __init__(self, settings: EmbedderSettings) -> None:
         self._settings = settings
         self.query_cache = QueryCache(settings.query_cache_size)
+        # Documents' own vectors when a separate query side embeds queries: an exchange's "turn before" is most
+        # often the previous exchange's reply, embedded a moment ago (one model call of three saved).
+        self._document_vectors = QueryCache(min(settings.query_cache_size, DOCUMENT_CACHE_TEXTS))
         self.texts_embedded = 0  # texts that reached the model, cache hits excluded
+        self.quick_texts = 0  # documents embedded by the cheap query side instead (``quick_documents``)
         self._started = False
         self._start_lock = asyncio.Lock()
         self._queries: list[tuple[str, asyncio.Future[Vectors]]] = []
@@ -243,9 +249,34 @@ class BaseEmbedder(ABC):
 
     @property
     def document_cache(self) -> QueryCache | None:
-        """The vector cache when documents and queries share the model (a text's vector is then the same on
-        both sides), else None."""
-        return self.query_cache if self.query_model_id is None else None
+        """The vector cache of documents: the query cache when documents and queries share the model (a text's
+        vector is then the same on both sides), else a small one of documents only."""
+        return self.query_cache if self.query_model_id is None else self._document_vectors
+
+    def background_priority(self, nice: int) -> None:
+        """Run the model's own threads at this nice value from now on (the memory writer: its document model
+        shares the cores with the chat processes instead of going before them); nothing without such threads."""
+        return
+
+    @property
+    def embeds_quickly(self) -> bool:
+        """Whether ``quick_documents`` has a cheaper model to embed with."""
+        return False
+
+    def documents_due_s(self, count: int) -> float:
+        """An estimate of how long ``count`` more documents would take to embed, behind what already waits."""
+        return 0.0
+
+    def quick_documents(self, texts: Sequence[str]) -> Vectors | None:
+        """The texts' vectors by a cheaper model of the same space (a static query side), on the caller's thread,
+        for a writer that fell behind; None when there is none."""
+        return None
+
+    @property
+    def cached_vector_bytes(self) -> int:
+        """Bytes of the vectors the embedder's caches hold (queries', and documents' when they are apart)."""
+        apart = self.document_cache is not self.query_cache
+        return self.query_cache.nbytes + (self._document_vectors.nbytes if apart else 0)
 
     @property
     def query_model_id(self) -> str | None:

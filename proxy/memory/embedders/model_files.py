@@ -19,8 +19,9 @@ from proxy.memory.errors import EmbedderError
 _Manifest = TypeVar("_Manifest", bound=BaseModel)
 _PACKAGE_DIR = Path(__file__).parents[2]  # the top-level package directory: <package>/memory/embedders/this file
 
-MODEL_DIR_NAME = "minilm-static"  # the default: a static model (scripts/distill_static.py)
 ONNX_MODEL_DIR_NAME = "all-MiniLM-L6-v2-int8"  # the shipped transformer: MiniLM quantised to int8
+MODEL_DIR_NAME = ONNX_MODEL_DIR_NAME  # the default document model; its manifest names its query side
+STATIC_MODEL_DIR_NAME = "minilm-static"  # a static model distilled from MiniLM (scripts/distill_static.py)
 # Query-side names that were renamed: the int8 copy was a query side before it became the default model, and
 # the static query side fitted to LoCoMo gave way to the static model distilled from generic English.
 QUERY_MODEL_ALIASES = {"all-MiniLM-L6-v2-int8-query": "all-MiniLM-L6-v2-int8", "minilm-static-query": "minilm-static"}
@@ -71,6 +72,7 @@ class ModelManifest(BaseModel):
     dim: int = Field(ge=1)
     space: str | None = None  # the model whose vector space this one writes into (a quantised copy); None = its own
     per_text: bool = False  # embed each text alone: its vector would depend on its batch (dynamic quantisation)
+    query_side: str | None = None  # the query model ``embedder.query_model = "auto"`` picks; None = the model itself
 
 
 def read_manifest(model_dir: Path) -> ModelManifest:

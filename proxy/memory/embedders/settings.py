@@ -1,13 +1,13 @@
 """Which embedding model to use and how to run it (``[embedder]`` of the config).
 
-``provider = "local"`` (the default) is a model shipped with the package: by default ``models/minilm-static``, a
-static model distilled from all-MiniLM-L6-v2 (a text's vector is the mean of its tokens' rows: a table lookup a
-text, no transformer pass, at LoCoMo retrieval equal to MiniLM's), or, with ``model_path``, MiniLM itself as ONNX
-(``models/all-MiniLM-L6-v2-int8`` or ``models/all-MiniLM-L6-v2``); ``"litellm"`` is any remote embedding model
-litellm supports. An ONNX model may answer queries with its own *query side* (``query_model``, a directory
-under ``models/`` whose manifest says which document space it serves): stored vectors stay the document
-model's, so switching the query side needs no reindex; switching the document model to another space does
-(``memproxy reindex``).
+``provider = "local"`` (the default) is a model shipped with the package: by default all-MiniLM-L6-v2 quantised
+to int8 (``models/all-MiniLM-L6-v2-int8``) embeds what is stored, and its *query side*, ``models/minilm-static``
+(a static model distilled from it: a text's vector is the mean of its tokens' rows, a table lookup, no
+transformer pass), embeds questions into the same space. With ``model_path`` the document model is another
+directory (``models/all-MiniLM-L6-v2`` for fp32, or ``models/minilm-static`` itself, which answers its own
+queries); ``"litellm"`` is any remote embedding model litellm supports. The query side (``query_model``, a
+directory under ``models/`` whose manifest says which document space it serves) can change without a reindex;
+the document model, for another space, cannot (``memproxy reindex``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 from proxy.memory.embedders.model_files import MODEL_DIR_NAME
 
-DEFAULT_QUERY_MODEL: str | None = None  # the document model answers queries itself
+AUTO_QUERY_MODEL = "auto"  # the query side the document model's manifest names (``query_side``), if any
+DEFAULT_QUERY_MODEL: str | None = AUTO_QUERY_MODEL
 
 
 class EmbedderSettings(BaseModel):
@@ -32,8 +33,11 @@ class EmbedderSettings(BaseModel):
     model_path: Path | None = None  # local only; None = the shipped static model, models/minilm-static
     batch_size: int = Field(default=64, ge=1)
     threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 avoids threads contending for busy cores
+    # ONNX models only: model calls run at once (threads sharing the model); None = one per core
+    concurrency: int | None = Field(default=None, ge=1)
     query_cache_size: int = Field(default=4096, ge=0)  # texts; ~1.6 kB each (vector + key)
-    # local only: a query-side model under models/ (or a path) for the documents' space; None = the model itself
+    # local only: a query-side model under models/ (or a path) for the documents' space; "auto" = the one the
+    # document model's manifest names (the shipped MiniLM's: minilm-static); None ("none") = the model itself
     query_model: str | None = DEFAULT_QUERY_MODEL
     api_base: str | None = None
     api_key: SecretStr | None = None

@@ -1,7 +1,8 @@
 """Static models: a text's vector is the normalised mean of its tokens' rows (cheap enough for the loop, no thread).
 
-``StaticModel`` is the table and its tokenizer; it serves as an ONNX model's query side, or, as
-``StaticEmbedder``, as the document model itself (the default, ``models/minilm-static``).
+``StaticModel`` is the table and its tokenizer; it serves as an ONNX model's query side (the default:
+``models/minilm-static`` answers the questions for MiniLM int8's documents), or, as ``StaticEmbedder``, as the
+document model itself (``model_path = "models/minilm-static"``: ~0.1 ms of CPU per stored text).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import numpy.typing as npt
 from proxy.memory.embedders.base import BaseEmbedder
 from proxy.memory.embedders.model_files import read_query_manifest, resolve_query_model_dir
 from proxy.memory.embedders.protocol import Vectors, l2_normalise
-from proxy.memory.embedders.settings import EmbedderSettings
+from proxy.memory.embedders.settings import AUTO_QUERY_MODEL, EmbedderSettings
 from proxy.memory.errors import EmbedderError
 
 MAX_TOKENS = 256
@@ -187,7 +188,7 @@ class StaticEmbedder(BaseEmbedder):
         super().__init__(settings)
         self.model_dir = model_dir
         self._manifest = read_query_manifest(model_dir)
-        if settings.query_model is not None:
+        if settings.query_model not in (None, AUTO_QUERY_MODEL):
             query_dir = resolve_query_model_dir(settings.query_model)
             if query_dir.resolve() != model_dir.resolve():
                 raise EmbedderError(

@@ -22,12 +22,14 @@ job finds its records already there. A reply cut short by a client disconnect is
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Sequence
 
 import structlog
 
-from proxy.memory.embedders.base import QueryCache
+from proxy.memory.embedders.base import BaseEmbedder, QueryCache
+from proxy.memory.embedders.protocol import Vectors
 from proxy.memory.events import MemoryEvents
 from proxy.memory.service import Exchange
 from proxy.memory.store.memory_store import MemoryStore
@@ -44,6 +46,7 @@ from proxy.memory.write.summaries import SummaryJobs
 from proxy.memory.write.turns import exchange_context_vectors, turn_records
 
 log = structlog.get_logger("memproxy.writer")
+CAUGHT_UP_S = 10.0  # no exchange late for the document model this long: the writer has caught up
 
 
 async def enqueue_exchange(queue: JobQueue, exchange: Exchange, screens: ExtractionSettings) -> str:
@@ -73,6 +76,8 @@ class Writer:
         self._extractor = extractor
         self._facts = FactJobs(settings, store, queue, extractor, events)
         self._summaries = SummaryJobs(settings, store, queue, extractor)
+        self._behind_since: float | None = None  # exchanges have been late for the document model since then
+        self._last_late = 0.0
 
     def handlers(self) -> dict[str, Handler]:
         """The job kinds this writer handles, for the ``JobRunner``."""
@@ -102,7 +107,7 @@ class Writer:
             try:
                 async with job.timed("turns"):  # split in two: the wait for the model, then the store's commit
                     async with job.timed("turn_vectors"):
-                        turns = await self._with_context(turns, p.context)
+                        turns = await self._with_context(turns, p.context, time.time() - p.finished_at)
                     async with job.timed("turn_commit"):
                         await self._store.add(turns)
             finally:
@@ -118,18 +123,53 @@ class Writer:
     def _worth_extracting(self, p: ExchangePayload) -> bool:
         return not self.settings.prefilter or any_worth_extracting(p.user_messages, self.settings.prefilter_min_words)
 
-    async def _with_context(self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]]) -> list[MemoryRecord]:
-        """The turns with context vectors: one embedding of each turn, and of the turn before the exchange."""
-        weight = self.settings.context_weight
-        if weight <= 0 or not turns:
-            return turns
-        before = [context[-1][1]] if context and context[-1][1] else []
+    async def _vectors(self, texts: list[str], waited_s: float) -> Vectors:
+        """The texts' vectors by the document model, or by the embedder's cheap query side (``quick_documents``)
+        when the model would not have them within ``quick_vectors_after_s`` of the reply (by its backlog and
+        recent pace before it starts, or by a deadline while it runs: its threads share the cores with the chat
+        processes)."""
         embedder = self._store.embedder
-        vectors = await embedder.embed_documents([*before, *(t.text for t in turns)])
+        after = self.settings.quick_vectors_after_s
+        if after <= 0 or not isinstance(embedder, BaseEmbedder) or not embedder.embeds_quickly:
+            return await embedder.embed_documents(texts)
+        vectors: Vectors | None = None
+        budget = after - waited_s
+        if budget > 0 and embedder.documents_due_s(len(texts)) < budget:  # the model can make it: try it
+            try:
+                vectors = await asyncio.wait_for(embedder.embed_documents(texts), budget)
+            except TimeoutError:
+                vectors = None
+        self._note_behind(vectors is None, waited_s)
+        if vectors is None:
+            vectors = embedder.quick_documents(texts)
+        return vectors if vectors is not None else await embedder.embed_documents(texts)
+
+    def _note_behind(self, behind: bool, waited_s: float) -> None:
+        """One log line as the writer falls behind, and one once no exchange was late for ``CAUGHT_UP_S``."""
+        now = time.monotonic()
+        if behind:
+            if self._behind_since is None:
+                log.info("memory.writer_behind", waited_s=round(waited_s, 2))
+                self._behind_since = now
+            self._last_late = now
+        elif self._behind_since is not None and now - self._last_late >= CAUGHT_UP_S:
+            log.info("memory.writer_caught_up", behind_s=round(self._last_late - self._behind_since, 1))
+            self._behind_since = None
+
+    async def _with_context(
+        self, turns: list[MemoryRecord], context: Sequence[tuple[str, str]], waited_s: float = 0.0
+    ) -> list[MemoryRecord]:
+        """The turns with their vectors (``_vectors``): context vectors from one embedding of each turn and of the
+        turn before the exchange (``context_weight`` 0: each turn's own)."""
+        if not turns:
+            return turns
+        weight = self.settings.context_weight
+        before = [context[-1][1]] if weight > 0 and context and context[-1][1] else []
+        vectors = await self._vectors([*before, *(t.text for t in turns)], waited_s)
         mixed = exchange_context_vectors(vectors[len(before) :], vectors[0] if before else None, weight)
+        model_id = self._store.embedder.model_id
         return [
-            t.replace(embedding=[float(x) for x in v], model_id=embedder.model_id)
-            for t, v in zip(turns, mixed, strict=True)
+            t.replace(embedding=[float(x) for x in v], model_id=model_id) for t, v in zip(turns, mixed, strict=True)
         ]
 
     async def handle_facts(self, job: Job) -> None:
