@@ -2,8 +2,8 @@
 
 A static model embeds a text as the mean of one learnt vector per WordPiece token: ~0.1 ms a text instead of
 a transformer pass. Its vectors are trained to land in MiniLM's own space, so it serves as MiniLM's query side
-(documents embedded by MiniLM), or as the document model itself (the default, ``models/minilm-static``: the
-writer embeds each turn for ~0.05 ms, the read path each question for ~0.07 ms).
+(documents embedded by MiniLM: the default, ``models/minilm-static`` embeds each question for ~0.07 ms), or
+as the document model itself (``model_path = "models/minilm-static"``: ~0.05 ms a stored turn).
 
 1. Start (model2vec-style): every vocabulary token alone through the shipped ONNX model (``[CLS] tok [SEP]``,
    mean pooled), one row per token (centring them fitted the

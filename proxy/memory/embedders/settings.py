@@ -30,7 +30,7 @@ class EmbedderSettings(BaseModel):
 
     provider: Literal["local", "litellm"] = "local"
     model: str = "sentence-transformers/all-MiniLM-L6-v2"  # litellm's model, or the ONNX export's (checked)
-    model_path: Path | None = None  # local only; None = the shipped static model, models/minilm-static
+    model_path: Path | None = None  # local only; None = the shipped models/all-MiniLM-L6-v2-int8
     batch_size: int = Field(default=64, ge=1)
     threads: int | None = Field(default=1, ge=1)  # onnxruntime threads; 1 avoids threads contending for busy cores
     # ONNX models only: model calls run at once (threads sharing the model); None = one per core
