@@ -83,8 +83,8 @@ async def run_writer(settings: Settings, directory: Path, replica: str, ready_fd
             # The document model's threads (MiniLM int8 on every core) share the cores with the chat processes
             # rather than going before them: a turn they would be late for gets the static side's vectors instead
             # ([writer] quick_vectors_after_s), so the chat keeps its share and turns stay searchable in time.
-            # (At nice 19, idle CPU only, one 8-minute bench-writes run did worse: 0.64 last/first third and
-            # reply -> searchable p99 over 2 s in 3 minutes, against 0.95 and none at the chat's nice 10.)
+            # (Nice 19, idle CPU only, was tried in one 8-minute bench-writes run: no better than two runs at
+            # nice 10, within those runs' spread: docs/benchmarks.md, "Write side".)
             engine.embedder.background_priority(CHAT_NICE)
             internal = web.Application()
             writer_routes(internal, mirror, engine.latest, engine.jobs, engine.store)
