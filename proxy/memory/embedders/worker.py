@@ -40,6 +40,7 @@ class _Work:
     done: dict[int, Vectors] = field(default_factory=dict)  # by the position of the piece's first text
     claimed: int = 0  # texts handed to a thread so far
     finished: int = 0  # texts embedded so far
+    in_flight: int = 0  # its pieces at the model now
     failed: bool = False
 
 
@@ -52,7 +53,6 @@ class ModelWorker:
         self._urgent_run = urgent_run
         self._streak = 0
         self._closing = False
-        self._running: set[_Work] = set()  # works with a piece at the model
         self._cond = threading.Condition()
         self._threads = [
             threading.Thread(target=self._serve, name=name if threads == 1 else f"{name}-{i}", daemon=True)
@@ -94,7 +94,7 @@ class ModelWorker:
         """Finish the pieces in flight, fail what waits, stop the threads."""
         with self._cond:
             self._closing = True
-            waiting = [w for w in (*self._urgent, *self._other) if w not in self._running]
+            waiting = [w for w in (*self._urgent, *self._other) if not w.in_flight]  # else their thread answers
             self._urgent.clear()
             self._other.clear()
             self._cond.notify_all()
@@ -113,14 +113,14 @@ class ModelWorker:
                     return
                 queue = self._next_queue()
                 work = queue[0]
-                if work.future.cancelled() or work.failed:  # the caller gave up: nothing more for it
+                if work.future.cancelled() or work.failed:  # the caller gave up or was failed: nothing more
                     queue.popleft()
                     continue
                 start = work.claimed
                 work.claimed = min(len(work.texts), start + work.piece)
                 if work.claimed >= len(work.texts):  # its last piece: no other thread takes it up
                     queue.popleft()
-                self._running.add(work)
+                work.in_flight += 1
                 if self._urgent or self._other:
                     self._cond.notify()  # another thread may take the next piece meanwhile
             piece = work.texts[start : work.claimed]
@@ -134,18 +134,14 @@ class ModelWorker:
     def _settle(self, work: _Work, result: tuple[int, Vectors] | None, error: BaseException | None) -> None:
         """Note one piece's outcome; answer the caller once every piece is in, or at the first failure."""
         with self._cond:
+            work.in_flight -= 1
             if result is not None and not work.failed:
                 start, vectors = result
                 work.done[start] = vectors
                 work.finished += len(vectors)
             complete = work.finished >= len(work.texts)
             fail = error is not None and not work.failed
-            if fail:
-                work.failed = True
-                with contextlib.suppress(ValueError):
-                    (self._urgent if work in self._urgent else self._other).remove(work)
-            if complete or work.failed:
-                self._running.discard(work)
+            work.failed = work.failed or fail  # its pieces still queued are skipped, as a cancelled caller's
             closing = self._closing and not complete and not work.failed
         if fail:
             _answer(work, None, error)
