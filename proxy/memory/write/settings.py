@@ -29,10 +29,11 @@ class WriterSettings(BaseModel):
     # 0 stores each turn's own vector. 0.5: LoCoMo default R@10 0.728 against 0.715 for turns alone
     # (bench/locomo.py, "+turns"), for one more embedding per exchange (the turn before it)
     context_weight: float = Field(default=0.5, ge=0.0, le=1.0)
-    # an exchange that waited longer than this for the writer (reply finished -> its turns embedded) has its turns
-    # embedded by the query side's static model (~0.1 ms a text) instead of the document model (MiniLM int8, ~4
-    # ms): a write side short of CPU keeps turns searchable within seconds, ranked at worst as with the static
-    # model alone; `memproxy_embedder_quick_texts_total` counts them. 0: always the document model
+    # an exchange whose turns the document model (MiniLM int8, ~5 ms a text) would not have embedded within this
+    # many seconds of the reply (by its backlog and pace before it starts, or a deadline while it runs) gets the
+    # query side's static vectors (~0.1 ms a text): a write side short of CPU keeps turns searchable within
+    # seconds, ranked at worst as with the static model alone; `memproxy_embedder_quick_texts_total` counts them.
+    # 0: always the document model
     quick_vectors_after_s: float = Field(default=0.5, ge=0.0)
     # a conversation is (re-)summarised only once this many of its turns are not in its summary yet (a one-message
     # chat needs none; a short tail stays as turns, which are searchable themselves)
