@@ -128,7 +128,7 @@ async def test_a_round_leaves_full_fragments_alone(tmp_path: Path, monkeypatch: 
         after = await files()
         big = {path for path in full if path in after}
         assert big, "the fragment that reached the target was rewritten"
-        assert len(after) == 2  # the full one, and the two rounds' partial ones merged
+        assert len(after) == 3  # the full one and each round's partial one (merged once their index segments are)
         assert await store.count("alice") == 48
         assert await store.count("bob") == 8
         assert await vector_ids(store, "bob", "later note 3", k=1)
@@ -139,6 +139,57 @@ async def test_a_round_leaves_full_fragments_alone(tmp_path: Path, monkeypatch: 
         await store.optimize()
         assert not (await files()) & big  # most of its rows deleted: rewritten without them
         assert await store.count("alice") == 18
+
+
+async def test_rounds_merge_appends_in_tiers_and_index_them_as_deltas(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A round merges the new appends and leaves the middle tier's fragments alone (their data files survive)
+    until those hold a full fragment's rows, then merges them; the new rows go into the scalar indexes as delta
+    segments, merged into one at ``MERGE_SEGMENTS_AT``, so neither fragments nor segments pile up. Every row
+    stays readable, searchable and deletable by id throughout."""
+    monkeypatch.setattr(compaction, "TARGET_ROWS", 40)
+    monkeypatch.setattr(compaction, "SMALL_ROWS", 10)
+    monkeypatch.setattr(compaction, "MERGE_SEGMENTS_AT", 3)
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600, optimize_after_commits=10_000)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        table = store._lance.table
+        added = await store.add([fact("alice", "first note")])
+        await store.optimize()  # the scalar indexes, one segment each
+
+        async def fragments() -> dict[str, int]:
+            return {f.data_files()[0].path: f.count_rows() for f in (await table.to_lance()).get_fragments()}
+
+        async def segments() -> int:
+            return max(len(index.segments) for index in (await table.to_lance()).describe_indices())
+
+        merges = 0
+        for batch in range(8):
+            before = await fragments()
+            middle = {path for path, rows in before.items() if 10 <= rows < 40}
+            for i in range(12):
+                added += await store.add([fact("alice", f"note {batch} {i}")])
+            stats = await compaction.maintain(table, None)
+            after = await fragments()
+            assert stats.fragments_removed >= 12  # the appends, merged
+            assert len(after) <= len(before) + 1
+            if sum(before[path] for path in middle) < 40:
+                assert not stats.merged
+                assert middle <= set(after)  # the middle tier's files untouched
+            else:
+                assert stats.merged
+                merges += 1
+            assert await segments() <= 3
+        assert merges >= 1
+        assert max((await fragments()).values()) >= 40  # a full fragment came out of the middle tier
+        assert len(await fragments()) <= 6  # 97 rows: not the 97 appends, nor a fragment a round
+        await store.optimize()  # the store's own round, and its scalar indexes
+        assert await store.count("alice") == 97
+        assert await vector_ids(store, "alice", "note 2 5", k=1)
+        assert len(await keyword_ids(store, "alice", "note", k=100)) == 97
+        assert len(await store.delete_many("alice", [record.id for record in added[:5]])) == 5
+        assert await store.count("alice") == 92
+        assert [r.id for r in await store.get_many("alice", [added[7].id])] == [added[7].id]
 
 
 async def test_old_versions_are_removed_every_few_minutes(tmp_path: Path) -> None:
