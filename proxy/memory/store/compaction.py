@@ -47,7 +47,8 @@ SCALAR_COLUMNS = frozenset(column for column, _ in SCALAR_INDEXES)
 # that a round's rewrite (up to this many rows of the last partial fragment, plus the new ones) stays a fraction of
 # a second of one core.
 TARGET_ROWS = 1 << 15
-# A fragment this small is an append, or the appends of a round merged: merged again in the next round.
+# A fragment under this is an append or a round's appends merged: always a candidate (merged with its neighbours
+# once the same index segments cover them).
 SMALL_ROWS = 1 << 11
 # Index segments (the merged one and the rounds' deltas) that make a round merge them into one.
 MERGE_SEGMENTS_AT = 8
