@@ -87,3 +87,12 @@ def test_cli_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("config error: upstream.base_url:")
     assert "Traceback" not in result.stderr
+
+
+def test_a_kind_concurrency_table_keeps_the_other_kinds_defaults() -> None:
+    """Setting one kind's concurrency leaves the others' defaults (insights two at a time) in place."""
+    settings = load_settings(None, environ={"MEMPROXY_JOBS__KIND_CONCURRENCY__EXCHANGE": "64"})
+    assert settings.jobs.kind_concurrency == {"exchange": 64, "insights": 2}
+    assert settings.jobs.concurrency_of("insights") == 2
+    assert settings.jobs.concurrency_of("facts") == settings.jobs.concurrency
+    assert Settings().jobs.kind_concurrency == {"exchange": 128, "insights": 2}

@@ -39,10 +39,12 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from proxy.memory.errors import MemoryLayerError
 
+# Jobs in flight for these kinds instead of ``concurrency`` (``JobQueueTuning.kind_concurrency``'s defaults).
+KIND_CONCURRENCY: Mapping[str, int] = {"exchange": 128, "insights": 2}
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -62,9 +64,13 @@ class JobQueueTuning(BaseModel):
     # (a user's turns read and clustered) run in the writer beside the exchanges and nothing waits for them: the
     # first wave of a busy start (every user's comes due one debounce later) ran 16 at a time and held the
     # exchanges back (bench-writes: reply -> searchable p99 ~5 s in that minute of every 30-minute run).
-    kind_concurrency: dict[str, Annotated[int, Field(ge=1)]] = Field(
-        default_factory=lambda: {"exchange": 128, "insights": 2}
-    )
+    kind_concurrency: dict[str, Annotated[int, Field(ge=1)]] = Field(default_factory=lambda: dict(KIND_CONCURRENCY))
+
+    @field_validator("kind_concurrency")
+    @classmethod
+    def _over_defaults(cls, value: dict[str, int]) -> dict[str, int]:
+        """A table given in the config changes the kinds it names; the others keep their defaults."""
+        return {**KIND_CONCURRENCY, **value}
 
     def concurrency_of(self, kind: str) -> int:
         """Jobs of ``kind`` that may run at once."""
