@@ -84,7 +84,7 @@ class RoundStats:
     fragments_added: int
     compact_s: float
     index_s: float
-    merged: bool = False  # the middle tier's fragments merged into full ones
+    merged: bool = False  # the middle tier was a candidate (Lance merges what one set of index segments covers)
     segments: int = 0  # the most segments an index had before the round (merged into one at MERGE_SEGMENTS_AT)
 
 
