@@ -88,12 +88,11 @@ class RoundStats:
     segments: int = 0  # the most segments an index had before the round (merged into one at MERGE_SEGMENTS_AT)
 
 
-def middle_tier(rows: Sequence[tuple[int, int]]) -> list[int]:
-    """Of (fragment id, live rows), the fragments a round leaves alone: those between ``SMALL_ROWS`` and
-    ``TARGET_ROWS`` rows, while they hold fewer than ``TARGET_ROWS`` rows between them (then they merge, and
-    none is left alone)."""
+def middle_tier(rows: Sequence[tuple[int, int]]) -> tuple[list[int], bool]:
+    """Of (fragment id, live rows), the middle tier's fragments (between ``SMALL_ROWS`` and ``TARGET_ROWS`` rows)
+    and whether they hold ``TARGET_ROWS`` rows between them: then a round merges them, else it leaves them alone."""
     middle = [(fragment, count) for fragment, count in rows if SMALL_ROWS <= count < TARGET_ROWS]
-    return [] if sum(count for _, count in middle) >= TARGET_ROWS else [fragment for fragment, _ in middle]
+    return [fragment for fragment, _ in middle], sum(count for _, count in middle) >= TARGET_ROWS
 
 
 def _round(uri: str, storage_options: dict[str, str] | None) -> RoundStats:
@@ -107,7 +106,8 @@ def _round(uri: str, storage_options: dict[str, str] | None) -> RoundStats:
         metadata_cache_size_bytes=_ROUND_CACHE_BYTES,
     )
     rows = [(f.fragment_id, f.metadata.physical_rows - f.metadata.num_deletions) for f in dataset.get_fragments()]
-    alone = middle_tier(rows)
+    middle, full = middle_tier(rows)
+    alone = [] if full else middle
     compaction = dataset.optimize.compact_files(target_rows_per_fragment=TARGET_ROWS, excluded_fragment_ids=alone)
     compacted = time.perf_counter()
     described = dataset.describe_indices()
@@ -123,7 +123,7 @@ def _round(uri: str, storage_options: dict[str, str] | None) -> RoundStats:
         fragments_added=compaction.fragments_added,
         compact_s=compacted - started,
         index_s=time.perf_counter() - compacted,
-        merged=not alone and any(SMALL_ROWS <= count < TARGET_ROWS for _, count in rows),
+        merged=full,
         segments=segments,
     )
 
