@@ -20,9 +20,12 @@ class StoreTuning(BaseModel):
     flush_max_rows: int = Field(256, ge=1)
     flush_interval_ms: int = Field(20, ge=0)
     optimize_interval_s: float = Field(300.0, gt=0)
-    # ...or sooner, after this many appends: each makes a fragment, and a write's id check and a user's first
-    # read walk every fragment not yet compacted (at a thousand fragments an append took several times as long)
-    optimize_after_commits: int = Field(200, ge=1)
+    # ...or sooner, after this many appends: each makes a fragment that no index covers until a round, and every
+    # read of LanceDB walks each such fragment (at a thousand fragments an append took several times as long).
+    # 50 rather than 200 (``bench/writes.py --mode sustained``, 5 minutes each): reads grew slower until each round
+    # and fast again after it; the management API's listing p90 1.66 -> 0.98 s, LanceDB's CPU per exchange halved,
+    # for 4x the rounds of a quarter the rows each
+    optimize_after_commits: int = Field(50, ge=1)
     # Seconds between writes of access times to LanceDB (reads see them at once; a write rewrites the touched
     # rows and marks deletions in their fragments: once a second under load, it held the write lock most of
     # every second).
