@@ -238,14 +238,16 @@ async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp
 
 async def test_a_fragmented_keyword_index_is_rewritten_as_one_segment_in_a_quiet_round(tmp_path: Path) -> None:
     """A keyword index that opens in many segments (one per commit) is rewritten as one at once, with the same
-    documents and the same answers; while writes keep coming, a round leaves it to Tantivy's own merging."""
+    documents and the same answers; while writes keep coming (a commit within ``optimize_interval_s``), a round
+    leaves it to Tantivy's own merging, however soon after the previous round it comes."""
     settings = settings_for(tmp_path / "data", optimize_interval_s=3600)
     async with MemoryStore(settings, HashingEmbedder()) as store:
         for i in range(6):
             await store.add([fact("alice", f"note number {i} about hiking"), fact("bob", f"bob note {i} hiking")])
         assert store._keyword.segments() == 6
         await store.add([fact("alice", "one more note")])
-        await store.optimize()  # a commit since the last round: not quiet
+        await store.optimize()  # a commit a moment ago: not quiet
+        await store.optimize()  # nor in the round right after it (no commit in between, but no quiet either)
         assert store._keyword.segments() == 7
         before = await keyword_scores(store, "alice", "hiking note")
     async with MemoryStore(settings, HashingEmbedder()) as store:

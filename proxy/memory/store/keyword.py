@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -122,7 +123,9 @@ class KeywordIndex:
         self._pool: ThreadPoolExecutor | None = None
         self._gen: _Generation | None = None
         self.fresh = False  # True when opening found no usable index (the store re-indexes everything)
-        self.commits = 0  # commits since opening (the store's maintenance rewrites a fragmented index only when quiet)
+        # ``time.monotonic()`` at the last commit since opening, None before the first: the store's maintenance
+        # rewrites a fragmented index only once no commit came for a while (``StoreWrites.keyword_fragmented``)
+        self.committed_at: float | None = None
         self.on_commit: Callable[[], object] | None = None  # told after each commit or rebuild (the writer's mirror)
 
     async def __aenter__(self) -> KeywordIndex:
@@ -248,7 +251,7 @@ class KeywordIndex:
         """Make all writes durable and visible to searches."""
         async with self._lock:
             await self._run(self._commit, self._g)
-            self.commits += 1
+            self.committed_at = time.monotonic()
         if self.on_commit is not None:
             self.on_commit()
 
