@@ -12,7 +12,8 @@ messages plus the response schema).
   second one probe exchange carries a unique word; the probe polls the management API until that turn is
   listed (reply -> searchable). A row per minute: arrivals (chat requests that became exchanges), drained
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
-  p99, memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
+  p99 and the slowest probe (``slowest_probe``: when it started, UTC, to line it up with memproxy's log),
+  memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
   5 s of quiet: RSS (``rss_before_mb``). After the load: wait until the queue is empty, RSS 5 s later
   (``rss_at_drain_mb``), again once memproxy's quiet window has passed (``QUIET_WINDOW_S`` after the load's last
   request: a process the load left grown restarts in place then, ``proxy.recycle``) and it answers /readyz
@@ -52,7 +53,7 @@ import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,7 @@ class Minute:
     arrivals: int = 0
     errors: int = 0
     searchable_s: list[float] = field(default_factory=list)
+    slowest: tuple[float, float] | None = None  # the slowest probe: (``time.time()`` as it started, its latency)
 
 
 async def client_loop(session: aiohttp.ClientSession, base: str, rng: random.Random, minutes: list[Minute],
@@ -343,11 +345,14 @@ async def probe_loop(session: aiohttp.ClientSession, base: str, minutes: list[Mi
         word = f"zqprobe{n}x"
         user = f"probe{n}"
         await chat(session, base, user, [{"role": "user", "content": f"I named my plant {word}"}], "full")
-        sent = time.monotonic()
+        sent, sent_at = time.monotonic(), time.time()
         slot = minutes[min(len(minutes) - 1, int((sent - started) // 60))]
         while not await listed(session, base, user, word) and time.monotonic() - sent < 120:  # noqa: ASYNC110
             await asyncio.sleep(0.1)  # polling is the measurement: what a later request would find
-        slot.searchable_s.append(time.monotonic() - sent)
+        latency = time.monotonic() - sent
+        slot.searchable_s.append(latency)
+        if slot.slowest is None or latency > slot.slowest[1]:
+            slot.slowest = (sent_at, latency)
         await asyncio.sleep(max(0.0, PROBE_INTERVAL_S - (time.monotonic() - sent)))
 
 
@@ -530,6 +535,9 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any
             "turn_searchable_p50_s": round(percentile(lat, 50), 3),
             "turn_searchable_p99_s": round(percentile(lat, 99), 3),
             "rss_mb": round(marks[i + 1]["rss_mb"], 1), "errors": minute.errors, "probes": len(minute.searchable_s),
+            "slowest_probe": None if minute.slowest is None else {
+                "started_at": datetime.fromtimestamp(minute.slowest[0], UTC).isoformat(timespec="milliseconds"),
+                "searchable_s": round(minute.slowest[1], 3)},
             "rss_parts_mb": marks[i + 1]["rss_parts_mb"],
             "cpu_ms_per_arrival": per_arrival(marks[i], marks[i + 1], minute.arrivals),
             "cpu_ms_per_arrival_by_thread": per_arrival_by_thread(marks[i], marks[i + 1], minute.arrivals),
