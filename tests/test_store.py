@@ -262,6 +262,27 @@ async def test_a_fragmented_keyword_index_is_rewritten_as_one_segment_in_a_quiet
         assert await keyword_ids(store, "alice", "bob") == []
 
 
+async def test_a_fragmented_keyword_index_repaired_at_opening_is_still_rewritten_at_once(tmp_path: Path) -> None:
+    """The repair an opening makes (Tantivy lost a commit: a kill -9 between the two) commits to the keyword index;
+    that commit is the opening's own, not a busy write side, so the fragmented index is still rewritten at once."""
+    settings = settings_for(tmp_path / "data", optimize_interval_s=3600)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+        for i in range(6):
+            await store.add([fact("alice", f"note number {i} about hiking"), fact("bob", f"bob note {i} hiking")])
+        lost = (await store.add([fact("alice", "the note Tantivy lost")]))[0]
+        await store._keyword.remove_ids([lost.id])
+        await store._keyword.commit()
+    (tmp_path / "data" / store.writes.data_dir._sync_path.name).unlink()
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+
+        async def one_segment() -> bool:
+            return store._keyword.segments() == 1
+
+        await eventually(one_segment, 5.0)
+        assert await store._keyword.count() == 13
+        assert lost.id in await keyword_ids(store, "alice", "Tantivy lost")
+
+
 async def test_get_and_get_many_are_scoped_to_the_user(store: MemoryStore) -> None:
     """A record is returned to its owner only, and get_many keeps the order asked."""
     a1, a2 = await store.add([fact("alice", "one"), fact("alice", "two")])

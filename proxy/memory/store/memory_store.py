@@ -105,6 +105,7 @@ class MemoryStore:
             await stack.enter_async_context(self._keyword)
             stack.push_async_callback(self._cache.aclose)  # loads in flight stop before the tables close
             await writes.recover()
+            self._keyword.committed_at = None  # the opening's own repair is no sign of a busy write side
             stack.push_async_callback(writes.close)
             writes.writer = BatchWriter(
                 writes.flush, self.settings.flush_max_rows, self.settings.flush_interval_ms / 1000, health=self.health
