@@ -17,6 +17,8 @@ import pytest
 
 from proxy.memory.errors import EmbedderMismatch, InvalidCursor, InvalidUserId, StoreError
 from proxy.memory.store import compaction
+from proxy.memory.store import memory_store as memory_store_module
+from proxy.memory.store import writes as writes_module
 from proxy.memory.store.keyword import KeywordIndex
 from proxy.memory.store.keyword_schema import KeywordDoc
 from proxy.memory.store.memory_store import MemoryStore, StoreSettings
@@ -192,31 +194,32 @@ async def test_rounds_merge_appends_in_tiers_and_index_them_as_deltas(
         assert [r.id for r in await store.get_many("alice", [added[7].id])] == [added[7].id]
 
 
-async def test_old_versions_are_removed_every_few_minutes(tmp_path: Path) -> None:
-    """Removing old versions reads every manifest kept, so it runs once per ``CLEANUP_EVERY_S``, not in every
-    round; when it runs it leaves only the versions younger than asked, and the data reads the same."""
+async def test_old_versions_are_removed_by_their_own_ticker_not_by_the_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removing old versions reads every manifest kept (15-20 s under load), so a ticker of its own runs it,
+    not the maintenance round, which it held up; it leaves only the versions younger than asked, and the data
+    reads the same."""
+    monkeypatch.setattr(writes_module, "OPTIMIZE_KEEP_VERSIONS", timedelta(milliseconds=1))
     settings = settings_for(tmp_path / "data", optimize_interval_s=3600, optimize_after_commits=10_000)
-    async with MemoryStore(settings, HashingEmbedder()) as store:
-        lance = store._lance
-        versions_dir = tmp_path / "data" / "lance" / f"{lance.manifest.table}.lance" / "_versions"  # type: ignore[union-attr]
 
-        def versions() -> int:
-            return len(list(versions_dir.glob("*.manifest")))
+    def versions() -> int:
+        return len(list((tmp_path / "data" / "lance").glob("*.lance/_versions/*.manifest")))
 
+    async with MemoryStore(settings, HashingEmbedder()) as store:  # the ticker's first removal an hour away
         for i in range(5):
             await store.add([fact("alice", f"note number {i}")])
-        await asyncio.sleep(0.01)
-        await lance.remove_old_versions(timedelta(milliseconds=1))  # the first time: due
-        assert versions() == 1
-        for i in range(5):
-            await store.add([fact("alice", f"later note {i}")])
-        await lance.remove_old_versions(timedelta(milliseconds=1))  # again at once: not due
-        assert versions() >= 5
-        lance.cleanups = compaction.Cleanups()  # as if the interval had passed
-        await lance.remove_old_versions(timedelta(milliseconds=1))
-        assert versions() == 1
-        assert await store.count("alice") == 10
-        assert len(await keyword_ids(store, "alice", "note", k=20)) == 10
+        await store.optimize()
+        assert versions() >= 5  # a round compacts; it removes no version
+    monkeypatch.setattr(memory_store_module, "CLEANUP_EVERY_S", 0.1)
+    async with MemoryStore(settings, HashingEmbedder()) as store:
+
+        async def one_version() -> bool:
+            return versions() == 1
+
+        await eventually(one_version, within_s=10)  # no round asked for: the ticker's own removal
+        assert await store.count("alice") == 5
+        assert len(await keyword_ids(store, "alice", "note", k=20)) == 5
 
 
 async def test_a_store_opened_without_its_scalar_indexes_builds_them_at_once(tmp_path: Path) -> None:

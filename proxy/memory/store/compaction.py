@@ -52,28 +52,13 @@ TARGET_ROWS = 1 << 15
 SMALL_ROWS = 1 << 11
 # Index segments (the merged one and the rounds' deltas) that make a round merge them into one.
 MERGE_SEGMENTS_AT = 8
-# Old versions are removed at most this often (after a round, outside the store's locks). Removing them reads every
-# manifest kept (ten minutes of commits: thousands under load, each listing every fragment); done in every round it
-# grew with the commit rate and took more of a round than the compaction (0.1 -> 2.1 s in 4 minutes of
-# ``make bench-writes``).
+# Old versions are removed this often, by a ticker of their own (beside the rounds, outside the store's locks).
+# Removing them reads every manifest kept (ten minutes of commits: thousands under load, each listing every
+# fragment); done in every round it grew with the commit rate and took more of a round than the compaction (0.1 ->
+# 2.1 s in 4 minutes of ``make bench-writes``).
 CLEANUP_EVERY_S = 300.0
 # The caches of the dataset a round opens (manifests, index pages while remapping and merging): freed with it.
 _ROUND_CACHE_BYTES = 64 << 20
-
-
-class Cleanups:
-    """When old versions are removed: the first round, then every ``CLEANUP_EVERY_S``."""
-
-    def __init__(self) -> None:
-        self._next = 0.0
-
-    def due(self) -> bool:
-        """Whether to remove them now (if so, it is counted as done)."""
-        now = time.monotonic()
-        if now < self._next:
-            return False
-        self._next = now + CLEANUP_EVERY_S
-        return True
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ from proxy.memory.errors import StoreError
 from proxy.memory.pieces import TermVectors
 from proxy.memory.store.adapters import AdapterTable
 from proxy.memory.store.background import BatchWriter, Ticker
+from proxy.memory.store.compaction import CLEANUP_EVERY_S
 from proxy.memory.store.exact_search import single_thread_blas
 from proxy.memory.store.faults import StorageHealth
 from proxy.memory.store.keyword import KeywordIndex
@@ -119,6 +120,9 @@ class MemoryStore:
                 writes.optimizer.wake()
             await stack.enter_async_context(
                 Ticker("memory-touch", self.settings.touch_flush_s, writes.flush_touches, self.health)
+            )
+            await stack.enter_async_context(
+                Ticker("memory-versions", CLEANUP_EVERY_S, self.remove_old_versions, self.health)
             )
             self._stack = stack.pop_all()
         return self
@@ -356,6 +360,11 @@ class MemoryStore:
     async def optimize(self) -> None:
         """One maintenance round (``StoreWrites.optimize``); the ticker runs it every ``optimize_interval_s``."""
         await self.writes.optimize()
+
+    async def remove_old_versions(self) -> None:
+        """Old LanceDB versions removed (``StoreWrites.remove_old_versions``); its ticker runs it every
+        ``compaction.CLEANUP_EVERY_S``, beside the maintenance rounds."""
+        await self.writes.remove_old_versions()
 
     async def reindex(self, progress: Callable[[int, int], None] | None = None) -> int:
         """Re-embed every record with this store's embedder into a fresh table and swap it in."""

@@ -173,3 +173,8 @@ class ReplicatedStore(MemoryStore):
         for key in pending:
             await self.objects.delete(key)
         await self.feed.cleanup(self.cluster.changes_keep_s)
+
+    async def remove_old_versions(self) -> None:
+        """Old versions removed on the lease holder only (as compaction)."""
+        if self.lease.held:
+            await super().remove_old_versions()

@@ -92,7 +92,7 @@ class MemoryTable:
         self._table: Any = None
         self.manifest: Manifest | None = None
         self.gate = ReadGate()
-        self.cleanups = compaction.Cleanups()
+        self.cleaning = asyncio.Lock()  # one removal of old versions at a time: a purge's waits for the routine one
 
     @property
     def table(self) -> Any:
@@ -268,7 +268,8 @@ class MemoryTable:
             options = self.shared.storage_options if self.shared else None
             await compaction.maintain(self.table, options)
             keep = self.shared.purge_cleanup if self.shared else _PURGE_CLEANUP
-            await compaction.remove_versions(self.table, options, keep, delete_unverified=self.shared is None)
+            async with self.cleaning:
+                await compaction.remove_versions(self.table, options, keep, delete_unverified=self.shared is None)
 
     async def optimize(self) -> None:
         """Compact small fragments, fold new rows into the indexes (``compaction``), add scalar indexes."""
@@ -276,8 +277,9 @@ class MemoryTable:
         await self.ensure_scalar_indexes()
 
     async def remove_old_versions(self, older_than: timedelta) -> None:
-        """Remove versions older than ``older_than``, every few minutes (``compaction.Cleanups``)."""
-        if self.cleanups.due():
+        """Remove versions older than ``older_than`` (the store's ``memory-versions`` ticker, every
+        ``compaction.CLEANUP_EVERY_S``)."""
+        async with self.cleaning:
             options = self.shared.storage_options if self.shared else None
             await compaction.remove_versions(self.table, options, older_than)
 
