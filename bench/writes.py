@@ -263,21 +263,34 @@ async def gauges(session: aiohttp.ClientSession, base: str, prefix: str = "mempr
     return dict(out)
 
 
-async def wait_drained(session: aiohttp.ClientSession, base: str, limit_s: float, *, settle_s: float = 0.0) -> float:
-    """Seconds until no job is due or running, and none became due within ``settle_s`` after (windows and
-    summaries waiting for their time; insights, 15 min after a user's last activity, are not waited for)."""
+async def wait_drained(data: Path, limit_s: float, *, settle_s: float = 0.0) -> float:
+    """Seconds until no job but insights is due or running, and none finished or became due within ``settle_s``
+    after (windows and summaries waiting for their time; insights, 15 min after a user's last activity, are not
+    waited for: the probes' users, one a second, keep theirs coming due for 15 minutes after the load)."""
     started = time.monotonic()
-    quiet_since, last_done = None, -1.0
+    quiet_since, last = None, None
     while time.monotonic() - started < limit_s:
-        g = await gauges(session, base)
-        idle = g.get("ready", 1) + g.get("running", 1) == 0
-        done = g.get("completed_total", 0.0)
-        if not idle or done != last_done:
-            quiet_since, last_done = (time.monotonic() if idle else None), done
+        busy, activity = await asyncio.to_thread(drain_counts, data)
+        if busy or activity != last:
+            quiet_since, last = (None if busy else time.monotonic()), activity
         elif quiet_since is not None and time.monotonic() - quiet_since >= settle_s:
             break
         await asyncio.sleep(0.5)
     return time.monotonic() - started
+
+
+def drain_counts(data: Path) -> tuple[int, float | None]:
+    """Jobs other than insights due or running, and the latest change to one of them, read (SELECT only) from the
+    queue's SQLite file (see ``queue_counts``)."""
+    with contextlib.closing(sqlite3.connect(data / "jobs.sqlite3" / "jobs.sqlite3")) as c:
+        c.execute("PRAGMA busy_timeout=10000")
+        busy = c.execute(
+            "SELECT COUNT(*) FROM jobs WHERE kind != 'insights'"
+            " AND (state = 'running' OR (state = 'pending' AND run_after <= ?))",
+            (time.time(),),
+        ).fetchone()[0]
+        latest = c.execute("SELECT MAX(updated_at) FROM jobs WHERE kind != 'insights'").fetchone()[0]
+        return int(busy), latest
 
 
 async def chat(
@@ -413,7 +426,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
                 await chat(session, base, f"warm{i}", [{"role": "user", "content": "I like tea"}], "full")
             # Before, as after: the warm-up's jobs done, its fact windows (waiting facts_window_wait_s) included,
             # then 5 s of quiet; read at once, the figure caught the process still loading its model.
-            await wait_drained(session, base, 120, settle_s=WARM_SETTLE_S)
+            await wait_drained(data, 120, settle_s=WARM_SETTLE_S)
             await asyncio.sleep(5)
             rss_before = memproxy_rss_mb(pid)
             texts_before = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0)
@@ -429,7 +442,7 @@ async def sustained(args: argparse.Namespace, upstream: Upstream, data: Path) ->
                 for _ in range(args.concurrency):
                     group.create_task(client_loop(session, base, random.Random(rng.random()), minutes, started, end))
                 group.create_task(probe_loop(session, base, minutes, started, end))
-            drain_s = await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
+            drain_s = await wait_drained(data, args.drain_limit_s, settle_s=8.0)
             texts = (await gauges(session, base, "memproxy_embedder_")).get("texts_total", 0.0) - texts_before
             exchanges = (await asyncio.to_thread(queue_counts, data))["exchanges_done"] - before["exchanges_done"]
             await asyncio.sleep(5)
@@ -621,7 +634,7 @@ async def replay(args: argparse.Namespace, upstream: Upstream, data: Path) -> di
             started = time.monotonic()
             sent = await asyncio.gather(*(replay_conversation(session, base, c) for c in conversations))
             replay_s = time.monotonic() - started
-            await wait_drained(session, base, args.drain_limit_s, settle_s=8.0)
+            await wait_drained(data, args.drain_limit_s, settle_s=8.0)
             users = sorted({speaker_user(c, t.speaker) for c in conversations for t in c.turns})
             kept = await facts_kept(session, base, users)
     return replay_report(upstream.ledger, sum(sent), cited, kept, sum(len(c.observations) for c in conversations),
