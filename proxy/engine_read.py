@@ -229,6 +229,7 @@ class ReadSide:
             "lance_cache": float(self.store.lance_cache_bytes),
             "conversations": float(self.ledger.bytes),
             "query_vectors": float(self.embedder.cached_vector_bytes),
+            "text_caches": float(text_caches.nbytes()),
             "arrow": float(pa.total_allocated_bytes()),
         }
 

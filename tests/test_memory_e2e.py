@@ -99,6 +99,27 @@ async def test_jobs_in_metrics(make_proxy: ProxyFactory) -> None:
     assert 'memproxy_job_step_seconds_count{step="turns"}' in text
 
 
+async def test_memory_parts_count_the_caches_a_read_fills(make_proxy: ProxyFactory) -> None:
+    """``memproxy_memory_bytes{part}`` counts what a read fills: the user's vectors and the read path's per-text
+    caches (up to 74 MiB, once outside every part), and they go back to nothing when the idle user is released."""
+    proxy = await make_proxy()
+    engine = proxy.app[STATE].memory
+    await proxy.post(CHAT, json=_chat("I like hiking in the Alps with my sister."), headers={"X-Memory-User": "fay"})
+    await _settled(proxy)
+    asked = await proxy.post(CHAT, json=_chat("Where do I like hiking?"), headers={"X-Memory-User": "fay"})
+    assert asked.status == 200
+    parts = engine.memory_parts()
+    assert parts["vector_cache"] > 0
+    assert parts["text_caches"] > 0
+    text = await (await proxy.get("/metrics")).text()
+    assert 'memproxy_memory_bytes{part="text_caches"}' in text
+    cache = engine.store._cache
+    clock = cache._clock
+    cache._clock = lambda: clock() + 3600.0  # an hour without a read
+    assert engine.release_idle() >= 1
+    assert engine.memory_parts()["vector_cache"] == engine.memory_parts()["text_caches"] == 0
+
+
 async def test_a_user_released_while_idle_leaves_the_read_cache_too(make_proxy: ProxyFactory) -> None:
     """Once idle, a user's name index, insights and newest turns go with their vectors: the read cache is not
     left holding what the vector cache handed back (up to 1,024 users' records)."""

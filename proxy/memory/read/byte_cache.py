@@ -15,6 +15,7 @@ What the last half-budget of work used stays cached; what nothing used for a who
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
@@ -44,6 +45,7 @@ class ByteCache(dict[Hashable, _V]):
         self._old: dict[Hashable, _V] = {}
         self._young_bytes = 0
         self._old_bytes = 0
+        _ALL.append(weakref.ref(self))
 
     def __missing__(self, key: Hashable) -> _V:
         value = self._old.pop(key, _MISS)
@@ -78,6 +80,15 @@ class ByteCache(dict[Hashable, _V]):
         self.clear()
         self._old = {}
         self._young_bytes = self._old_bytes = 0
+
+
+_ALL: list[weakref.ref[ByteCache[Any]]] = []  # every ByteCache made (a dict subclass: unhashable, no WeakSet)
+
+
+def cached_bytes_total() -> int:
+    """What every ``ByteCache`` of this process is charged, together (``memproxy_memory_bytes{part="text_caches"}``)."""
+    _ALL[:] = [ref for ref in _ALL if ref() is not None]
+    return sum(cache.cached_bytes for ref in _ALL if (cache := ref()) is not None)
 
 
 def byte_cache(max_bytes: int, size: Callable[[Any, Any], int]) -> Callable[[Callable[[Any], _V]], ByteCache[_V]]:

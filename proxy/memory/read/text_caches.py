@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from proxy.memory import words
 from proxy.memory.read import block, excerpts, injection, names, term_match
+from proxy.memory.read.byte_cache import cached_bytes_total
 
 
 def clear() -> None:
@@ -22,3 +23,8 @@ def clear() -> None:
     names.written_names.cache_clear()
     term_match.text_pieces.cache_clear()
     words.stem.cache_clear()  # every distinct word seen (numbers and ids too), up to 65,536
+
+
+def nbytes() -> int:
+    """What the byte-bounded ones hold together (the word stems' cache is bounded in entries and not counted)."""
+    return cached_bytes_total()
