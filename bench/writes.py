@@ -14,7 +14,8 @@ messages plus the response schema).
   (exchange jobs finished), ready_at_end (jobs due and waiting at the minute's end), reply -> searchable p50 /
   p99 and the slowest probe (``slowest_probe``: when it started, UTC, to line it up with memproxy's log),
   memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
-  5 s of quiet: RSS (``rss_before_mb``). After the load: wait until the queue is empty, RSS 5 s later
+  5 s of quiet: RSS (``rss_before_mb``). After the load: wait until no job but insights is due or running
+  (``wait_drained``), RSS 5 s later
   (``rss_at_drain_mb``), again once memproxy's quiet window has passed (``QUIET_WINDOW_S`` after the load's last
   request: a process the load left grown restarts in place then, ``proxy.recycle``) and it answers /readyz
   (``rss_after_drain_mb``, the bar's figure), and a minute later (``rss_a_minute_later_mb``: memproxy trims its

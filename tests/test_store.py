@@ -206,7 +206,7 @@ async def test_old_versions_are_removed_by_their_own_ticker_not_by_the_rounds(
     def versions() -> int:
         return len(list((tmp_path / "data" / "lance").glob("*.lance/_versions/*.manifest")))
 
-    async with MemoryStore(settings, HashingEmbedder()) as store:  # the ticker's first removal an hour away
+    async with MemoryStore(settings, HashingEmbedder()) as store:  # the ticker's first removal five minutes away
         for i in range(5):
             await store.add([fact("alice", f"note number {i}")])
         await store.optimize()
