@@ -218,6 +218,7 @@ async def open_memory(
         metrics.add_gauges("memproxy_cluster", engine.cluster_gauges)
         metrics.add_gauges("memproxy_embedder", engine.embedder_gauges)
         metrics.add_memory_parts(engine.memory_parts)
+        engine.store.cache.observe = metrics.vector_cache_lookup
         metrics.register(FeatureCollector(board, engine.waiting))
         if settings.shadow.enabled:  # the engine's answers, plus comparisons with [shadow] on a sample
             yield await stack.enter_async_context(ShadowMemory(engine, settings.shadow, metrics))

@@ -217,6 +217,8 @@ class ReadSide:
         return {
             "texts_total": float(self.embedder.texts_embedded),
             "quick_texts_total": float(self.embedder.quick_texts),
+            "model_texts_total": float(self.embedder.model_texts),
+            "model_cpu_seconds_total": float(self.embedder.model_cpu_s),
             "cache_hits_total": float(cache.hits),
             "cache_misses_total": float(cache.misses),
             "cache_pinned": float(cache.pinned),

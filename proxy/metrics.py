@@ -139,6 +139,13 @@ class Metrics:
         self.memory_degraded = Counter(
             "memproxy_memory_degraded", "Requests served with degraded memory", ["component"], registry=self.registry
         )
+        self.vector_cache_lookups = Counter(
+            "memproxy_vector_cache_lookups",
+            "Reads' lookups of a user's vectors: hit, miss (loaded from disk), too_big (searched on disk)",
+            ["result"],
+            registry=self.registry,
+        )
+        self._lookups = {result: self.vector_cache_lookups.labels(result) for result in ("hit", "miss", "too_big")}
         self._stages: dict[str, Histogram] = {}
         self._refreshers: list[Refresh] = []
         self.injected = Histogram(
@@ -182,6 +189,10 @@ class Metrics:
         self.register(_GaugeCollector(prefix, source))
         if refresh is not None:
             self._refreshers.append(refresh)
+
+    def vector_cache_lookup(self, result: str) -> None:
+        """Count one read's vector cache lookup (``VectorCache.observe``)."""
+        self._lookups[result].inc()
 
     def add_memory_parts(self, source: GaugeSource) -> None:
         """Expose ``memproxy_memory_bytes{part}``: bytes each bounded part of this process holds (``source``)."""

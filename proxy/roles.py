@@ -141,6 +141,7 @@ async def run_chat(
             metrics.add_gauges("memproxy_writer", engine.link_gauges)
             metrics.add_gauges("memproxy_jobs", engine.storage_gauges)  # this process's enqueues failing
             metrics.add_memory_parts(engine.memory_parts)
+            engine.store.cache.observe = metrics.vector_cache_lookup
             yield engine
 
     async def started(app: web.Application) -> None:

@@ -113,6 +113,7 @@ async def test_memory_parts_count_the_caches_a_read_fills(make_proxy: ProxyFacto
     assert parts["text_caches"] > 0
     text = await (await proxy.get("/metrics")).text()
     assert 'memproxy_memory_bytes{part="text_caches"}' in text
+    assert 'memproxy_vector_cache_lookups_total{result="miss"} 1.0' in text  # the question loaded fay's vectors
     cache = engine.store._cache
     clock = cache._clock
     cache._clock = lambda: clock() + 3600.0  # an hour without a read

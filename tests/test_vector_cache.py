@@ -201,11 +201,14 @@ def test_compaction_after_many_deletes_keeps_results_right() -> None:
 
 
 async def test_lru_eviction_by_bytes() -> None:
-    """Past the byte budget the least recently used user is evicted, the recent one kept."""
+    """Past the byte budget the least recently used user is evicted, the recent one kept; each lookup is told
+    to ``observe`` (a hit, or a miss that loaded the user)."""
     one = UserVectors("a", DIM)
     for record, vector in zip(records("a", 100), unit_rows(100), strict=True):
         one.upsert(record, vector)
     cache = VectorCache(max_bytes=int(one.nbytes * 2.5))
+    seen: list[str] = []
+    cache.observe = seen.append
 
     async def load(user: str) -> UserVectors:
         return entry_with(user, records(user, 100), unit_rows(100))
@@ -218,6 +221,8 @@ async def test_lru_eviction_by_bytes() -> None:
     assert "c" in cache
     assert "b" not in cache
     assert cache.nbytes <= cache.max_bytes
+    await cache.get_or_load("b", lambda: load("b"))  # evicted: loaded again
+    assert seen == ["miss", "miss", "hit", "miss", "miss"]
 
 
 async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read() -> None:
@@ -255,6 +260,8 @@ async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_r
 async def test_user_too_big_for_the_budget_is_not_cached() -> None:
     """A user whose vectors exceed the budget is searched elsewhere (the loader says None)."""
     cache = VectorCache(max_bytes=estimated_bytes(10, DIM))
+    seen: list[str] = []
+    cache.observe = seen.append
     calls = 0
 
     async def load() -> None:
@@ -265,6 +272,7 @@ async def test_user_too_big_for_the_budget_is_not_cached() -> None:
     assert await cache.get_or_load("big", load) is None
     assert calls == 1
     assert "big" not in cache
+    assert seen == ["miss", "too_big"]
 
 
 async def test_writes_during_a_load_are_replayed_onto_it() -> None:

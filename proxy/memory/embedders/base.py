@@ -145,6 +145,11 @@ class BaseEmbedder(ABC):
         self._document_vectors = QueryCache(min(settings.query_cache_size, DOCUMENT_CACHE_TEXTS))
         self.texts_embedded = 0  # texts that reached the model, cache hits excluded
         self.quick_texts = 0  # documents embedded by the cheap query side instead (``quick_documents``)
+        # Documents the model ran, whether or not their caller still waited (a turn whose caller gave up at its
+        # deadline, ``quick_vectors_after_s``, is counted here and in ``quick_texts``), and the model threads' CPU
+        # seconds on them: what the document model costs the write side.
+        self.model_texts = 0
+        self.model_cpu_s = 0.0
         self._started = False
         self._start_lock = asyncio.Lock()
         self._queries: list[tuple[str, asyncio.Future[Vectors]]] = []

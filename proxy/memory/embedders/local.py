@@ -186,11 +186,14 @@ class LocalEmbedder(BaseEmbedder):
         return await self._worker.submit(run, texts, urgent=urgent, per_text=self._per_text(urgent=urgent))
 
     def _embed_sync(self, texts: list[str]) -> Vectors:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         vectors = self._run_model(self._model, texts)
-        # a moving average of the wall time per text (two threads updating it at once lose a sample at most)
+        # a moving average of the wall time per text, and the counts (two threads updating them at once lose a
+        # sample at most)
         per_text = (time.perf_counter() - started) / max(1, len(texts))
         self._seconds_per_text += 0.1 * (per_text - self._seconds_per_text)
+        self.model_texts += len(texts)
+        self.model_cpu_s += time.thread_time() - cpu
         return vectors
 
     def _run_query(self, texts: list[str]) -> Vectors:

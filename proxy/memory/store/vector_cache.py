@@ -49,6 +49,9 @@ class VectorCache:
         # Told of every write applied here (``upsert``, ``patch``, ``remove``, ``drop``, ``clear`` and their
         # arguments), not of evictions: the memory writer mirrors them to the chat processes' caches.
         self.mirror: Callable[[str, tuple[Any, ...]], object] | None = None
+        # Told of each read's lookup: "hit", "miss" (the user's vectors loaded) or "too_big" (searched on disk):
+        # ``memproxy_vector_cache_lookups_total{result}``, by which an operator sizes ``store.vector_cache_bytes``.
+        self.observe: Callable[[str], object] | None = None
 
     @property
     def nbytes(self) -> int:
@@ -85,11 +88,18 @@ class VectorCache:
         entry = self.get(user_id)
         if entry is not None:
             self.hits += 1
+            self._observed("hit")
             return entry
         if user_id in self._too_big:
+            self._observed("too_big")
             return None
         self.misses += 1
+        self._observed("miss")
         return await self._load(user_id, load)
+
+    def _observed(self, result: str) -> None:
+        if self.observe is not None:
+            self.observe(result)
 
     async def _load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
         task = self._loads.get(user_id)
