@@ -12,8 +12,14 @@ read path missed its deadline (``memory.retrieval_timeout_ms``, 1000 ms by defau
 read path can take, requests stay fast and lose memory, so its req/s only means "with memory" when that count
 is near 0 (a check says so). Every row also has ``cpu_ms_per_request`` (CPU seconds of the target's process
 tree over its rounds / requests served; the fake upstream's for ``direct``) and ``with_memory_rps`` (req/s x the
-share of requests that got memory; 0 for targets that give none). Prints a table and the issue's target checks,
-writes ``bench/results/load.json``.
+share of requests that got memory; 0 for targets that give none). memproxy runs its default process model (one
+chat process per core and the writer). At the top concurrency, more memproxy rows: ``memproxy-on-w1`` / ``-w2``
+(``--workers``), and ``memproxy-on-users`` / ``memproxy-on-small-cache``: ``--users`` users of
+``--user-memories`` memories each (seeded once, compacted and indexed as a running writer keeps them), each
+request another user's, with the default vector cache and with ``--small-cache-mb`` a chat process, which their
+vectors need several times over; those rows add ``vector_cache_miss_share`` (reads that loaded their user from
+disk, ``memproxy_vector_cache_lookups_total``) and a check that the small cache keeps >= 0.8x the req/s with
+memory (issue 47). Prints a table and the issue's target checks, writes ``bench/results/load.json``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ USER = "bench-user"
 OFF = {"X-Memory-User": USER, "X-Memory-Mode": "off"}
 ON = {"X-Memory-User": USER, "X-Memory-Mode": "read"}
 DEFAULT_REQUESTS = {1: 80, 16: 240, 64: 480}
+MANY_USERS = ("memproxy-on-users", "memproxy-on-small-cache")  # the many-users rows: default cache, small cache
 
 
 def _progress(message: str) -> None:
@@ -69,8 +76,14 @@ def _progress(message: str) -> None:
 # ---------------------------------------------------------------- seeding the memproxy-on user
 
 
-async def _seed(path: Path, count: int) -> None:
-    """Write ``count`` turns and facts of USER through the real store and the real local embedder."""
+def user_ids(users: int) -> list[str]:
+    """The seeded users' ids: USER alone, or ``users`` of them."""
+    return [USER] if users == 1 else [f"{USER}-{u}" for u in range(users)]
+
+
+async def _seed(path: Path, count: int, users: int = 1) -> None:
+    """Write ``count`` turns and facts of each of ``users`` users (USER alone for one) through the real store
+    and the real local embedder."""
     from proxy.memory.embedders.factory import build_embedder
     from proxy.memory.embedders.settings import EmbedderSettings
     from proxy.memory.store.memory_store import MemoryStore, StoreSettings
@@ -81,13 +94,13 @@ async def _seed(path: Path, count: int) -> None:
     step = timedelta(days=30) / count
     embedder = build_embedder(EmbedderSettings())
     async with embedder, MemoryStore(StoreSettings(path=path), embedder) as store:
-        for start in range(0, count, 500):
+        for start, user in ((start, user) for user in user_ids(users) for start in range(0, count, 500)):
             batch = []
             for i in range(start, min(start + 500, count)):
                 fact = i % 4 == 0
                 batch.append(
                     MemoryRecord(
-                        user_id=USER,
+                        user_id=user,
                         kind=Kind.FACT if fact else Kind.TURN,
                         text=sentence(rng),
                         created_at=now - step * (count - i),
@@ -98,19 +111,25 @@ async def _seed(path: Path, count: int) -> None:
                     )
                 )
             await store.add(batch)
-            _progress(f"seeded {min(start + 500, count)}/{count} memories")
+            _progress(f"seeded {min(start + 500, count)}/{count} memories of {user}")
+        # As a running memory writer keeps the table (a maintenance round every few seconds while it writes): the
+        # appends compacted and their rows in the scalar indexes. Left as appended (31 fragments, 15k of 40k rows
+        # outside the user_id index), loading one user's 1,000 rows cost ~39 ms of CPU instead of ~4.
+        await store.writes.optimize()
 
 
-SEED_FORMAT = 2  # bumped when the store writes rows differently (2: word pieces), so that a cached seed is redone
+SEED_FORMAT = 3  # bumped when the seed changes (2: word pieces; 3: compacted and indexed), so that it is redone
 
 
-def seeded_store(count: int) -> Path:
-    """A data dir holding ``count`` memories of USER, cached under bench/.cache/ by count."""
-    path = CACHE / f"memories-{count}"
+def seeded_store(count: int, users: int = 1) -> Path:
+    """A data dir holding ``count`` memories of USER (or of each of ``users`` users), cached under bench/.cache/
+    by count."""
+    path = CACHE / (f"memories-{count}" if users == 1 else f"users-{users}x{count}")
     done = path / ".seeded"
     from proxy.memory.embedders.settings import EmbedderSettings
 
-    marker = f"{count} {SEED_FORMAT} {EmbedderSettings().label}\n"  # a store of another model would not open
+    marker = f"{count}{'' if users == 1 else f'x{users}'} {SEED_FORMAT} {EmbedderSettings().label}\n"  # (a store
+    # of another model would not open)
     if done.exists() and done.read_text() == marker:
         return path
     if path.exists():
@@ -119,9 +138,9 @@ def seeded_store(count: int) -> Path:
         shutil.rmtree(path)
     path.mkdir(parents=True)
     started = time.perf_counter()
-    asyncio.run(_seed(path, count))
+    asyncio.run(_seed(path, count, users))
     done.write_text(marker)
-    _progress(f"seeded {count} memories in {time.perf_counter() - started:.0f} s")
+    _progress(f"seeded {count} memories x {users} users in {time.perf_counter() - started:.0f} s")
     return path
 
 
@@ -204,6 +223,20 @@ class Target:
     only_at: int | None = None  # measured at this concurrency only (the ``--workers`` rows)
     degraded: float = 0.0  # requests of the current cell served without memory (read deadline or failure)
     cpu_s: float = 0.0  # CPU seconds of the process tree during this cell's measured rounds
+    users: list[str] | None = None  # requests spread over these users (the many-users rows), else the headers'
+    cache_misses: float = 0.0  # vector cache misses in the cell's measured rounds (memproxy targets)
+
+
+def user_sequence(users: int, length: int) -> list[str]:
+    """Whose each request of a many-users row is: every user equally often, in a random order (a user's next
+    request comes after ~``users`` others, as when many people chat at once)."""
+    rng = random.Random(40)
+    ids = user_ids(users)
+    out: list[str] = []
+    while len(out) < length:
+        rng.shuffle(ids)
+        out += ids
+    return out[:length]
 
 
 def tree_cpu_s(pid: int) -> float:
@@ -240,16 +273,24 @@ def queries(rng: random.Random, n: int) -> list[str]:
 
 async def _round(targets: list[Target], concurrency: int, requests: int, stream: bool, texts: list[str]) -> None:
     for target in targets:
-        before = degraded_reads(target.metrics_url) if target.metrics_url else 0.0
+        before = memory_counts(target.metrics_url) if target.metrics_url else (0.0, 0.0)
         cpu_before = tree_cpu_s(target.cpu_pid) if target.cpu_pid else 0.0
         sample = await run(
-            target.url, concurrency=concurrency, requests=requests, stream=stream, headers=target.headers, texts=texts
+            target.url,
+            concurrency=concurrency,
+            requests=requests,
+            stream=stream,
+            headers=target.headers,
+            texts=texts,
+            users=target.users,
         )
         (target.streams if stream else target.plain).append(sample)
         if target.cpu_pid:
             target.cpu_s += tree_cpu_s(target.cpu_pid) - cpu_before
         if target.metrics_url:
-            target.degraded += degraded_reads(target.metrics_url) - before
+            degraded, misses = memory_counts(target.metrics_url)
+            target.degraded += degraded - before[0]
+            target.cache_misses += misses - before[1]
         if target.pid is not None:
             target.rss = max(target.rss, tree_rss_mb(target.pid))
 
@@ -258,6 +299,7 @@ async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: 
     targets = [t for t in targets if t.only_at in (None, concurrency)]
     for target in targets:
         target.plain, target.streams, target.rss, target.degraded, target.cpu_s = [], [], 0.0, 0.0, 0.0
+        target.cache_misses = 0.0
     for stream in (False, True):
         warm = queries(rng, 20)
         for target in targets:
@@ -268,6 +310,7 @@ async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: 
                 stream=stream,
                 headers=target.headers,
                 texts=warm,
+                users=target.users,
             )
         for _ in range(rounds):
             rng.shuffle(targets)
@@ -280,8 +323,8 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
     direct_plain = merge(by_name["direct"].plain).latencies_ms
     direct_ttft = merge(by_name["direct"].streams).ttfts_ms
     rows = []
-    workers = sorted(n for n in by_name if n.startswith("memproxy-on-"))
-    names = ["direct", "floor", "memproxy-off", "memproxy-on", *workers, "litellm"]
+    workers = sorted(n for n in by_name if n.startswith("memproxy-on-w"))
+    names = ["direct", "floor", "memproxy-off", "memproxy-on", *workers, *MANY_USERS, "litellm"]
     for name in [n for n in names if n in by_name and by_name[n].only_at in (None, concurrency)]:
         target = by_name[name]
         plain, streams = merge(target.plain), merge(target.streams)
@@ -307,6 +350,11 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
                 "cpu_ms_per_request": round(1000 * target.cpu_s / served, 3) if target.cpu_pid and served else None,
             }
         )
+        if target.users:
+            rows[-1] |= {
+                "users": len(set(target.users)),
+                "vector_cache_miss_share": round(target.cache_misses / served, 3) if served else None,
+            }
     return rows
 
 
@@ -346,11 +394,18 @@ def probe(chat_url: str, attempts: int = 20) -> dict[str, str]:
 
 def degraded_reads(base_url: str) -> float:
     """memproxy's count of requests served with degraded memory (read timeouts or failures)."""
+    return memory_counts(base_url)[0]
+
+
+def memory_counts(base_url: str) -> tuple[float, float]:
+    """memproxy's requests served with degraded memory (read timeouts or failures) and its vector cache's misses
+    (reads that had to load a user's vectors), each counter summed over memproxy's processes."""
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:  # noqa: S310
         text = response.read().decode()
-    return sum(
-        float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("memproxy_memory_degraded_total")
-    )
+    lines = text.splitlines()
+    degraded = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("memproxy_memory_degraded_total"))
+    miss = 'memproxy_vector_cache_lookups_total{result="miss"}'
+    return degraded, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(miss))
 
 
 # ---------------------------------------------------------------- reporting
@@ -432,9 +487,36 @@ def checks(rows: list[dict[str, Any]]) -> list[tuple[bool, str]]:
                 f"{on['with_memory_rps']:.1f}/{lite['rps']:.1f} = {ratio:.2f}x >= 2x",
             )
         )
+    out += _cache_checks(cell.get((MANY_USERS[0], top)), cell.get((MANY_USERS[1], top)), top)
     errors = sum(r["errors"] for r in rows)
     out.append((errors == 0, f"errors {errors} == 0"))
     return out
+
+
+def _cache_checks(cached: dict[str, Any] | None, small: dict[str, Any] | None, c: int) -> list[tuple[bool, str]]:
+    """Many users whose vectors need several times the vector cache: most reads load a user from disk (a miss),
+    and the chat keeps >= 0.8x the req/s with memory it has when every user is cached (issue 47)."""
+    if not cached or not small:
+        return []
+    ratio = small["with_memory_rps"] / cached["with_memory_rps"] if cached["with_memory_rps"] else 0.0
+    degraded, total = small["degraded_reads"] or 0, small["requests"]
+    missed, missed_cached = small["vector_cache_miss_share"] or 0.0, cached["vector_cache_miss_share"] or 0.0
+    return [
+        (
+            missed >= 0.5,
+            f"c={c} {small['target']}: reads that loaded their user's vectors (cache misses) "
+            f"{missed:.2f} >= 0.5 ({cached['target']}: {missed_cached:.2f})",
+        ),
+        (
+            ratio >= 0.8,
+            f"c={c} {small['target']} req/s with memory / {cached['target']}'s = "
+            f"{small['with_memory_rps']:.1f}/{cached['with_memory_rps']:.1f} = {ratio:.2f}x >= 0.8x",
+        ),
+        (
+            degraded <= 0.01 * total,
+            f"c={c} {small['target']} requests served without memory {degraded}/{total} <= 1%",
+        ),
+    ]
 
 
 def _floor_checks(off: dict[str, Any], floor: dict[str, Any], c: int) -> list[tuple[bool, str]]:
@@ -474,13 +556,17 @@ def floor_process(upstream: str) -> Iterator[tuple[Process, str]]:
         proc.cleanup()
 
 
-def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) -> list[Target]:
+def _targets(
+    stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path, users_data: Path | None
+) -> list[Target]:
     upstream_proc, upstream = stack.enter_context(fake_upstream_process(args.latency_ms))
     floor_proc, floor = stack.enter_context(floor_process(upstream))
     base = {
         "MEMPROXY_UPSTREAM__BASE_URL": upstream,
         "MEMPROXY_STORAGE__PATH": str(data),
         "MEMPROXY_LOGGING__LEVEL": args.log_level,
+        "MEMPROXY_SERVER__WORKERS": "0",  # the product's default, one chat process per core (the tests' helper
+        # starts one unless told)
         **DEPLOYED_ALLOCATOR,
     }
     if args.read_timeout_ms:
@@ -491,7 +577,7 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         }
     base |= dict(pair.split("=", 1) for pair in args.env)
     proc, proxy = stack.enter_context(memproxy_process(base, timeout=180.0))
-    _progress(f"memproxy up on {proxy} (server.workers default: one chat process per core)")
+    _progress(f"memproxy up on {proxy} (server.workers 0: one chat process per core)")
     pid = proc.popen.pid
     targets = [
         Target("direct", f"{upstream}/chat/completions", {}, None, upstream_proc.popen.pid),
@@ -509,6 +595,22 @@ def _targets(stack: ExitStack, args: argparse.Namespace, data: Path, tmp: Path) 
         wpid = wproc.popen.pid
         name = f"memproxy-on-w{workers}"
         targets.append(Target(name, f"{wproxy}/chat/completions", ON, wpid, wpid, metrics_url=wproxy, only_at=top))
+    if users_data is not None:  # many users: their vectors all cached, then several times the cache's budget
+        sequence = user_sequence(args.users, 4096)  # (a round's request i is sequence[i])
+        for name, cache_mb in zip(MANY_USERS, (None, args.small_cache_mb), strict=True):
+            copy = tmp / f"data-{name}"
+            shutil.copytree(users_data, copy)
+            env = {**base, "MEMPROXY_STORAGE__PATH": str(copy)}
+            if cache_mb is not None:
+                env["MEMPROXY_STORE__VECTOR_CACHE_BYTES"] = str(cache_mb * 2**20)
+            uproc, uproxy = stack.enter_context(memproxy_process(env, timeout=180.0))
+            _progress(f"memproxy ({name}) up on {uproxy}")
+            upid = uproc.popen.pid
+            targets.append(
+                Target(
+                    name, f"{uproxy}/chat/completions", ON, upid, upid, metrics_url=uproxy, only_at=top, users=sequence
+                )
+            )
     if not args.skip_litellm:
         lproc, lite = stack.enter_context(litellm_process(upstream, tmp))
         _progress(f"litellm up on {lite}")
@@ -559,6 +661,21 @@ def main() -> None:
         default=[1, 2],
         help="memproxy-on rows at the top concurrency with this many chat processes (server.workers)",
     )
+    parser.add_argument(
+        "--users",
+        type=int,
+        default=40,
+        help="the many-users rows (top concurrency): this many users of --user-memories memories each, read by "
+        "memproxy with the default vector cache (memproxy-on-users) and with --small-cache-mb "
+        "(memproxy-on-small-cache); 0 leaves them out",
+    )
+    parser.add_argument("--user-memories", type=int, default=1_000, help="memories of each of the --users users")
+    parser.add_argument(
+        "--small-cache-mb",
+        type=int,
+        default=24,
+        help="store.vector_cache_bytes (MiB) of memproxy-on-small-cache: the users' vectors need several times it",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if not args.skip_litellm and not LITELLM_BIN.exists():
@@ -568,10 +685,11 @@ def main() -> None:
         )
     started = time.perf_counter()
     seed_src = seeded_store(args.memories)
+    users_src = seeded_store(args.user_memories, args.users) if args.users > 1 else None
     with tempfile.TemporaryDirectory() as tmp, ExitStack() as stack:
         data = Path(tmp) / "data"
         shutil.copytree(seed_src, data)  # memproxy may compact or touch; the cache stays pristine
-        targets = _targets(stack, args, data, Path(tmp))
+        targets = _targets(stack, args, data, Path(tmp), users_src)
         proxy = next(t for t in targets if t.name == "memproxy-on").url.removesuffix("/chat/completions")
         memory_headers = probe(f"{proxy}/chat/completions")
         degraded_before = degraded_reads(proxy)
@@ -588,6 +706,9 @@ def main() -> None:
         "upstream_latency_ms": args.latency_ms,
         "rounds": args.rounds,
         "memories": args.memories,
+        "users": args.users,
+        "user_memories": args.user_memories,
+        "small_cache_mb": args.small_cache_mb,
         "memproxy_log_level": args.log_level,
         "memproxy_read_timeout_ms": args.read_timeout_ms or "default",
         "memproxy_env": args.env,

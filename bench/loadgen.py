@@ -11,7 +11,7 @@ import dataclasses
 import os
 import statistics
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -81,8 +81,10 @@ async def run(
     stream: bool = False,
     headers: Mapping[str, str] | None = None,
     texts: list[str] | None = None,
+    users: Sequence[str] | None = None,
 ) -> Sample:
-    """Drive ``url`` with ``concurrency`` closed-loop clients until ``requests`` are done."""
+    """Drive ``url`` with ``concurrency`` closed-loop clients until ``requests`` are done; with ``users``, request
+    ``i`` is ``users[i % len(users)]``'s (``X-Memory-User``)."""
     hdrs = {"Content-Type": "application/json", "Authorization": f"Bearer {APP_KEY}", **(headers or {})}
     prompts = texts or ["What did I say about my plans for the weekend?"]
     results: list[float] = []
@@ -94,8 +96,9 @@ async def run(
         nonlocal errors
         for index in counter:
             data = body(prompts[index % len(prompts)], stream=stream)
+            sent = hdrs if not users else {**hdrs, "X-Memory-User": users[index % len(users)]}
             try:
-                results.append(await _one(session, url, data, hdrs, stream))
+                results.append(await _one(session, url, data, sent, stream))
             except (aiohttp.ClientError, TimeoutError):
                 errors += 1
 

@@ -117,6 +117,7 @@ def main() -> None:
             "MEMPROXY_MEMORY__RETRIEVAL_TIMEOUT_MS": "5000",
             "MEMPROXY_RETRIEVAL__ARM_TIMEOUT_MS": "5000",
             "MEMPROXY_MEMORY__READ_QUEUE_MS": "5000",
+            "MEMPROXY_SERVER__WORKERS": "0",  # the product's default (the tests' helper starts one chat process)
         }
         with memproxy_process(env, timeout=180.0) as (proc, proxy):
             url = f"{proxy}/chat/completions"

@@ -16,11 +16,12 @@ messages plus the response schema).
   memproxy's RSS. Before the load, 20 warm-up exchanges and all their jobs (fact windows included), then
   5 s of quiet: RSS (``rss_before_mb``). After the load: wait until no job but insights is due or running
   (``wait_drained``), RSS 5 s later
-  (``rss_at_drain_mb``), again once memproxy's quiet window has passed (``QUIET_WINDOW_S`` after the load's last
-  request: a process the load left grown restarts in place then, ``proxy.recycle``) and it answers /readyz
-  (``rss_after_drain_mb``, the bar's figure), and a minute later (``rss_a_minute_later_mb``: memproxy trims its
-  heap once a minute while busy, and within ~5 s of going quiet); and the texts the embedding model took per
-  exchange over the run (``texts_embedded_per_exchange``, from /metrics). Once memproxy has stopped: the memory
+  (``rss_at_drain_mb``), again 10 s later once it answers /readyz (``rss_after_drain_mb``), and a minute later
+  (``rss_a_minute_later_mb``: what a minute of quiet hands back; ``same_processes_after_drain``: no memproxy
+  process was replaced meanwhile); the texts embedded per exchange over the run (``texts_embedded_per_exchange``:
+  the answering chat process's queries and the writer's documents, from /metrics), and each minute the writer's
+  texts per arrival by its document model and by the static side instead (``writer_texts_per_arrival``: the
+  model's share of the write side). Once memproxy has stopped: the memory
   table on disk as it left it and after a compaction that keeps no old version, against its live data (the
   current version's data files), and the whole data directory (``disk``).
 - **replay**: LoCoMo's conversations (``/work/shared/data/locomo``) through the proxy in write mode, each turn
@@ -212,6 +213,7 @@ def memproxy(upstream: str, data: Path, env: Mapping[str, str]) -> Iterator[tupl
 
 PART_LINE = re.compile(r'^memproxy_memory_bytes\{(?:process="(\w+)",)?part="(\w+)"\} (\S+)$', re.M)
 STAGE_LINE = re.compile(r'^memproxy_stage_seconds_(sum|count)\{stage="([a-z_]+)"\} (\S+)$', re.M)
+WRITER_TEXTS_LINE = re.compile(r'^memproxy_embedder_(\w+_total)\{process="writer"\} (\S+)$', re.M)
 
 
 def rss_parts_mb(pid: int) -> dict[str, float]:
@@ -384,7 +386,9 @@ def queue_counts(data: Path) -> dict[str, float]:
 async def metric_marks(session: aiohttp.ClientSession, base: str) -> dict[str, Any]:
     """From /metrics: (seconds, count) so far of each stage of the chat processes' requests
     (``memproxy_stage_seconds``), and the bytes each bounded part holds (``memproxy_memory_bytes``, MB: the
-    answering chat process's as ``chat:<part>``, the writer's as ``writer:<part>``)."""
+    answering chat process's as ``chat:<part>``, the writer's as ``writer:<part>``), and the texts the writer
+    embedded so far, by its document model and by the static side instead (``memproxy_embedder_texts_total``,
+    ``..._quick_texts_total``)."""
     async with session.get(base.removesuffix("/v1") + "/metrics") as response:
         text = await response.text()
     sums: dict[str, float] = {}
@@ -395,6 +399,7 @@ async def metric_marks(session: aiohttp.ClientSession, base: str) -> dict[str, A
     parts = PART_LINE.findall(text)
     return {
         "stages": {stage: (sums[stage], counts.get(stage, 0.0)) for stage in sums},
+        "writer_texts": {name: float(value) for name, value in WRITER_TEXTS_LINE.findall(text)},
         "memory_mb": {f"{where or 'chat'}:{part}": round(float(value) / 2**20, 1) for where, part, value in parts},
     }
 
@@ -537,6 +542,21 @@ def stage_means(before: Stages, after: Stages) -> dict[str, float]:
     return out
 
 
+def texts_per_arrival(before: Mapping[str, Any], after: Mapping[str, Any], arrivals: int) -> dict[str, float]:
+    """The writer's embeddings in a minute per chat answered in it: texts whose vectors came from its document
+    model (``model``) and from the static side because the model would have been late (``quick``), texts the
+    model ran (``model_ran``: a text whose caller gave up at its deadline counts here and in ``quick``), and the
+    model threads' CPU (``model_cpu_ms``)."""
+    was, now = before.get("writer_texts", {}), after.get("writer_texts", {})
+
+    def spent(name: str) -> float:
+        return (now.get(name, 0.0) - was.get(name, 0.0)) / max(1, arrivals)
+
+    return {"model": round(spent("texts_total"), 3), "quick": round(spent("quick_texts_total"), 3),
+            "model_ran": round(spent("model_texts_total"), 3),
+            "model_cpu_ms": round(1000 * spent("model_cpu_seconds_total"), 2)}  # fmt: skip
+
+
 def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any]], rss_before: float,
                      rss_after: float, drain_s: float) -> dict[str, Any]:  # fmt: skip
     """The sustained section of writes.json."""
@@ -556,6 +576,7 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any
             "cpu_ms_per_arrival": per_arrival(marks[i], marks[i + 1], minute.arrivals),
             "cpu_ms_per_arrival_by_thread": per_arrival_by_thread(marks[i], marks[i + 1], minute.arrivals),
             "stage_mean_ms": stage_means(marks[i]["stages"], marks[i + 1]["stages"]),
+            "writer_texts_per_arrival": texts_per_arrival(marks[i], marks[i + 1], minute.arrivals),
             "memory_parts_mb": marks[i + 1]["memory_mb"],
         })  # fmt: skip
     return {"minutes": rows, "rss_before_mb": round(rss_before, 1), "rss_after_drain_mb": round(rss_after, 1),
