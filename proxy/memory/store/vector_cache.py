@@ -33,8 +33,6 @@ class VectorCache:
     def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_bytes = max_bytes
         self._clock = clock
-        self.hits = 0
-        self.misses = 0
         self._entries: OrderedDict[str, UserVectors] = OrderedDict()  # least recently read first
         self._bytes: dict[str, int] = {}
         self._read_at: dict[str, float] = {}  # ``clock()`` at each entry's last read
@@ -87,13 +85,11 @@ class VectorCache:
             await event.wait()
         entry = self.get(user_id)
         if entry is not None:
-            self.hits += 1
             self._observed("hit")
             return entry
         if user_id in self._too_big:
             self._observed("too_big")
             return None
-        self.misses += 1
         self._observed("miss")
         return await self._load(user_id, load)
 
