@@ -17,9 +17,10 @@ chat process per core and the writer). At the top concurrency, more memproxy row
 (``--workers``), and ``memproxy-on-users`` / ``memproxy-on-small-cache``: ``--users`` users of
 ``--user-memories`` memories each (seeded once, compacted and indexed as a running writer keeps them), each
 request another user's, with the default vector cache and with ``--small-cache-mb`` a chat process, which their
-vectors need several times over; those rows add ``vector_cache_miss_share`` (reads that loaded their user from
-disk, ``memproxy_vector_cache_lookups_total``) and a check that the small cache keeps >= 0.8x the req/s with
-memory (issue 47). Prints a table and the issue's target checks, writes ``bench/results/load.json``.
+vectors need several times over; those rows add ``vector_cache_miss_share`` (lookups of a user not in RAM, per
+request: loaded from LanceDB or read back from the spill, ``memproxy_vector_cache_lookups_total``) and
+``vector_cache_spilled_share`` (those read back from the spill) and a check that the small cache keeps >= 0.8x
+the req/s with memory (issue 47). Prints a table and the issue's target checks, writes ``bench/results/load.json``.
 """
 
 from __future__ import annotations
@@ -225,6 +226,7 @@ class Target:
     cpu_s: float = 0.0  # CPU seconds of the process tree during this cell's measured rounds
     users: list[str] | None = None  # requests spread over these users (the many-users rows), else the headers'
     cache_misses: float = 0.0  # vector cache misses in the cell's measured rounds (memproxy targets)
+    cache_spilled: float = 0.0  # of those, lookups read back from the vector spill
 
 
 def user_sequence(users: int, length: int) -> list[str]:
@@ -273,7 +275,7 @@ def queries(rng: random.Random, n: int) -> list[str]:
 
 async def _round(targets: list[Target], concurrency: int, requests: int, stream: bool, texts: list[str]) -> None:
     for target in targets:
-        before = memory_counts(target.metrics_url) if target.metrics_url else (0.0, 0.0)
+        before = memory_counts(target.metrics_url) if target.metrics_url else (0.0, 0.0, 0.0)
         cpu_before = tree_cpu_s(target.cpu_pid) if target.cpu_pid else 0.0
         sample = await run(
             target.url,
@@ -288,9 +290,10 @@ async def _round(targets: list[Target], concurrency: int, requests: int, stream:
         if target.cpu_pid:
             target.cpu_s += tree_cpu_s(target.cpu_pid) - cpu_before
         if target.metrics_url:
-            degraded, misses = memory_counts(target.metrics_url)
+            degraded, misses, spilled = memory_counts(target.metrics_url)
             target.degraded += degraded - before[0]
             target.cache_misses += misses - before[1]
+            target.cache_spilled += spilled - before[2]
         if target.pid is not None:
             target.rss = max(target.rss, tree_rss_mb(target.pid))
 
@@ -300,6 +303,7 @@ async def _cell(targets: list[Target], concurrency: int, requests: int, rounds: 
     for target in targets:
         target.plain, target.streams, target.rss, target.degraded, target.cpu_s = [], [], 0.0, 0.0, 0.0
         target.cache_misses = 0.0
+        target.cache_spilled = 0.0
     for stream in (False, True):
         warm = queries(rng, 20)
         for target in targets:
@@ -354,6 +358,7 @@ def _rows(targets: list[Target], concurrency: int) -> list[dict[str, Any]]:
             rows[-1] |= {
                 "users": len(set(target.users)),
                 "vector_cache_miss_share": round(target.cache_misses / served, 3) if served else None,
+                "vector_cache_spilled_share": round(target.cache_spilled / served, 3) if served else None,
             }
     return rows
 
@@ -397,15 +402,21 @@ def degraded_reads(base_url: str) -> float:
     return memory_counts(base_url)[0]
 
 
-def memory_counts(base_url: str) -> tuple[float, float]:
-    """memproxy's requests served with degraded memory (read timeouts or failures) and its vector cache's misses
-    (reads that had to load a user's vectors), each counter summed over memproxy's processes."""
+def memory_counts(base_url: str) -> tuple[float, float, float]:
+    """memproxy's requests served with degraded memory (read timeouts or failures), its vector cache's misses
+    (lookups of a user not in RAM: loaded from LanceDB or read back from the spill) and of those the ones read
+    back from the spill, each counter summed over memproxy's processes."""
     with urllib.request.urlopen(base_url.removesuffix("/v1") + "/metrics", timeout=30) as response:  # noqa: S310
         text = response.read().decode()
     lines = text.splitlines()
     degraded = sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("memproxy_memory_degraded_total"))
-    miss = 'memproxy_vector_cache_lookups_total{result="miss"}'
-    return degraded, sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(miss))
+
+    def lookups(result: str) -> float:
+        name = f'memproxy_vector_cache_lookups_total{{result="{result}"}}'
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines if line.startswith(name))
+
+    spilled = lookups("spilled")
+    return degraded, lookups("miss") + spilled, spilled
 
 
 # ---------------------------------------------------------------- reporting

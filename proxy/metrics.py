@@ -141,11 +141,14 @@ class Metrics:
         )
         self.vector_cache_lookups = Counter(
             "memproxy_vector_cache_lookups",
-            "Reads' lookups of a user's vectors: hit, miss (loaded from disk), too_big (searched on disk)",
+            "Reads' lookups of a user's vectors: hit, spilled (read back from the spill files), miss (loaded from"
+            " LanceDB), too_big (searched on disk)",
             ["result"],
             registry=self.registry,
         )
-        self._lookups = {result: self.vector_cache_lookups.labels(result) for result in ("hit", "miss", "too_big")}
+        self._lookups = {
+            result: self.vector_cache_lookups.labels(result) for result in ("hit", "spilled", "miss", "too_big")
+        }
         self._stages: dict[str, Histogram] = {}
         self._refreshers: list[Refresh] = []
         self.injected = Histogram(

@@ -874,3 +874,30 @@ async def test_flushed_access_times_skip_a_row_of_another_user_that_shares_the_i
         ("alice", True, at),
         ("bob", True, None),
     ]
+
+
+async def test_a_forgotten_users_spilled_vectors_go_with_them(tmp_path: Path) -> None:
+    """A user the vector cache evicted to its spill file (``store.vector_spill_bytes``) is read back from it,
+    and forgetting them deletes the file with the rest: nothing under the data directory holds their text, and
+    their next read finds nothing."""
+    user, secret = "zq-spilled-user-5521", "quokkamarmot"
+    path = tmp_path / "data"
+    async with MemoryStore(settings_for(path), HashingEmbedder()) as store:
+        await store.add([fact(user, f"{secret} memory {i}") for i in range(30)])
+        await store.add([fact("bob", f"bob keeps his marmalade recipe {i}") for i in range(30)])
+        assert len(await vector_ids(store, user, secret, k=100)) == 30
+        store.cache.max_bytes = int(store.cache.nbytes * 1.5)  # room for one of the two users at a time
+        assert len(await vector_ids(store, "bob", "marmalade", k=100)) == 30
+        spill = store.cache.spill
+        assert spill is not None
+        assert user not in store.cache
+        assert user in spill
+        assert any(secret.encode() in f.read_bytes() for f in spill.directory.iterdir())
+        assert len(await vector_ids(store, user, secret, k=100)) == 30  # from the file
+        await vector_ids(store, "bob", "marmalade")
+        await store.forget_user(user)
+        assert user not in spill
+        for file in (p for p in path.rglob("*") if p.is_file()):
+            assert secret.encode() not in file.read_bytes(), file
+        assert await vector_ids(store, user, secret) == []
+    assert not spill.directory.exists()

@@ -442,3 +442,20 @@ def test_top_k_ranks_nan_scores_last() -> None:
     found, values = exact_search.top_k(scores, rows, 3)
     assert found == [10, 12, 11]
     assert np.isnan(values[2])
+
+
+def test_a_patch_of_a_record_not_made_yet_shows_when_it_is() -> None:
+    """Patching loaded rows makes no records; the patched fields show on each record when a read makes it, and
+    a later write of the record or its delete drops them."""
+    recs = records("u", 6)
+    entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(6)))
+    at = T0 + timedelta(days=2)
+    entry.patch(["u-0", "u-1", "u-2", "u-404"], last_accessed_at=at)
+    assert entry._materialised == 0
+    entry.upsert(recs[1].replace(text="rewritten"), unit_rows(1)[0])
+    entry.remove(["u-2"])
+    got = entry.records(["u-0", "u-1", "u-2", "u-3"])
+    assert [None if r is None else r.last_accessed_at for r in got] == [at, None, None, None]
+    assert got[0] == recs[0].replace(last_accessed_at=at)
+    assert got[1] is not None
+    assert got[1].text == "rewritten"

@@ -31,6 +31,7 @@ from proxy.memory.store.settings import DocumentEmbedder, StoreSettings, StoreTu
 from proxy.memory.store.table import MemoryTable, SharedTable
 from proxy.memory.store.touches import TouchBuffer
 from proxy.memory.store.vector_cache import VectorCache
+from proxy.memory.store.vector_spill import SPILL_DIR, VectorSpill
 from proxy.memory.store.writes import StoreWrites
 
 __all__ = ["DocumentEmbedder", "MemoryStore", "StoreSettings", "StoreTuning"]
@@ -72,7 +73,10 @@ class MemoryStore:
             follower=follower,
         )
         keyword = KeywordIndex(settings.path / "tantivy", follower=follower)
-        cache = VectorCache(settings.vector_cache_bytes)
+        spill = (
+            VectorSpill(settings.path / SPILL_DIR, settings.vector_spill_bytes) if settings.vector_spill_bytes else None
+        )
+        cache = VectorCache(settings.vector_cache_bytes, spill=spill)
         touches = TouchBuffer(timedelta(seconds=settings.touch_granularity_s))
         parts = StoreParts(table, keyword, cache, touches)
         self._lance, self._keyword, self._cache, self._touches = table, keyword, cache, touches

@@ -10,6 +10,7 @@ older turns): the scan is memory-bound, and after the pause between two requests
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from datetime import datetime
@@ -18,10 +19,9 @@ from typing import Any, cast
 import numpy as np
 import numpy.typing as npt
 import pyarrow as pa
-import pyarrow.compute as pc
 
 from proxy.memory.store.exact_search import KIND_CODES, dot, kind_table, top_k
-from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordColumns
+from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordColumns, arrow_rows
 
 # A materialised MemoryRecord with its own strings (~750 B under tracemalloc for a ~90-character turn) and an
 # id with its index entry and list slots (~190 B), each with the allocator's share: 100,000 records mirrored into
@@ -29,11 +29,13 @@ from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordC
 # 2.93 kB ``nbytes`` counted with 600 and 120 here (3.34 kB now).
 _RECORD_OVERHEAD_BYTES = 900
 _ID_OVERHEAD_BYTES = 230
+_OVERRIDE_BYTES = 400  # a record's patched fields before it is made (a dict of one or two)
 _LIST_INT_BYTES = 40  # an int in a Python list (the object and its slot), with its row's flag
 _ARROW_ROW_BYTES = 400  # the loaded columns but the vector, in Arrow, per row (~330 B measured with ~70-byte texts)
 _MIN_CAPACITY = 8  # rows a new entry has room for: most users start with a handful of memories (64 rows of 384
 # float32 is 96 KB, empty)
 _COMPACT_AFTER = 64  # deleted rows an entry tolerates before it may compact
+_TRANSPOSE_BLOCK = 256  # rows copied into the transposed matrix at a time
 _RUN_GAP = 64  # runs of rows to scan this close are scanned as one (a gemv call costs about as much as 64 rows)
 _FULL_SCAN_SHARE = 0.9  # runs covering this share of the rows: one scan of them all
 
@@ -81,6 +83,10 @@ class UserVectors:
         self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
         self._records: list[MemoryRecord | None] = []
         self._materialised = 0
+        # Ids whose record differs from its loaded row, or has none (written, patched or touched since the load):
+        # what a spill (``spill_parts``) writes from the records rather than the loaded columns.
+        self._changed: set[str] = set()
+        self._overrides: dict[str, dict[str, object]] = {}  # patched fields of records not made yet, by id
         # Rows [0, _sorted) are ordered by (kind code, created_at); ``_blocks[code]`` is that kind's (start, end)
         # among them. Rows after them (added since the load) are in no order: a search always scans them.
         self._sorted = 0
@@ -105,8 +111,10 @@ class UserVectors:
         created = rows["created_at"].cast(pa.int64()).to_numpy()
         codes = np.asarray([KIND_CODES[kind] for kind in rows["kind"].to_pylist()], dtype=np.int8)
         order = np.lexsort((created, codes))  # by kind, then time: see ``_scan_ranges``
-        flat = pc.list_flatten(rows["embedding"].combine_chunks()).to_numpy(zero_copy_only=False)
-        self.vectors[:, :count] = flat.reshape(count, self.dim)[order].T
+        ordered = _vector_rows(rows["embedding"], self.dim)[order]
+        for start in range(0, count, _TRANSPOSE_BLOCK):  # in blocks: a third faster than one strided copy
+            end = min(start + _TRANSPOSE_BLOCK, count)
+            self.vectors[:, start:end] = ordered[start:end].T
         self.created[:count] = created[order]
         self.kind[:count] = codes[order]
         self.valid[:count] = rows["valid"].to_numpy(zero_copy_only=False)[order]
@@ -141,6 +149,7 @@ class UserVectors:
         arrays += self._fresh_bytes
         rows = self._columns_bytes
         extra = self._materialised * _RECORD_OVERHEAD_BYTES + len(self.ids) * _ID_OVERHEAD_BYTES
+        extra += len(self._overrides) * _OVERRIDE_BYTES
         return arrays + rows + extra
 
     def upsert(
@@ -162,6 +171,8 @@ class UserVectors:
         self.kind[row] = code
         self.valid[row] = record.valid
         self._records[row] = record.replace(embedding=None)
+        self._changed.add(record.id)
+        self._overrides.pop(record.id, None)
         self._drop_fresh_pieces(record.id)
         self._fresh_pieces[record.id] = pieces
         self._fresh_bytes += _pieces_bytes(pieces)
@@ -189,16 +200,27 @@ class UserVectors:
             new[..., : self.n] = previous[..., : self.n]  # the vectors' rows are along the last axis
 
     def patch(self, ids: Sequence[str], **changes: object) -> None:
-        """Change fields that do not touch the vector or the filters (``last_accessed_at``, say)."""
-        for record_id, record in zip(ids, self.records(ids), strict=True):
-            if record is not None and any(getattr(record, name) != value for name, value in changes.items()):
-                self._records[self.index[record_id]] = record.replace(**changes)  # (a flush repeats a touch)
+        """Change fields that do not touch the vector or the filters (``last_accessed_at``, say); a record not
+        made yet gets them when it is (making each touched record at once cost more than the reads that follow)."""
+        records, index = self._records, self.index
+        for record_id in ids:
+            row = index.get(record_id)
+            if row is None:
+                continue
+            record = records[row]
+            if record is None:
+                self._overrides.setdefault(record_id, {}).update(changes)
+                self._changed.add(record_id)
+            elif any(getattr(record, name) != value for name, value in changes.items()):
+                records[row] = record.replace(**changes)  # (a flush repeats a touch)
+                self._changed.add(record_id)
 
     def touch(self, record_id: str, at: datetime) -> None:
         """Note an access time on one record, unless it already shows a later one."""
         record = self.records([record_id])[0]
         if record is not None and (record.last_accessed_at is None or record.last_accessed_at < at):
             self._records[self.index[record_id]] = record.replace(last_accessed_at=at)
+            self._changed.add(record_id)
 
     def remove(self, ids: Sequence[str]) -> int:
         """Forget these records; returns how many were present."""
@@ -217,6 +239,8 @@ class UserVectors:
         """Mark a row deleted (counted in ``dead`` until a compaction drops it)."""
         self.dead += 1
         del self.index[record_id]
+        self._changed.discard(record_id)
+        self._overrides.pop(record_id, None)
         self._drop_fresh_pieces(record_id)
         self.alive[row] = False
         if self._records[row] is not None:
@@ -393,10 +417,68 @@ class UserVectors:
         pending = list(dict.fromkeys(row for row in rows if records[row] is None))
         if pending:
             made = cast("RecordColumns", self._columns).records([self._base[row] for row in pending])
+            overrides, ids = self._overrides, self.ids
             for row, record in zip(pending, made, strict=True):
-                records[row] = record
+                changes = overrides.pop(ids[row], None) if overrides else None
+                records[row] = record if changes is None else record.replace(**changes)
             self._materialised += len(pending)
         return cast("list[MemoryRecord]", [records[row] for row in rows])
+
+    def spill_parts(self) -> SpillParts:
+        """The entry as arrays and Arrow data for ``vector_spill`` to write, ``from_spill`` to make again: the
+        rows as they are (deleted ones included), and the loaded columns with the records that differ from theirs
+        (written, patched or touched since the load) appended, those rows pointing at them. Records made from
+        the loaded columns are left out (made again when a read returns them)."""
+        n = self.n
+        base = np.asarray(self._base, dtype=np.int64)
+        alive = self.alive[:n]
+        rows = {self.index[record_id] for record_id in self._changed if record_id in self.index}
+        rows.update(np.flatnonzero(alive & (base < 0)).tolist())  # written since the load (all in ``_changed``)
+        changed = sorted(rows)
+        table = self._columns.table if self._columns is not None else None
+        values, offsets, held = self._piece_values, self._piece_offsets, self._piece_held
+        if changed:
+            made = arrow_rows(
+                self.records_at(changed), self.vectors[:, changed].T, self.pieces_of([self.ids[r] for r in changed])
+            )
+            added = made.drop_columns(["embedding", PIECES])
+            start = 0 if table is None else table.num_rows
+            table = added if table is None else pa.concat_tables([table, added.cast(table.schema)])
+            base[changed] = start + np.arange(len(changed))
+            values, offsets, held = _appended_pieces((values, offsets, held), _pieces_columns(made))
+        arrays: dict[str, npt.NDArray[Any]] = {
+            "vectors": np.ascontiguousarray(self.vectors[:, :n]),
+            "created": self.created[:n],
+            "kind": self.kind[:n],
+            "valid": self.valid[:n],
+            "alive": alive,
+            "base": base,
+            "piece_values": values,
+            "piece_offsets": np.asarray(offsets, dtype=np.int64),
+            "piece_held": np.asarray(held, dtype=np.bool_),
+        }
+        ids = pa.array(self.ids, pa.string())
+        return SpillParts(n, self.dead, self._sorted, self.generation, arrays, ids, table)
+
+    @classmethod
+    def from_spill(cls, user_id: str, parts: SpillParts) -> UserVectors:
+        """The entry ``spill_parts`` wrote: the same rows, records and word pieces, none made yet."""
+        entry = cls(user_id, parts.arrays["vectors"].shape[0])
+        arrays, n = parts.arrays, parts.n
+        entry.vectors, entry.created, entry.kind = arrays["vectors"], arrays["created"], arrays["kind"]
+        entry.valid, entry.alive = arrays["valid"], arrays["alive"]
+        entry.n, entry.dead, entry.generation = n, parts.dead, parts.generation
+        entry.ids = parts.ids.to_pylist()
+        entry.index = {entry.ids[row]: row for row in np.flatnonzero(entry.alive[:n]).tolist()}
+        entry._columns = RecordColumns(parts.columns) if parts.columns is not None else None
+        entry._columns_bytes = entry._columns.nbytes if entry._columns is not None else 0
+        entry._piece_values = arrays["piece_values"]
+        entry._piece_offsets = arrays["piece_offsets"].tolist()
+        entry._piece_held = arrays["piece_held"].tolist()
+        entry._base = arrays["base"].tolist()
+        entry._records = [None] * n
+        entry._sorted_prefix(parts.sorted)
+        return entry
 
     def vector(self, record_id: str) -> npt.NDArray[np.float32]:
         """The stored vector of a cached record (a read-only copy: the column is reused as the user changes)."""
@@ -419,6 +501,43 @@ class UserVectors:
         rows = self._live_rows(kinds, include_invalid)
         rows_sorted = sorted(rows.tolist(), key=lambda row: (int(self.created[row]), self.ids[row]), reverse=True)
         return [self.ids[row] for row in rows_sorted]
+
+
+@dataclasses.dataclass(frozen=True)
+class SpillParts:
+    """One entry as ``UserVectors.spill_parts`` gives it: its counts, its arrays (``vectors`` (dim, n) float32;
+    ``created``, ``base``, ``piece_values``, ``piece_offsets`` int64; ``kind`` int8; ``valid``, ``alive``,
+    ``piece_held`` bool), its ids and its record columns."""
+
+    n: int
+    dead: int
+    sorted: int
+    generation: int
+    arrays: dict[str, npt.NDArray[Any]]
+    ids: pa.Array
+    columns: pa.Table | None
+
+
+_Pieces = tuple[npt.NDArray[np.int64], list[int], list[bool]]
+
+
+def _appended_pieces(first: _Pieces, then: _Pieces) -> _Pieces:
+    """``_pieces_columns`` of rows then more rows, as one: the second's values after the first's (each one's
+    offsets may start past 0 or end before its values do: Arrow slices)."""
+    values, offsets, held = first
+    more_values, more_offsets, more_held = then
+    end = offsets[-1]
+    joined = np.concatenate([values[:end], more_values[more_offsets[0] : more_offsets[-1]]])
+    shifted = [end + offset - more_offsets[0] for offset in more_offsets[1:]]
+    return joined, offsets + shifted, held + more_held
+
+
+def _vector_rows(column: pa.ChunkedArray, dim: int) -> npt.NDArray[np.float32]:
+    """A ``fixed_size_list<float>[dim]`` column as a (rows, dim) array: a view of Arrow's buffer when it is one
+    chunk (combining and flattening copied the 1.5 MB of a 1,000-row user twice)."""
+    chunks = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in column.chunks]
+    flat = chunks[0] if len(chunks) == 1 else np.concatenate(chunks) if chunks else np.zeros(0, np.float32)
+    return flat.reshape(-1, dim)
 
 
 def _pieces_bytes(pieces: npt.NDArray[np.int64] | None) -> int:

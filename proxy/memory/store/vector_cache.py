@@ -19,9 +19,14 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+import pyarrow as pa
+import structlog
 
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.store.user_vectors import UserVectors
+from proxy.memory.store.vector_spill import VectorSpill
+
+log = structlog.get_logger("memproxy.store")
 
 READS_IDLE_S = 5.0  # ``release_idle`` drops nothing while a read came this recently
 MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past it the load is not kept
@@ -30,9 +35,14 @@ MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past 
 class VectorCache:
     """Users' ``UserVectors`` under one byte budget, least recently used evicted first."""
 
-    def __init__(self, max_bytes: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, max_bytes: int, clock: Callable[[], float] = time.monotonic, spill: VectorSpill | None = None
+    ) -> None:
         self.max_bytes = max_bytes
         self._clock = clock
+        # Where users evicted for room (or released idle) go, for their next read to read back rather than
+        # load from LanceDB (None: nowhere). Every write below reaches it too.
+        self.spill = spill
         self._entries: OrderedDict[str, UserVectors] = OrderedDict()  # least recently read first
         self._bytes: dict[str, int] = {}
         self._read_at: dict[str, float] = {}  # ``clock()`` at each entry's last read
@@ -47,7 +57,8 @@ class VectorCache:
         # Told of every write applied here (``upsert``, ``patch``, ``remove``, ``drop``, ``clear`` and their
         # arguments), not of evictions: the memory writer mirrors them to the chat processes' caches.
         self.mirror: Callable[[str, tuple[Any, ...]], object] | None = None
-        # Told of each read's lookup: "hit", "miss" (the user's vectors loaded) or "too_big" (searched on disk):
+        # Told of each read's lookup: "hit", "spilled" (read back from the spill), "miss" (the user's vectors
+        # loaded from LanceDB) or "too_big" (searched on disk):
         # ``memproxy_vector_cache_lookups_total{result}``, by which an operator sizes ``store.vector_cache_bytes``.
         self.observe: Callable[[str], object] | None = None
 
@@ -57,8 +68,10 @@ class VectorCache:
         return self._total
 
     async def aclose(self) -> None:
-        """Stop the loads in flight (the store closes; nothing would use them)."""
+        """Stop the loads in flight (the store closes; nothing would use them) and remove the spilled files."""
         await _cancel_all(self._loads.values())
+        if self.spill is not None:
+            self.spill.close()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -90,8 +103,28 @@ class VectorCache:
         if user_id in self._too_big:
             self._observed("too_big")
             return None
+        if self.spill is not None and user_id in self.spill:
+            self._observed("spilled")
+            return await self._load(user_id, functools.partial(self._read_spilled, user_id, load))
         self._observed("miss")
         return await self._load(user_id, load)
+
+    async def _read_spilled(
+        self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]
+    ) -> UserVectors | None:
+        """The user's entry from their spilled file with the patches it has now (a write since dropped it, later
+        patches are replayed by ``_loading``), else from ``load``."""
+        spill = self.spill
+        spilled = spill.get(user_id) if spill is not None else None
+        if spill is None or spilled is None:
+            return await load()
+        try:
+            return await asyncio.to_thread(spilled.read, user_id, len(spilled.patches))
+        except (OSError, ValueError, pa.ArrowException) as exc:  # a file removed or cut short: LanceDB has it all
+            log.warning("store.vector_spill_unreadable", error=type(exc).__name__)
+            if spill.get(user_id) is spilled:
+                spill.discard(user_id)
+            return await load()
 
     def _observed(self, result: str) -> None:
         if self.observe is not None:
@@ -147,7 +180,7 @@ class VectorCache:
             self._mark_too_big(user_id)
             return
         while self._total > self.max_bytes:
-            self._evict(next(iter(self._entries)))
+            self._evict(next(iter(self._entries)), spill=True)
 
     def upsert(
         self,
@@ -165,6 +198,8 @@ class VectorCache:
             if self._loading.get(record.user_id) is not None:
                 write = functools.partial(UserVectors.upsert, record=record, vector=vector.copy(), pieces=held)
                 self._note_write(record.user_id, write)
+            if self.spill is not None:
+                self.spill.discard(record.user_id)  # read from LanceDB next time (a spill replays patches only)
             entry = self._entries.get(record.user_id)
             if entry is not None:
                 entry.upsert(record, vector, held)
@@ -178,6 +213,8 @@ class VectorCache:
         if self.mirror is not None:
             self.mirror("patch", (user_id, ids, changes))
         self._note_write(user_id, lambda loaded: loaded.patch(ids, **changes))
+        if self.spill is not None:
+            self.spill.patch(user_id, lambda spilled: spilled.patch(ids, **changes))
         entry = self._entries.get(user_id)
         if entry is not None:
             entry.patch(ids, **changes)
@@ -188,6 +225,8 @@ class VectorCache:
         if self.mirror is not None:
             self.mirror("remove", (user_id, ids))
         self._note_write(user_id, lambda loaded: loaded.remove(ids))
+        if self.spill is not None:
+            self.spill.discard(user_id)
         self._too_big.pop(user_id, None)
         entry = self._entries.get(user_id)
         if entry is not None:
@@ -208,7 +247,7 @@ class VectorCache:
                 break
             idle.append(user_id)
         for user_id in idle:
-            self._evict(user_id)
+            self._evict(user_id, spill=True)
         return idle
 
     def drop(self, user_id: str) -> None:
@@ -216,9 +255,14 @@ class VectorCache:
         if self.mirror is not None:
             self.mirror("drop", (user_id,))
         self._evict(user_id)
+        if self.spill is not None:
+            self.spill.discard(user_id)
 
-    def _evict(self, user_id: str) -> None:
-        self._entries.pop(user_id, None)
+    def _evict(self, user_id: str, *, spill: bool = False) -> None:
+        """Forget the user's entry (``spill``: evicted for room or released idle, kept in the spill if any)."""
+        entry = self._entries.pop(user_id, None)
+        if spill and entry is not None and self.spill is not None:
+            self.spill.put(user_id, entry)
         self._read_at.pop(user_id, None)
         self._total -= self._bytes.pop(user_id, 0)
         self._too_big.pop(user_id, None)
@@ -233,6 +277,8 @@ class VectorCache:
         for user_id in self._loading:
             self._loading[user_id] = None
         self._too_big.clear()
+        if self.spill is not None:
+            self.spill.clear()
 
     def _note_write(self, user_id: str, write: Callable[[UserVectors], object]) -> None:
         """Keep a write for the load of this user in flight, if any (too many: the load is discarded)."""

@@ -1,0 +1,238 @@
+"""The vector cache's second tier: users evicted from RAM, kept in files on local disk under a byte budget.
+
+A user the vector cache evicts for room (or releases idle) is written here as it was (``UserVectors.spill_parts``:
+arrays and Arrow data, no Python objects), and their next read reads the file back instead of querying LanceDB
+and building the entry again: ~1 ms against ~12 ms of CPU for a 1,000-memory user (a count and a scan of
+LanceDB, sorting and transposing the vectors). With more users chatting than the RAM budget holds, that is the
+difference between a miss costing about a hit and costing several requests' CPU.
+
+A file is exactly the evicted entry, and stays exact the way the RAM tier does: every write the store applies
+to the cache reaches this tier too (``VectorCache``): a record written or deleted drops the user's file (read from
+LanceDB next time), a patch (access times) is kept to replay onto the file's entry when it is read. So a file
+plus its patches is the user's entry as it is now, whether the entry is in RAM or not: a file read back stays,
+and when its user is evicted again it is kept as it is (no write) unless many patches piled up on it. Files
+live only as long as their process: each cache keeps its own directory, removed when it closes, and those of
+processes that died are removed when another writes its first. The files hold what LanceDB's own files hold
+(the same rows), in the same data directory; forgetting a user (``drop``) deletes theirs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import orjson
+import pyarrow as pa
+import structlog
+
+from proxy.memory.store.user_vectors import SpillParts, UserVectors
+
+log = structlog.get_logger("memproxy.store")
+
+SPILL_DIR = "vector-spill"  # under the data directory; one directory per process inside it
+MAX_PATCHES = 256  # patches kept for one user's file; past it the file is dropped (read from LanceDB)
+REWRITE_AFTER = 16  # a user evicted with more patches on their file than this is written again
+_MAGIC = b"MPVSPILL1\n"
+_HEADER = 4  # bytes of the header's length, after the magic
+_ARRAYS = ("vectors", "created", "kind", "valid", "alive", "base", "piece_values", "piece_offsets", "piece_held")
+
+
+@dataclass
+class Spilled:
+    """One user's file, and the patches that came after it was written, to replay onto what it holds (appended
+    on the event loop; a read in a thread replays those there were when it started)."""
+
+    path: Path
+    nbytes: int
+    patches: list[Callable[[UserVectors], object]] = field(default_factory=list)
+
+    def read(self, user_id: str, patches: int) -> UserVectors:
+        """The entry the file holds, its first ``patches`` patches replayed."""
+        entry = UserVectors.from_spill(user_id, read_parts(self.path))
+        for patch in self.patches[:patches]:
+            patch(entry)
+        return entry
+
+
+class VectorSpill:
+    """Users' files in one directory of this process, least recently evicted or read dropped first."""
+
+    def __init__(self, root: Path, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._root = root
+        self.directory = root / str(os.getpid())
+        self._files: OrderedDict[str, Spilled] = OrderedDict()  # oldest first
+        self._total = 0
+        self._written = 0  # files written: the next one's name (0: the directory is not made yet)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the files kept."""
+        return self._total
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def __contains__(self, user_id: object) -> bool:
+        return user_id in self._files
+
+    def put(self, user_id: str, entry: UserVectors) -> bool:
+        """Keep the evicted entry: its file as it is if it has one with few patches, else written again; False
+        if it did not fit or could not be written (the user's next read loads them from LanceDB)."""
+        kept = self._files.get(user_id)
+        if kept is not None and len(kept.patches) <= REWRITE_AFTER:
+            self._files.move_to_end(user_id)
+            return True
+        self.discard(user_id)
+        parts = entry.spill_parts()
+        size = parts_nbytes(parts)
+        if size > self.max_bytes:
+            return False
+        if not self._written:
+            _remove_dead(self._root)
+            shutil.rmtree(self.directory, ignore_errors=True)  # a process of the same pid before this one
+            self.directory.mkdir(parents=True, mode=0o700)
+        self._written += 1
+        path = self.directory / f"{self._written}.spill"
+        try:
+            write_parts(path, parts)
+        except OSError as exc:  # a full or read-only disk costs LanceDB reads, not the request
+            path.unlink(missing_ok=True)
+            log.warning("store.vector_spill_failed", error=type(exc).__name__)
+            return False
+        self._files[user_id] = Spilled(path, size)
+        self._total += size
+        while self._total > self.max_bytes:
+            self.discard(next(iter(self._files)))
+        return True
+
+    def get(self, user_id: str) -> Spilled | None:
+        """The user's file (kept: it stays theirs while only patches change them), marked recently used."""
+        spilled = self._files.get(user_id)
+        if spilled is not None:
+            self._files.move_to_end(user_id)
+        return spilled
+
+    def patch(self, user_id: str, write: Callable[[UserVectors], object]) -> None:
+        """A patch of a user with a file, replayed whenever it is read (too many: the file is dropped)."""
+        spilled = self._files.get(user_id)
+        if spilled is None:
+            return
+        if len(spilled.patches) >= MAX_PATCHES:
+            self.discard(user_id)
+        else:
+            spilled.patches.append(write)
+
+    def discard(self, user_id: str) -> None:
+        """Drop the user's file (their records changed, or they were forgotten, or it could not be read)."""
+        spilled = self._files.pop(user_id, None)
+        if spilled is not None:
+            self._total -= spilled.nbytes
+            spilled.path.unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """Drop every file."""
+        for user_id in list(self._files):
+            self.discard(user_id)
+
+    def close(self) -> None:
+        """Drop every file and the directory."""
+        self._files.clear()
+        self._total = 0
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def parts_nbytes(parts: SpillParts) -> int:
+    """About the bytes a file of ``parts`` takes (its arrays and Arrow data)."""
+    arrays = sum(array.nbytes for array in parts.arrays.values())
+    columns = parts.columns.get_total_buffer_size() if parts.columns is not None else 0
+    return arrays + int(parts.ids.get_total_buffer_size()) + int(columns)
+
+
+def write_parts(path: Path, parts: SpillParts) -> None:
+    """Write ``parts``: a magic line, a JSON header (counts; each array's dtype and shape; the Arrow streams'
+    lengths), the arrays' bytes, then the ids and the columns as Arrow IPC streams."""
+    ids = _ipc(pa.table({"id": parts.ids}))
+    columns = _ipc(parts.columns) if parts.columns is not None else None
+    arrays = [np.ascontiguousarray(parts.arrays[name]) for name in _ARRAYS]
+    header = orjson.dumps(
+        {
+            "n": parts.n,
+            "dead": parts.dead,
+            "sorted": parts.sorted,
+            "generation": parts.generation,
+            "arrays": [[array.dtype.str, list(array.shape)] for array in arrays],
+            "ids": ids.size,
+            "columns": columns.size if columns is not None else 0,
+        }
+    )
+    with path.open("wb") as out:
+        out.write(_MAGIC + len(header).to_bytes(_HEADER, "little") + header)
+        for array in arrays:
+            out.write(_raw(array))
+        out.write(ids)
+        if columns is not None:
+            out.write(columns)
+
+
+def read_parts(path: Path) -> SpillParts:
+    """What ``write_parts`` wrote (ValueError if the file is not whole)."""
+    with path.open("rb") as source:
+        if source.read(len(_MAGIC)) != _MAGIC:
+            raise ValueError(f"{path} is not a vector spill file")
+        header: dict[str, Any] = orjson.loads(source.read(int.from_bytes(source.read(_HEADER), "little")))
+        arrays = {}
+        for name, (dtype, shape) in zip(_ARRAYS, header["arrays"], strict=True):
+            array = np.empty(shape, dtype=np.dtype(dtype))  # writable, in memory of its own
+            if source.readinto(_raw(array)) != array.nbytes:
+                raise ValueError(f"{path} is cut short")
+            arrays[name] = array
+        ids = _read_ipc(source.read(header["ids"]), header["ids"])
+        columns = _read_ipc(source.read(header["columns"]), header["columns"]) if header["columns"] else None
+    return SpillParts(
+        header["n"], header["dead"], header["sorted"], header["generation"], arrays, ids["id"].combine_chunks(), columns
+    )
+
+
+def _raw(array: npt.NDArray[Any]) -> memoryview:
+    """A contiguous array's bytes, as a view (empty ones included)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def _ipc(table: pa.Table) -> pa.Buffer:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue()
+
+
+def _read_ipc(data: bytes, length: int) -> pa.Table:
+    if len(data) != length:
+        raise ValueError("vector spill file cut short")
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def _remove_dead(root: Path) -> None:
+    """Remove the directories of processes that no longer run (a kill -9 left them)."""
+    if not root.is_dir():
+        return
+    for child in root.iterdir():
+        if child.name.isdigit() and not _running(int(child.name)):
+            shutil.rmtree(child, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

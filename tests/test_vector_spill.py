@@ -1,0 +1,287 @@
+"""The vector cache's spill: users evicted from RAM written to local files and read back exactly as they were,
+kept exact under writes, bounded in bytes, and gone when dropped, forgotten or closed."""
+
+from __future__ import annotations
+
+import os
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
+from proxy.memory.store.user_vectors import UserVectors
+from proxy.memory.store.vector_cache import VectorCache
+from proxy.memory.store.vector_spill import MAX_PATCHES, REWRITE_AFTER, VectorSpill, read_parts, write_parts
+
+DIM = 16
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+_KINDS = [Kind.FACT, Kind.TURN, Kind.SUMMARY, Kind.SUBJECT]
+
+
+def unit_rows(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    rows = rng.standard_normal((n, DIM)).astype(np.float32)
+    return rows / np.linalg.norm(rows, axis=1, keepdims=True)
+
+
+def records(user: str, n: int, start: int = 0) -> list[MemoryRecord]:
+    return [
+        MemoryRecord(
+            user_id=user,
+            kind=_KINDS[i % len(_KINDS)],
+            text=f"memory {i}",
+            id=f"{user}-{i}",
+            created_at=T0 + timedelta(hours=i, microseconds=i),
+            entities=(f"e{i}",),
+        )
+        for i in range(start, start + n)
+    ]
+
+
+def loaded(user: str, n: int, seed: int = 0) -> UserVectors:
+    """An entry as a load from LanceDB makes it (rows with their word pieces)."""
+    recs = records(user, n)
+    pieces = [np.arange(i % 5, dtype=np.int64) if i % 3 else None for i in range(n)]
+    return UserVectors(user, DIM, arrow_rows(recs, unit_rows(n, seed), pieces) if n else None)
+
+
+def _pieces(entry: UserVectors, ids: list[str]) -> list[list[int] | None]:
+    return [None if p is None else p.tolist() for p in entry.pieces_of(ids)]
+
+
+def assert_same(got: UserVectors, expected: UserVectors, ids: list[str], seed: int) -> None:
+    """Both entries answer every read alike: searches, records, word pieces, listings."""
+    query = unit_rows(1, seed + 7)[0]
+    pools = [
+        Pool(50),
+        Pool(5, (Kind.FACT,)),
+        Pool(8, (Kind.TURN, Kind.SUMMARY), since=T0 + timedelta(hours=3)),
+        Pool(50, include_invalid=True),
+    ]
+    for mine, theirs in zip(got.search_pools(query, pools), expected.search_pools(query, pools), strict=True):
+        assert [i for i, _ in mine] == [i for i, _ in theirs]
+        assert np.allclose([s for _, s in mine], [s for _, s in theirs], atol=1e-6)  # the matrix's width differs
+    assert got.records(ids) == expected.records(ids)
+    assert _pieces(got, ids) == _pieces(expected, ids)
+    assert got.ordered_ids(None, include_invalid=True) == expected.ordered_ids(None, include_invalid=True)
+    assert got.keys(None, include_invalid=False).equals(expected.keys(None, include_invalid=False))
+    assert got.live == expected.live
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(0, 60),
+    edits=st.lists(st.tuples(st.integers(0, 80), st.booleans(), st.booleans()), max_size=30),
+    removed=st.lists(st.integers(0, 80), max_size=40),
+    touched=st.lists(st.integers(0, 80), max_size=20),
+    read=st.lists(st.integers(0, 80), max_size=20),
+    seed=st.integers(0, 2**16),
+)
+def test_a_spilled_entry_reads_back_as_it_was(
+    tmp_path: Path,
+    n: int,
+    edits: list[tuple[int, bool, bool]],
+    removed: list[int],
+    touched: list[int],
+    read: list[int],
+    seed: int,
+) -> None:
+    """An entry loaded, then written to (records replaced or added, with or without word pieces, some made
+    invalid), pruned, touched and read (records made from the loaded columns), written to a file and read back
+    answers every read the same, and takes further writes the same."""
+    entry = loaded("u", n, seed)
+    for j, (i, invalid, with_pieces) in enumerate(edits):
+        record = MemoryRecord(
+            user_id="u", kind=_KINDS[j % 4], text=f"edit {j}", id=f"u-{i}", created_at=T0 + timedelta(minutes=j)
+        )
+        entry.upsert(
+            record.replace(valid=not invalid), unit_rows(1, seed + j)[0], np.array([j]) if with_pieces else None
+        )
+    entry.remove([f"u-{i}" for i in removed])
+    for i in touched:
+        entry.touch(f"u-{i}", T0 + timedelta(days=3, microseconds=i))
+    entry.patch([f"u-{i}" for i in touched[:3]], last_accessed_at=T0 + timedelta(days=9))
+    entry.records([f"u-{i}" for i in read])
+    ids = [f"u-{i}" for i in range(81)]
+
+    path = tmp_path / f"{seed}.spill"
+    write_parts(path, entry.spill_parts())
+    back = UserVectors.from_spill("u", read_parts(path))
+    assert_same(back, entry, ids, seed)
+    more = records("u", 3, start=200)
+    for target in (back, entry):
+        for k, record in enumerate(more):
+            target.upsert(record, unit_rows(1, seed + 100 + k)[0], np.array([k, k]))
+        target.remove(ids[:5])
+    assert_same(back, entry, ids + [r.id for r in more], seed)
+
+
+async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: Path) -> None:
+    """Past the RAM budget the least recently used user goes to the spill; their next read takes it from
+    there (``spilled``), not from ``load``, and they hold what they held; the file stays theirs, and evicting
+    them again writes nothing."""
+    one = loaded("a", 100)
+    spill = VectorSpill(tmp_path / "spill", 2**30)
+    cache = VectorCache(max_bytes=int(one.nbytes * 1.5), spill=spill)
+    seen: list[str] = []
+    cache.observe = seen.append
+    loads: list[str] = []
+
+    async def load(user: str) -> UserVectors:
+        loads.append(user)
+        return loaded(user, 100, seed=len(user))
+
+    await cache.get_or_load("a", lambda: load("a"))
+    await cache.get_or_load("b", lambda: load("b"))  # a goes to the spill
+    assert "a" not in cache
+    assert "a" in spill
+    assert len(list(spill.directory.iterdir())) == 1
+    entry = await cache.get_or_load("a", lambda: load("a"))
+    assert loads == ["a", "b"]
+    assert seen == ["miss", "miss", "spilled"]
+    assert entry is not None
+    assert_same(entry, loaded("a", 100, seed=1), [f"a-{i}" for i in range(100)], 0)
+    assert "a" in spill  # still a's: only patches would change a while cached
+    assert sorted(p.name for p in spill.directory.iterdir()) == ["1.spill", "2.spill"]  # b's written as a came back
+    await cache.get_or_load("b", lambda: load("b"))  # a evicted again: its file kept as it was
+    assert sorted(p.name for p in spill.directory.iterdir()) == ["1.spill", "2.spill"]
+    assert loads == ["a", "b"]
+    assert seen[-1] == "spilled"
+    await cache.aclose()
+    assert not spill.directory.exists()
+
+
+async def test_writes_reach_spilled_users(tmp_path: Path) -> None:
+    """A patch of a spilled user (access times) is replayed when they are read back; a record written or
+    deleted drops their file (their next read loads them from LanceDB); dropping or clearing deletes files."""
+    spill = VectorSpill(tmp_path / "spill", 2**30)
+    cache = VectorCache(max_bytes=int(loaded("x", 50).nbytes * 1.6), spill=spill)
+    loads: list[str] = []
+
+    async def load(user: str) -> UserVectors:
+        loads.append(user)
+        return loaded(user, 50)
+
+    async def read(user: str) -> UserVectors:
+        entry = await cache.get_or_load(user, lambda: load(user))
+        assert entry is not None
+        return entry
+
+    for user in ("a", "b", "c", "d"):
+        await read(user)  # each evicts the one before to the spill
+    assert {"a", "b", "c"} <= {u for u in ("a", "b", "c", "d") if u in spill}
+    at = T0 + timedelta(days=30)
+    cache.patch("a", ["a-1", "a-2"], last_accessed_at=at)
+    cache.upsert(records("b", 1, start=70), unit_rows(1))
+    cache.remove("c", ["c-3"])
+    assert "a" in spill
+    assert "b" not in spill
+    assert "c" not in spill
+    loads.clear()
+    entry = await read("a")
+    assert loads == []
+    assert [r.last_accessed_at for r in entry.records(["a-1", "a-2", "a-3"])] == [at, at, None]
+    cache.patch("a", ["a-4"], last_accessed_at=at)  # a patch of a cached user with a file: the file's too
+    await read("b")
+    await read("c")
+    assert loads == ["b", "c"]
+    loads.clear()
+    entry = await read("a")  # from its file again, both patches replayed
+    assert loads == []
+    assert [r.last_accessed_at for r in entry.records(["a-1", "a-4", "a-5"])] == [at, at, None]
+    files = len(list(spill.directory.iterdir()))
+    assert files == len(spill) >= 2
+    assert "d" in spill
+    cache.drop("d")
+    assert "d" not in spill
+    assert len(list(spill.directory.iterdir())) == files - 1
+    cache.clear()
+    assert len(spill) == 0
+    assert list(spill.directory.iterdir()) == []
+
+
+async def test_a_file_that_cannot_be_read_falls_back_to_loading(tmp_path: Path) -> None:
+    spill = VectorSpill(tmp_path / "spill", 2**30)
+    cache = VectorCache(max_bytes=loaded("x", 30).nbytes + 10, spill=spill)
+
+    async def load(user: str) -> UserVectors:
+        return loaded(user, 30)
+
+    await cache.get_or_load("a", lambda: load("a"))
+    await cache.get_or_load("b", lambda: load("b"))
+    [path] = spill.directory.iterdir()
+    path.write_bytes(path.read_bytes()[:100])
+    entry = await cache.get_or_load("a", lambda: load("a"))
+    assert entry is not None
+    assert entry.live == 30
+    assert not path.exists()
+
+
+def test_the_spill_keeps_to_its_budget_dropping_the_oldest(tmp_path: Path) -> None:
+    entries = {user: loaded(user, 40) for user in "abcde"}
+    one = VectorSpill(tmp_path / "probe", 2**30)
+    one.put("a", entries["a"])
+    size = one.nbytes
+    one.close()
+    spill = VectorSpill(tmp_path / "spill", int(size * 3.5))
+    for user, entry in entries.items():
+        assert spill.put(user, entry)
+    assert [u for u in "abcde" if u in spill] == ["c", "d", "e"]
+    assert spill.nbytes <= spill.max_bytes
+    assert len(list(spill.directory.iterdir())) == 3
+    small = VectorSpill(tmp_path / "small", size // 2)
+    assert not small.put("a", entries["a"])  # bigger than the whole budget: not written
+    assert len(small) == 0
+
+
+def test_directories_of_processes_gone_are_removed(tmp_path: Path) -> None:
+    root = tmp_path / "spill"
+    dead = root / "999999999"
+    dead.mkdir(parents=True)
+    (dead / "1.spill").write_bytes(b"x")
+    alive = root / str(os.getppid())
+    alive.mkdir()
+    spill = VectorSpill(root, 2**30)
+    spill.put("a", loaded("a", 5))
+    assert not dead.exists()
+    assert alive.exists()
+    assert spill.directory.stat().st_mode & 0o777 == 0o700
+    spill.close()
+    assert not spill.directory.exists()
+
+
+@pytest.mark.parametrize("n", [0, 1, 300])
+def test_entries_of_any_size_round_trip(tmp_path: Path, n: int) -> None:
+    entry = loaded("u", n)
+    write_parts(tmp_path / "f", entry.spill_parts())
+    back = UserVectors.from_spill("u", read_parts(tmp_path / "f"))
+    assert_same(back, entry, [f"u-{i}" for i in range(n + 2)], n)
+
+
+async def test_a_file_with_many_patches_is_written_again_and_one_with_too_many_dropped(tmp_path: Path) -> None:
+    spill = VectorSpill(tmp_path / "spill", 2**30)
+    cache = VectorCache(max_bytes=loaded("x", 20).nbytes + 10, spill=spill)
+
+    async def load(user: str) -> UserVectors:
+        return loaded(user, 20)
+
+    for user in ("a", "b", "a"):
+        await cache.get_or_load(user, lambda user=user: load(user))
+    first = spill.get("a")
+    assert first is not None
+    for i in range(REWRITE_AFTER + 1):
+        cache.patch("a", ["a-1"], last_accessed_at=T0 + timedelta(days=i))
+    await cache.get_or_load("b", lambda: load("b"))  # a evicted with many patches: written again, none left
+    again = spill.get("a")
+    assert again is not None
+    assert again.path != first.path
+    assert not first.path.exists()
+    assert again.patches == []
+    for i in range(MAX_PATCHES + 1):
+        cache.patch("a", ["a-2"], last_accessed_at=T0 + timedelta(days=i))
+    assert "a" not in spill
+    assert not again.path.exists()
