@@ -299,11 +299,15 @@ class RecordColumns:
 
     def __init__(self, table: pa.Table) -> None:
         # A copy in buffers of its own when the rows LanceDB returned are slices of its reads' larger buffers,
-        # which a kept slice keeps whole (measured: twice the bytes the slices count). From a compacted table one
-        # user's rows come in buffers of their own, and the copy (~1.5 ms of a 1,000-row user's load) is skipped.
+        # which a kept slice keeps whole (measured: twice the bytes the slices count); one chunk a column, for
+        # ``take`` (over the ten chunks of a 10,000-row user's rows it took twice as long). From a compacted table
+        # a small user's rows come in one chunk of their own, and the copy (~1.5 ms of 1,000 rows) is skipped.
         kept = table.select([n for n in table.column_names if n in _FIELD_SET])
-        shared = kept.get_total_buffer_size() > _SLACK * kept.nbytes
-        self._table = kept.take(pa.array(range(kept.num_rows), pa.int64())) if kept.num_rows and shared else kept
+        if kept.num_rows and kept.get_total_buffer_size() > _SLACK * kept.nbytes:
+            kept = kept.take(pa.array(range(kept.num_rows), pa.int64()))
+        elif any(column.num_chunks > 1 for column in kept.columns):
+            kept = kept.combine_chunks()
+        self._table = kept
         names = set(self._table.column_names)
         missing = [field for field in dataclasses.fields(MemoryRecord) if field.name not in names]
         plain = all(field.default is not dataclasses.MISSING for field in missing)  # ``embedding``, say: None
