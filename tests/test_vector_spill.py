@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from proxy.memory.store import vector_spill
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.user_vectors import UserVectors
 from proxy.memory.store.vector_cache import VectorCache
@@ -285,3 +287,49 @@ async def test_a_file_with_many_patches_is_written_again_and_one_with_too_many_d
         cache.patch("a", ["a-2"], last_accessed_at=T0 + timedelta(days=i))
     assert "a" not in spill
     assert not again.path.exists()
+
+
+async def test_a_spill_that_cannot_write_leaves_reads_to_lancedb(tmp_path: Path) -> None:
+    """A data directory the spill cannot write to (here its parent is a file) costs LanceDB loads, not reads."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_bytes(b"")
+    spill = VectorSpill(blocker / "spill", 2**30)
+    cache = VectorCache(max_bytes=int(loaded("x", 20).nbytes * 1.5), spill=spill)
+    loads: list[str] = []
+
+    async def load(user: str) -> UserVectors:
+        loads.append(user)
+        return loaded(user, 20)
+
+    for user in ("a", "b", "a"):
+        entry = await cache.get_or_load(user, lambda user=user: load(user))
+        assert entry is not None
+        assert entry.live == 20
+    assert loads == ["a", "b", "a"]
+    assert len(spill) == 0
+
+
+async def test_users_released_idle_keep_a_file_that_holds_them_and_get_none_written(tmp_path: Path) -> None:
+    """Releasing idle users writes no file (hundreds at once would hold the event loop up): one read back from
+    its file keeps it, one loaded from LanceDB has none; an entry over ``MAX_WRITE_BYTES`` is never written."""
+    clock = [100.0]
+    spill = VectorSpill(tmp_path / "spill", 2**30)
+    cache = VectorCache(max_bytes=int(loaded("x", 20).nbytes * 1.5), clock=lambda: clock[0], spill=spill)
+
+    async def load(user: str) -> UserVectors:
+        return loaded(user, 20)
+
+    for user in ("a", "b", "a"):  # a is evicted (written), read back; b evicted (written)
+        await cache.get_or_load(user, lambda user=user: load(user))
+    assert "a" in spill
+    assert "b" in spill
+    spill.discard("b")
+    await cache.get_or_load("b", lambda: load("b"))  # from LanceDB; a evicted again, its file kept
+    files = sorted(p.name for p in spill.directory.iterdir())
+    clock[0] += 60
+    assert cache.release_idle(20.0) == ["b"]
+    assert "b" not in spill
+    assert sorted(p.name for p in spill.directory.iterdir()) == files
+    with patch.object(vector_spill, "MAX_WRITE_BYTES", 1):
+        assert not spill.put("c", loaded("c", 5))
+    assert "c" not in spill

@@ -236,7 +236,8 @@ class VectorCache:
     def release_idle(self, idle_s: float, now: float | None = None) -> list[str]:
         """Once no read has come for ``READS_IDLE_S``, drop the entries no read has used for ``idle_s`` seconds
         (writes do not count: they keep an entry current, not useful); returns their users. Their next read
-        loads them again from LanceDB. While reads keep coming, only the byte budget evicts."""
+        reads them back from the spill if their file there still holds them (none is written here), else loads
+        them again from LanceDB. While reads keep coming, only the byte budget evicts."""
         now = self._clock() if now is None else now
         if not self._entries or now - self._read_at[next(reversed(self._entries))] < READS_IDLE_S:
             return []  # the last entry is the one read last
@@ -247,7 +248,7 @@ class VectorCache:
                 break
             idle.append(user_id)
         for user_id in idle:
-            self._evict(user_id, spill=True)
+            self._evict(user_id, spill=True, write=False)  # (hundreds of users at once: no writes here)
         return idle
 
     def drop(self, user_id: str) -> None:
@@ -258,11 +259,12 @@ class VectorCache:
         if self.spill is not None:
             self.spill.discard(user_id)
 
-    def _evict(self, user_id: str, *, spill: bool = False) -> None:
-        """Forget the user's entry (``spill``: evicted for room or released idle, kept in the spill if any)."""
+    def _evict(self, user_id: str, *, spill: bool = False, write: bool = True) -> None:
+        """Forget the user's entry (``spill``: evicted for room or released idle, kept in the spill if any;
+        ``write``: written to a file if it has none that still holds it)."""
         entry = self._entries.pop(user_id, None)
         if spill and entry is not None and self.spill is not None:
-            self.spill.put(user_id, entry)
+            self.spill.put(user_id, entry, write=write)
         self._read_at.pop(user_id, None)
         self._total -= self._bytes.pop(user_id, 0)
         self._too_big.pop(user_id, None)

@@ -18,6 +18,7 @@ processes that died are removed when another writes its first. The files hold wh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections import OrderedDict
@@ -37,8 +38,9 @@ from proxy.memory.store.user_vectors import SpillParts, UserVectors
 log = structlog.get_logger("memproxy.store")
 
 SPILL_DIR = "vector-spill"  # under the data directory; one directory per process inside it
-MAX_PATCHES = 256  # patches kept for one user's file; past it the file is dropped (read from LanceDB)
+MAX_PATCHES = 64  # patches kept for one user's file (in RAM); past it the file is dropped (read from LanceDB)
 REWRITE_AFTER = 16  # a user evicted with more patches on their file than this is written again
+MAX_WRITE_BYTES = 32 * 2**20  # entries bigger than this (~13k memories) are not written: ~20 ms on the event loop
 _MAGIC = b"MPVSPILL1\n"
 _HEADER = 4  # bytes of the header's length, after the magic
 _ARRAYS = ("vectors", "created", "kind", "valid", "alive", "base", "piece_values", "piece_offsets", "piece_held")
@@ -70,7 +72,8 @@ class VectorSpill:
         self.directory = root / str(os.getpid())
         self._files: OrderedDict[str, Spilled] = OrderedDict()  # oldest first
         self._total = 0
-        self._written = 0  # files written: the next one's name (0: the directory is not made yet)
+        self._written = 0  # files written: the next one's name
+        self._made = False  # the directory (made at the first write)
 
     @property
     def nbytes(self) -> int:
@@ -83,28 +86,32 @@ class VectorSpill:
     def __contains__(self, user_id: object) -> bool:
         return user_id in self._files
 
-    def put(self, user_id: str, entry: UserVectors) -> bool:
-        """Keep the evicted entry: its file as it is if it has one with few patches, else written again; False
-        if it did not fit or could not be written (the user's next read loads them from LanceDB)."""
+    def put(self, user_id: str, entry: UserVectors, *, write: bool = True) -> bool:
+        """Keep the evicted entry: its file as it is if it has one with few patches, else written again (not if
+        ``write`` is False, or the entry is over ``MAX_WRITE_BYTES``: the write runs on the event loop); False if
+        it was not kept (the user's next read loads them from LanceDB)."""
         kept = self._files.get(user_id)
         if kept is not None and len(kept.patches) <= REWRITE_AFTER:
             self._files.move_to_end(user_id)
             return True
         self.discard(user_id)
-        parts = entry.spill_parts()
-        size = parts_nbytes(parts)
-        if size > self.max_bytes:
+        if not write or entry.nbytes > MAX_WRITE_BYTES:
             return False
-        if not self._written:
-            _remove_dead(self._root)
-            shutil.rmtree(self.directory, ignore_errors=True)  # a process of the same pid before this one
-            self.directory.mkdir(parents=True, mode=0o700)
-        self._written += 1
-        path = self.directory / f"{self._written}.spill"
+        path = self.directory / f"{self._written + 1}.spill"
         try:
+            parts = entry.spill_parts()
+            size = parts_nbytes(parts)
+            if size > self.max_bytes:
+                return False
+            if not self._made:
+                _remove_dead(self._root)
+                shutil.rmtree(self.directory, ignore_errors=True)  # a process of the same pid before this one
+                self.directory.mkdir(parents=True, mode=0o700)
+                self._made = True
+            self._written += 1
             write_parts(path, parts)
-        except OSError as exc:  # a full or read-only disk costs LanceDB reads, not the request
-            path.unlink(missing_ok=True)
+        except Exception as exc:  # a full or read-only disk, or anything else: LanceDB reads later, not a failed read
+            _remove(path)
             log.warning("store.vector_spill_failed", error=type(exc).__name__)
             return False
         self._files[user_id] = Spilled(path, size)
@@ -135,7 +142,7 @@ class VectorSpill:
         spilled = self._files.pop(user_id, None)
         if spilled is not None:
             self._total -= spilled.nbytes
-            spilled.path.unlink(missing_ok=True)
+            _remove(spilled.path)
 
     def clear(self) -> None:
         """Drop every file."""
@@ -217,6 +224,11 @@ def _read_ipc(data: bytes, length: int) -> pa.Table:
     if len(data) != length:
         raise ValueError("vector spill file cut short")
     return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def _remove(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink(missing_ok=True)
 
 
 def _remove_dead(root: Path) -> None:
