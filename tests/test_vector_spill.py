@@ -4,6 +4,9 @@ kept exact under writes, bounded in bytes, and gone when dropped, forgotten or c
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from unittest.mock import patch
@@ -74,6 +77,32 @@ def assert_same(got: UserVectors, expected: UserVectors, ids: list[str], seed: i
     assert got.live == expected.live
 
 
+@dataclass
+class Spilling:
+    """A vector cache with room for about one user of ``rows`` memories, its spill, and its loads from "LanceDB"
+    (``load``: the users loaded, in order)."""
+
+    spill: VectorSpill
+    cache: VectorCache
+    rows: int
+    loads: list[str] = field(default_factory=list)
+
+    async def load(self, user: str) -> UserVectors:
+        self.loads.append(user)
+        return loaded(user, self.rows, seed=len(user))
+
+    async def read(self, user: str) -> UserVectors:
+        entry = await self.cache.get_or_load(user, lambda: self.load(user))
+        assert entry is not None
+        return entry
+
+
+def spilling(root: Path, rows: int, room: float = 1.5, clock: Callable[[], float] = time.monotonic) -> Spilling:
+    spill = VectorSpill(root, 2**30)
+    cache = VectorCache(max_bytes=int(loaded("x", rows).nbytes * room), clock=clock, spill=spill)
+    return Spilling(spill, cache, rows)
+
+
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(0, 60),
@@ -126,32 +155,24 @@ async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: 
     """Past the RAM budget the least recently used user goes to the spill; their next read takes it from
     there (``spilled``), not from ``load``, and they hold what they held; the file stays theirs, and evicting
     them again writes nothing."""
-    one = loaded("a", 100)
-    spill = VectorSpill(tmp_path / "spill", 2**30)
-    cache = VectorCache(max_bytes=int(one.nbytes * 1.5), spill=spill)
+    setup = spilling(tmp_path / "spill", 100)
+    spill, cache = setup.spill, setup.cache
     seen: list[str] = []
     cache.observe = seen.append
-    loads: list[str] = []
-
-    async def load(user: str) -> UserVectors:
-        loads.append(user)
-        return loaded(user, 100, seed=len(user))
-
-    await cache.get_or_load("a", lambda: load("a"))
-    await cache.get_or_load("b", lambda: load("b"))  # a goes to the spill
+    await setup.read("a")
+    await setup.read("b")  # a goes to the spill
     assert "a" not in cache
     assert "a" in spill
     assert len(list(spill.directory.iterdir())) == 1
-    entry = await cache.get_or_load("a", lambda: load("a"))
-    assert loads == ["a", "b"]
+    entry = await setup.read("a")
+    assert setup.loads == ["a", "b"]
     assert seen == ["miss", "miss", "spilled"]
-    assert entry is not None
     assert_same(entry, loaded("a", 100, seed=1), [f"a-{i}" for i in range(100)], 0)
     assert "a" in spill  # still a's: only patches would change a while cached
     assert sorted(p.name for p in spill.directory.iterdir()) == ["1.spill", "2.spill"]  # b's written as a came back
-    await cache.get_or_load("b", lambda: load("b"))  # a evicted again: its file kept as it was
+    await setup.read("b")  # a evicted again: its file kept as it was
     assert sorted(p.name for p in spill.directory.iterdir()) == ["1.spill", "2.spill"]
-    assert loads == ["a", "b"]
+    assert setup.loads == ["a", "b"]
     assert seen[-1] == "spilled"
     await cache.aclose()
     assert not spill.directory.exists()
@@ -160,19 +181,8 @@ async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: 
 async def test_writes_reach_spilled_users(tmp_path: Path) -> None:
     """A patch of a spilled user (access times) is replayed when they are read back; a record written or
     deleted drops their file (their next read loads them from LanceDB); dropping or clearing deletes files."""
-    spill = VectorSpill(tmp_path / "spill", 2**30)
-    cache = VectorCache(max_bytes=int(loaded("x", 50).nbytes * 1.6), spill=spill)
-    loads: list[str] = []
-
-    async def load(user: str) -> UserVectors:
-        loads.append(user)
-        return loaded(user, 50)
-
-    async def read(user: str) -> UserVectors:
-        entry = await cache.get_or_load(user, lambda: load(user))
-        assert entry is not None
-        return entry
-
+    setup = spilling(tmp_path / "spill", 50, room=1.6)
+    spill, cache, loads, read = setup.spill, setup.cache, setup.loads, setup.read
     for user in ("a", "b", "c", "d"):
         await read(user)  # each evicts the one before to the spill
     assert {"a", "b", "c"} <= {u for u in ("a", "b", "c", "d") if u in spill}
@@ -207,19 +217,14 @@ async def test_writes_reach_spilled_users(tmp_path: Path) -> None:
 
 
 async def test_a_file_that_cannot_be_read_falls_back_to_loading(tmp_path: Path) -> None:
-    spill = VectorSpill(tmp_path / "spill", 2**30)
-    cache = VectorCache(max_bytes=loaded("x", 30).nbytes + 10, spill=spill)
-
-    async def load(user: str) -> UserVectors:
-        return loaded(user, 30)
-
-    await cache.get_or_load("a", lambda: load("a"))
-    await cache.get_or_load("b", lambda: load("b"))
-    [path] = spill.directory.iterdir()
+    setup = spilling(tmp_path / "spill", 30)
+    await setup.read("a")
+    await setup.read("b")
+    [path] = setup.spill.directory.iterdir()
     path.write_bytes(path.read_bytes()[:100])
-    entry = await cache.get_or_load("a", lambda: load("a"))
-    assert entry is not None
+    entry = await setup.read("a")
     assert entry.live == 30
+    assert setup.loads == ["a", "b", "a"]
     assert not path.exists()
 
 
@@ -265,19 +270,15 @@ def test_entries_of_any_size_round_trip(tmp_path: Path, n: int) -> None:
 
 
 async def test_a_file_with_many_patches_is_written_again_and_one_with_too_many_dropped(tmp_path: Path) -> None:
-    spill = VectorSpill(tmp_path / "spill", 2**30)
-    cache = VectorCache(max_bytes=loaded("x", 20).nbytes + 10, spill=spill)
-
-    async def load(user: str) -> UserVectors:
-        return loaded(user, 20)
-
+    setup = spilling(tmp_path / "spill", 20)
+    spill, cache = setup.spill, setup.cache
     for user in ("a", "b", "a"):
-        await cache.get_or_load(user, lambda user=user: load(user))
+        await setup.read(user)
     first = spill.get("a")
     assert first is not None
     for i in range(REWRITE_AFTER + 1):
         cache.patch("a", ["a-1"], last_accessed_at=T0 + timedelta(days=i))
-    await cache.get_or_load("b", lambda: load("b"))  # a evicted with many patches: written again, none left
+    await setup.read("b")  # a evicted with many patches: written again, none left
     again = spill.get("a")
     assert again is not None
     assert again.path != first.path
@@ -293,38 +294,25 @@ async def test_a_spill_that_cannot_write_leaves_reads_to_lancedb(tmp_path: Path)
     """A data directory the spill cannot write to (here its parent is a file) costs LanceDB loads, not reads."""
     blocker = tmp_path / "not-a-directory"
     blocker.write_bytes(b"")
-    spill = VectorSpill(blocker / "spill", 2**30)
-    cache = VectorCache(max_bytes=int(loaded("x", 20).nbytes * 1.5), spill=spill)
-    loads: list[str] = []
-
-    async def load(user: str) -> UserVectors:
-        loads.append(user)
-        return loaded(user, 20)
-
+    setup = spilling(blocker / "spill", 20)
     for user in ("a", "b", "a"):
-        entry = await cache.get_or_load(user, lambda user=user: load(user))
-        assert entry is not None
-        assert entry.live == 20
-    assert loads == ["a", "b", "a"]
-    assert len(spill) == 0
+        assert (await setup.read(user)).live == 20
+    assert setup.loads == ["a", "b", "a"]
+    assert len(setup.spill) == 0
 
 
 async def test_users_released_idle_keep_a_file_that_holds_them_and_get_none_written(tmp_path: Path) -> None:
     """Releasing idle users writes no file (hundreds at once would hold the event loop up): one read back from
     its file keeps it, one loaded from LanceDB has none; an entry over ``MAX_WRITE_BYTES`` is never written."""
     clock = [100.0]
-    spill = VectorSpill(tmp_path / "spill", 2**30)
-    cache = VectorCache(max_bytes=int(loaded("x", 20).nbytes * 1.5), clock=lambda: clock[0], spill=spill)
-
-    async def load(user: str) -> UserVectors:
-        return loaded(user, 20)
-
+    setup = spilling(tmp_path / "spill", 20, clock=lambda: clock[0])
+    spill, cache = setup.spill, setup.cache
     for user in ("a", "b", "a"):  # a is evicted (written), read back; b evicted (written)
-        await cache.get_or_load(user, lambda user=user: load(user))
+        await setup.read(user)
     assert "a" in spill
     assert "b" in spill
     spill.discard("b")
-    await cache.get_or_load("b", lambda: load("b"))  # from LanceDB; a evicted again, its file kept
+    await setup.read("b")  # from LanceDB; a evicted again, its file kept
     files = sorted(p.name for p in spill.directory.iterdir())
     clock[0] += 60
     assert cache.release_idle(20.0) == ["b"]
