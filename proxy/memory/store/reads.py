@@ -209,6 +209,7 @@ class StoreReads:
             self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
         found = entry.search_rows(vector, pools)  # single-thread BLAS, cheaper than a hop to a thread
+        entry.records_at([row for rows, _ in found for row in rows])  # the pools' new records made at once
         # cached records carry their pending access times already (``_load_user``)
         return [list(map(_hit, zip(entry.records_at(rows), scores, strict=True))) for rows, scores in found]
 
@@ -263,7 +264,12 @@ class StoreReads:
             return [[] for _ in pools]
         entry = await self._read_entry(user_id)
         if entry is not None:  # the filter columns say which hits are live and in their pool (records carry touches)
-            return [_cached_hits(entry, pool, scored) for pool, scored in zip(pools, found, strict=True)]
+            held = [
+                entry.rows_in_pool([record_id for record_id, _ in scored], pool)
+                for pool, scored in zip(pools, found, strict=True)
+            ]
+            entry.records_at([row for rows, _ in held for row in rows])  # the pools' new records made at once
+            return [_cached_hits(entry, rows, kept, scored) for (rows, kept), scored in zip(held, found, strict=True)]
         ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
         by_id = await self._lance_records_by_id(user_id, ids)
         return [
@@ -352,9 +358,11 @@ class StoreReads:
         return due
 
 
-def _cached_hits(entry: UserVectors, pool: Pool, scored: Sequence[tuple[str, float]]) -> builtins.list[Hit]:
-    """The keyword index's hits for one pool whose records the user's cache entry holds, live and in the pool."""
-    rows, kept = entry.rows_in_pool([record_id for record_id, _ in scored], pool)
+def _cached_hits(
+    entry: UserVectors, rows: Sequence[int], kept: Sequence[int], scored: Sequence[tuple[str, float]]
+) -> builtins.list[Hit]:
+    """The keyword index's hits for one pool whose records the user's cache entry holds, live and in the pool
+    (``rows_in_pool``: their ``rows``, and where each is in ``scored``)."""
     return list(map(_hit, zip(entry.records_at(rows), [scored[i][1] for i in kept], strict=True)))
 
 
