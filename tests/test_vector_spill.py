@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from proxy.memory.store import vector_spill
+from proxy.memory.store import vector_cache, vector_spill
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.user_vectors import UserVectors
 from proxy.memory.store.vector_cache import VectorCache
@@ -301,23 +301,23 @@ async def test_a_spill_that_cannot_write_leaves_reads_to_lancedb(tmp_path: Path)
     assert len(setup.spill) == 0
 
 
-async def test_users_released_idle_keep_a_file_that_holds_them_and_get_none_written(tmp_path: Path) -> None:
-    """Releasing idle users writes no file (hundreds at once would hold the event loop up): one read back from
-    its file keeps it, one loaded from LanceDB has none; an entry over ``MAX_WRITE_BYTES`` is never written."""
+async def test_users_released_idle_are_written_the_most_recent_first_up_to_a_bound(tmp_path: Path) -> None:
+    """Releasing idle users writes files for the most recently read of them, up to ``RELEASE_WRITE_BYTES`` (the
+    event loop is quiet, but hundreds of users at once would hold it up); the others keep a file that still
+    holds them, or go without; an entry over ``MAX_WRITE_BYTES`` is never written."""
     clock = [100.0]
-    setup = spilling(tmp_path / "spill", 20, clock=lambda: clock[0])
+    setup = spilling(tmp_path / "spill", 20, room=4.5, clock=lambda: clock[0])
     spill, cache = setup.spill, setup.cache
-    for user in ("a", "b", "a"):  # a is evicted (written), read back; b evicted (written)
+    for user in ("a", "b", "c", "d"):  # all cached, none with a file
         await setup.read(user)
-    assert "a" in spill
-    assert "b" in spill
-    spill.discard("b")
-    await setup.read("b")  # from LanceDB; a evicted again, its file kept
-    files = sorted(p.name for p in spill.directory.iterdir())
+        clock[0] += 1
+    assert len(spill) == 0
     clock[0] += 60
-    assert cache.release_idle(20.0) == ["b"]
-    assert "b" not in spill
-    assert sorted(p.name for p in spill.directory.iterdir()) == files
+    size = cache.peek("d").nbytes  # type: ignore[union-attr]
+    with patch.object(vector_cache, "RELEASE_WRITE_BYTES", int(size * 2.5)):
+        assert cache.release_idle(20.0) == ["a", "b", "c", "d"]
+    assert [u for u in "abcd" if u in spill] == ["c", "d"]
+    assert len(cache) == 0
     with patch.object(vector_spill, "MAX_WRITE_BYTES", 1):
-        assert not spill.put("c", loaded("c", 5))
-    assert "c" not in spill
+        assert not spill.put("e", loaded("e", 5))
+    assert "e" not in spill

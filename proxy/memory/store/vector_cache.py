@@ -29,6 +29,7 @@ from proxy.memory.store.vector_spill import VectorSpill
 log = structlog.get_logger("memproxy.store")
 
 READS_IDLE_S = 5.0  # ``release_idle`` drops nothing while a read came this recently
+RELEASE_WRITE_BYTES = 64 * 2**20  # users ``release_idle`` writes to the spill at most, by their entries' bytes
 MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past it the load is not kept
 
 
@@ -236,8 +237,9 @@ class VectorCache:
     def release_idle(self, idle_s: float, now: float | None = None) -> list[str]:
         """Once no read has come for ``READS_IDLE_S``, drop the entries no read has used for ``idle_s`` seconds
         (writes do not count: they keep an entry current, not useful); returns their users. Their next read
-        reads them back from the spill if their file there still holds them (none is written here), else loads
-        them again from LanceDB. While reads keep coming, only the byte budget evicts."""
+        reads them back from the spill if their file there still holds them or one is written here (for the most
+        recently read ones, up to ``RELEASE_WRITE_BYTES``), else loads them again from LanceDB. While reads keep
+        coming, only the byte budget evicts."""
         now = self._clock() if now is None else now
         if not self._entries or now - self._read_at[next(reversed(self._entries))] < READS_IDLE_S:
             return []  # the last entry is the one read last
@@ -247,8 +249,11 @@ class VectorCache:
             if self._read_at[user_id] > cutoff:
                 break
             idle.append(user_id)
-        for user_id in idle:
-            self._evict(user_id, spill=True, write=False)  # (hundreds of users at once: no writes here)
+        room = RELEASE_WRITE_BYTES  # files written here, the most recently read users first: the event loop is
+        for user_id in reversed(idle):  # quiet, but hundreds of users at once would hold it up for seconds
+            size = self._bytes.get(user_id, 0)
+            self._evict(user_id, spill=True, write=size <= room)
+            room -= size
         return idle
 
     def drop(self, user_id: str) -> None:
