@@ -2,9 +2,9 @@
 
 A user the vector cache evicts for room (or releases idle) is written here as it was (``UserVectors.spill_parts``:
 arrays and Arrow data, no Python objects), and their next read reads the file back instead of querying LanceDB
-and building the entry again: ~1 ms against ~12 ms of CPU for a 1,000-memory user (a count and a scan of
-LanceDB, sorting and transposing the vectors). With more users chatting than the RAM budget holds, that is the
-difference between a miss costing about a hit and costing several requests' CPU.
+and building the entry again: 1-3 ms against ~11 ms of CPU for a 1,000-memory user (a count and a scan of
+LanceDB, sorting and transposing the vectors). The read still makes the records its arms return again (they are
+not written: making them from the columns is the cheapest form there is), so a miss stays dearer than a hit.
 
 A file is exactly the evicted entry, and stays exact the way the RAM tier does: every write the store applies
 to the cache reaches this tier too (``VectorCache``): a record written or deleted drops the user's file (read from
