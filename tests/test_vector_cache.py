@@ -459,3 +459,15 @@ def test_a_patch_of_a_record_not_made_yet_shows_when_it_is() -> None:
     assert got[0] == recs[0].replace(last_accessed_at=at)
     assert got[1] is not None
     assert got[1].text == "rewritten"
+
+
+def test_records_by_pool_gives_each_pools_records_in_order() -> None:
+    recs = records("u", 8)
+    entry = UserVectors("u", DIM, arrow_rows(recs, unit_rows(8)))
+    pools = [[3, 1], [], [1, 5, 0]]
+    assert [[r.id for r in got] for got in entry.records_by_pool(pools)] == [
+        ["u-3", "u-1"],
+        [],
+        ["u-1", "u-5", "u-0"],
+    ]
+    assert entry._materialised == 4  # u-1 made once

@@ -209,9 +209,11 @@ class StoreReads:
             self.searched_lance = True  # a user the cache cannot hold: LanceDB's ANN index is worth building
             return list(await asyncio.gather(*(self._lance_vector_search(user_id, vector, pool) for pool in pools)))
         found = entry.search_rows(vector, pools)  # single-thread BLAS, cheaper than a hop to a thread
-        entry.records_at([row for rows, _ in found for row in rows])  # the pools' new records made at once
         # cached records carry their pending access times already (``_load_user``)
-        return [list(map(_hit, zip(entry.records_at(rows), scores, strict=True))) for rows, scores in found]
+        made = entry.records_by_pool([rows for rows, _ in found])
+        return [
+            list(map(_hit, zip(records, scores, strict=True))) for records, (_, scores) in zip(made, found, strict=True)
+        ]
 
     async def _lance_vector_search(
         self, user_id: str, vector: npt.NDArray[np.float32], pool: Pool
@@ -268,8 +270,11 @@ class StoreReads:
                 entry.rows_in_pool([record_id for record_id, _ in scored], pool)
                 for pool, scored in zip(pools, found, strict=True)
             ]
-            entry.records_at([row for rows, _ in held for row in rows])  # the pools' new records made at once
-            return [_cached_hits(entry, rows, kept, scored) for (rows, kept), scored in zip(held, found, strict=True)]
+            made = entry.records_by_pool([rows for rows, _ in held])
+            return [
+                list(map(_hit, zip(records, [scored[i][1] for i in kept], strict=True)))
+                for records, (_, kept), scored in zip(made, held, found, strict=True)
+            ]
         ids = list(dict.fromkeys(record_id for scored in found for record_id, _ in scored))
         by_id = await self._lance_records_by_id(user_id, ids)
         return [
@@ -356,14 +361,6 @@ class StoreReads:
                 entry = due.setdefault(user, Due([], []))
                 (entry.expired if expires is not None and expires <= now else entry.old_turns).append(id_)
         return due
-
-
-def _cached_hits(
-    entry: UserVectors, rows: Sequence[int], kept: Sequence[int], scored: Sequence[tuple[str, float]]
-) -> builtins.list[Hit]:
-    """The keyword index's hits for one pool whose records the user's cache entry holds, live and in the pool
-    (``rows_in_pool``: their ``rows``, and where each is in ``scored``)."""
-    return list(map(_hit, zip(entry.records_at(rows), [scored[i][1] for i in kept], strict=True)))
 
 
 def _matches(record: MemoryRecord, user_id: str, pool: Pool) -> bool:
