@@ -3,12 +3,14 @@
 ``AnnouncedAdmin`` is the engine's ``MemoryAdmin``: its operations (``engine_admin.EngineAdmin``, passed in)
 plus the events of what they change (``proxy.memory.events``: ``memory.created`` for added memories,
 ``memory.updated`` for edits, ``memory.deleted``, ``user.forgotten``) and ``remember``, which takes a fact the way
-the write path does (``proxy.memory.write.stated``). Reads pass straight through.
+the write path does (``proxy.memory.write.stated``). Reads pass straight through. ``settle``: in ``memproxy
+serve``'s memory writer, waits until every chat process has applied what a change wrote (``Mirror.settled``), so
+the change answers only once the next chat, whichever process serves it, reads it.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -26,11 +28,19 @@ class RecordReader(Protocol):
 class AnnouncedAdmin:
     """The management operations of ``inner``, each change announced through ``events``."""
 
-    def __init__(self, inner: MemoryOperations, store: RecordReader, events: MemoryEvents, stated: StatedFacts) -> None:
+    def __init__(
+        self, inner: MemoryOperations, store: RecordReader, events: MemoryEvents, stated: StatedFacts,
+        settle: Callable[[], Awaitable[object]] | None = None,
+    ) -> None:  # fmt: skip
         self._inner = inner
         self._store = store
         self._events = events
         self._stated = stated
+        self._settle = settle
+
+    async def _settled(self) -> None:
+        if self._settle is not None:
+            await self._settle()
 
     # --- changes, announced ----------------------------------------------------------------------------
 
@@ -40,16 +50,20 @@ class AnnouncedAdmin:
     ) -> MemoryRecord:  # fmt: skip
         """A fact stated directly (as written: an operator's word), announced as ``memory.created``."""
         record = await self._inner.add_fact(user_id, text, importance, category, expires_at)
+        await self._settled()
         await self._events.emit("memory.created", user_id, [record])
         return record
 
     async def remember(self, user_id: str, text: str, expires_at: datetime | None = None) -> Stated:
         """A fact stated by an agent: screened, reconciled and linked like an extracted one (announced there)."""
-        return await self._stated.add(user_id, text, expires_at)
+        stated = await self._stated.add(user_id, text, expires_at)
+        await self._settled()
+        return stated
 
     async def add_many(self, user_id: str, records: Sequence[MemoryRecord]) -> list[str]:
         """Bulk add, idempotent by id; the new records other than turns announced as ``memory.created``."""
         new = set(await self._inner.add_many(user_id, records))
+        await self._settled()
         announced = [r for r in records if r.id in new and r.kind is not Kind.TURN]
         if announced:
             await self._events.emit("memory.created", user_id, announced)
@@ -61,6 +75,7 @@ class AnnouncedAdmin:
     ) -> MemoryRecord | None:  # fmt: skip
         """The edited record, announced as ``memory.updated`` (with the id it replaces when the text changed)."""
         record = await self._inner.edit(user_id, id, text, importance, expires_at)
+        await self._settled()
         if record is not None:
             extra = {"replaces": id} if record.id != id else {}
             await self._events.emit("memory.updated", user_id, [record], **extra)
@@ -70,6 +85,7 @@ class AnnouncedAdmin:
         """Delete one record for good, announced as ``memory.deleted`` with the text it had."""
         record = await self._store.get(user_id, id)
         deleted = await self._inner.delete(user_id, id)
+        await self._settled()
         if deleted and record is not None:
             await self._events.emit("memory.deleted", user_id, [record.replace(embedding=None)])
         return deleted
@@ -78,6 +94,7 @@ class AnnouncedAdmin:
         """Every trace of the user, then ``user.forgotten`` with the counts (after: the forget drops the user's
         pending deliveries with the rest of their jobs)."""
         counts = await self._inner.forget_user(user_id)
+        await self._settled()
         await self._events.emit("user.forgotten", user_id, counts=counts)
         return counts
 

@@ -127,7 +127,8 @@ class MemoryEngine(ReadSide):
             min_pairs=settings.writer.adapter_min_pairs, on_shipped=self._adapter_shipped,
         )  # fmt: skip
         operations = EngineAdmin(self.store, self.jobs, self.latest, self.search, self._changed, self.names.invalidate)
-        self._admin = AnnouncedAdmin(operations, self.store, self.events, stated)
+        settle = mirror.settled if mirror is not None else None
+        self._admin = AnnouncedAdmin(operations, self.store, self.events, stated, settle)
         self._queue_snapshot: QueueMetrics | None = None
 
     def _build_store(self, settings: EngineSettings, embedder: BaseEmbedder, health: StorageHealth) -> MemoryStore:

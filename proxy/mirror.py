@@ -11,7 +11,10 @@ supervisor's private directory (``writer.sock``, reachable by this user only):
   program, spawned by the same supervisor; nothing else can reach the socket). A chat process applies each op to its
   own caches, so a new memory is searchable there as soon as the writer committed it. A chat process that falls too
   far behind (``MAX_BACKLOG`` frames) is cut off; on every (re)connection it empties its caches (it may have missed
-  ops) and sends everything below again.
+  ops) and sends everything below again. A management change (``settled``) ends with a ``sync`` frame that
+  every chat process acknowledges (``POST /_memproxy/synced``) once it applied what came before it: the change
+  answers only when every chat process reads it (a memory deleted over MCP is gone from the very next chat,
+  whichever process serves it), or after ``SETTLE_S`` if one is too slow to say so (logged).
 * ``POST /_memproxy/chats``: each user's latest chat (model, route and, where the chat passes the client's key on,
   that key), batched every ``PUSH_S``. Keys stay in memory in both processes; a writer that restarts (recycled
   or killed) gets them all again from every chat process when the stream reconnects, so jobs waiting for a key
@@ -53,6 +56,7 @@ MAX_BACKLOG = 50_000  # frames waiting for one chat process before it is cut off
 PUSH_S = 0.05
 TOUCH_S = 1.0
 SHARED_QUEUE_WATCH_S = 0.02  # how often the writer looks for the chat processes' enqueues
+SETTLE_S = 5.0  # how long a management change waits for every chat process to have applied it
 _LENGTH = struct.Struct("!I")
 
 
@@ -69,6 +73,9 @@ class Mirror:
         self.generation = f"{os.getpid()}-{time.time_ns()}"
         self.sent = 0
         self.cut_off = 0
+        self.unsettled = 0  # management changes answered before every chat process had applied them
+        self._syncs: dict[int, tuple[set[int], asyncio.Future[None]]] = {}
+        self._sync_seq = 0
 
     def emit(self, op: str, args: tuple[Any, ...]) -> None:
         """Send one op to every chat process (a pickle made once, whoever listens)."""
@@ -81,9 +88,50 @@ class Mirror:
                 log.warning("mirror.follower_cut_off", backlog=queue.qsize())
                 del self._subscribers[key]
                 queue.put_nowait(None)
+                self._gone(key)  # it empties its caches when it reconnects: nothing stale to wait for
                 continue
             queue.put_nowait(frame)
         self.sent += 1
+
+    async def settled(self, timeout_s: float = SETTLE_S) -> bool:
+        """Wait until every chat process following now has applied every op sent before this call (each
+        acknowledges a ``sync`` frame, ``acknowledged``); False if one had not within ``timeout_s``."""
+        if not self._subscribers:
+            return True
+        self._sync_seq += 1
+        token = self._sync_seq
+        waiting = set(self._subscribers)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._syncs[token] = (waiting, done)
+        try:
+            self.emit("sync", (token,))
+            waiting &= set(self._subscribers)  # any cut off by this very frame
+            if waiting:
+                await asyncio.wait_for(done, timeout_s)
+            return True
+        except TimeoutError:
+            self.unsettled += 1
+            log.warning("mirror.change_unsettled", followers=len(waiting), timeout_s=timeout_s)
+            return False
+        finally:
+            self._syncs.pop(token, None)
+
+    def acknowledged(self, subscriber: int, token: int) -> None:
+        """Chat process ``subscriber`` applied every op up to ``sync`` frame ``token``."""
+        entry = self._syncs.get(token)
+        if entry is not None:
+            self._settle(entry, subscriber)
+
+    def _gone(self, subscriber: int) -> None:
+        for entry in list(self._syncs.values()):
+            self._settle(entry, subscriber)
+
+    @staticmethod
+    def _settle(entry: tuple[set[int], asyncio.Future[None]], subscriber: int) -> None:
+        waiting, done = entry
+        waiting.discard(subscriber)
+        if not waiting and not done.done():
+            done.set_result(None)
 
     def close(self) -> None:
         """End every stream (the writer stops)."""
@@ -99,7 +147,7 @@ class Mirror:
         key = id(queue)
         self._subscribers[key] = queue
         try:
-            await response.write(_frame("hello", (self.generation,)))
+            await response.write(_frame("hello", (self.generation, key)))
             while (frame := await queue.get()) is not None:
                 chunk = [frame]
                 while not queue.empty() and len(chunk) < 256:  # one write for what piled up meanwhile
@@ -110,6 +158,7 @@ class Mirror:
                 await response.write(b"".join(chunk))
         finally:
             self._subscribers.pop(key, None)
+            self._gone(key)
         return response
 
 
@@ -129,9 +178,15 @@ def writer_routes(
             await store.touch(user_id, ids, datetime.fromisoformat(at), young)
         return web.Response(status=204)
 
+    async def synced(request: web.Request) -> web.Response:
+        subscriber, token = orjson.loads(await request.read())
+        mirror.acknowledged(int(subscriber), int(token))
+        return web.Response(status=204)
+
     app.router.add_get("/_memproxy/changes", mirror.stream)
     app.router.add_post("/_memproxy/chats", chats)
     app.router.add_post("/_memproxy/touches", touches)
+    app.router.add_post("/_memproxy/synced", synced)
 
 
 class WriterLink:
@@ -157,6 +212,8 @@ class WriterLink:
         self._pushed = asyncio.Event()
         self.connected = False
         self._followed = asyncio.Event()  # set at the first connection
+        self._acks: set[asyncio.Task[None]] = set()
+        self._subscriber = 0  # the writer's name for this process's stream
         self.generation: str | None = None
         self.resyncs = 0
 
@@ -168,9 +225,10 @@ class WriterLink:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._acks]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await self._flush()  # the last access times and chats, if the writer is there
         if self._session is not None:
@@ -216,15 +274,27 @@ class WriterLink:
                 (length,) = _LENGTH.unpack(await reader.readexactly(_LENGTH.size))
                 op, args = pickle.loads(await reader.readexactly(length))  # noqa: S301 - our own writer, private socket
                 if op == "hello":
-                    await self._resync(args[0])
+                    await self._resync(*args)
+                elif op == "sync":  # everything before it is applied: say so (not waiting: the stream goes on)
+                    task = asyncio.create_task(self._acknowledge(args[0]))
+                    self._acks.add(task)
+                    task.add_done_callback(self._acks.discard)
                 elif op in ("changed", "adapter"):
                     self._on_changed(op, args[0])
                 else:
                     await self._store.follow(op, args)
 
-    async def _resync(self, generation: str) -> None:
+    async def _acknowledge(self, token: int) -> None:
+        assert self._session is not None
+        body = orjson.dumps([self._subscriber, token])
+        with contextlib.suppress(Exception):  # the writer went away: it no longer waits
+            async with self._session.post("http://writer/_memproxy/synced", data=body) as response:
+                response.raise_for_status()
+
+    async def _resync(self, generation: str, subscriber: int) -> None:
         """Connected (again): what was cached may have missed ops; the writer gets every held chat again."""
         self.resyncs += 1
+        self._subscriber = subscriber
         self._store.cache.clear()
         await self._store.follow("keyword", ())
         await self._on_resync()
