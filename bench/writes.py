@@ -221,6 +221,40 @@ def rss_parts_mb(pid: int) -> dict[str, float]:
     return {role: round(rss_mb(child), 1) for child, role in sorted(process_tree(pid).items())}
 
 
+def rss_kinds_mb(pid: int, data: Path) -> dict[str, dict[str, float]]:
+    """Each memproxy process's resident memory by kind (``/proc``'s RssAnon: its own heap and buffers; RssFile:
+    pages of files it maps, which the kernel can take back; RssShmem), and the mapped files' share by where they
+    are (``data:<top folder>`` inside the data directory, else ``other``), MB."""
+    out = {}
+    for child, role in sorted(process_tree(pid).items()):
+        kinds: dict[str, float] = {}
+        try:
+            for line in Path(f"/proc/{child}/status").read_text().splitlines():
+                if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                    kinds[line.split(":")[0][3:].lower()] = round(int(line.split()[1]) / 1024, 1)
+            kinds.update(mapped_mb(child, data))
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+        out[role] = kinds
+    return out
+
+
+def mapped_mb(pid: int, data: Path) -> dict[str, float]:
+    """Resident pages of the files ``pid`` maps, by where they are (``file:data/<top folder>`` or
+    ``file:other``), MB."""
+    root, totals, where = str(data.resolve()) + "/", {}, None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split(None, 5)
+        if len(head) == 6 and "-" in head[0] and head[5].startswith("/"):  # a mapping of a file
+            path = head[5]
+            where = "file:data/" + path[len(root) :].split("/", 1)[0] if path.startswith(root) else "file:other"
+        elif len(head) >= 5 and "-" in head[0]:
+            where = None  # anonymous or special ([heap], [stack], ...)
+        elif where is not None and line.startswith("Rss:"):
+            totals[where] = totals.get(where, 0) + int(line.split()[1])
+    return {key: round(kb / 1024, 1) for key, kb in sorted(totals.items())}
+
+
 def cpu_parts_s(pid: int) -> dict[str, float]:
     """CPU seconds used so far by each of memproxy's processes, by role."""
     return {role: cpu_seconds(child) for child, role in sorted(process_tree(pid).items())}
@@ -413,7 +447,8 @@ async def minute_marks(session: aiohttp.ClientSession, base: str, data: Path, pi
         await asyncio.sleep(max(0.0, started + 60 * i - time.monotonic()))
         parts = rss_parts_mb(pid)
         marks.append({**await asyncio.to_thread(queue_counts, data), "rss_mb": sum(parts.values()),
-                      "rss_parts_mb": parts, "cpu_parts_s": cpu_parts_s(pid), "threads_s": thread_parts_s(pid),
+                      "rss_parts_mb": parts, "rss_kinds_mb": await asyncio.to_thread(rss_kinds_mb, pid, data),
+                      "cpu_parts_s": cpu_parts_s(pid), "threads_s": thread_parts_s(pid),
                       **await metric_marks(session, base)})  # fmt: skip
     return marks
 
@@ -573,6 +608,7 @@ def sustained_report(minutes: Sequence[Minute], marks: Sequence[Mapping[str, Any
                 "started_at": datetime.fromtimestamp(minute.slowest[0], UTC).isoformat(timespec="milliseconds"),
                 "searchable_s": round(minute.slowest[1], 3)},
             "rss_parts_mb": marks[i + 1]["rss_parts_mb"],
+            "rss_kinds_mb": marks[i + 1]["rss_kinds_mb"],
             "cpu_ms_per_arrival": per_arrival(marks[i], marks[i + 1], minute.arrivals),
             "cpu_ms_per_arrival_by_thread": per_arrival_by_thread(marks[i], marks[i + 1], minute.arrivals),
             "stage_mean_ms": stage_means(marks[i]["stages"], marks[i + 1]["stages"]),
