@@ -228,6 +228,7 @@ class ReadSide:
         """Bytes each bounded part of this process holds (``memproxy_memory_bytes{part}``)."""
         return {
             "vector_cache": float(self.store.cache.nbytes),
+            "vector_spill": float(spill.patch_bytes if (spill := self.store.cache.spill) is not None else 0),
             "lance_cache": float(self.store.lance_cache_bytes),
             "conversations": float(self.ledger.bytes),
             "query_vectors": float(self.embedder.cached_vector_bytes),

@@ -20,7 +20,14 @@ from proxy.memory.store import vector_cache, vector_spill
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.user_vectors import UserVectors
 from proxy.memory.store.vector_cache import VectorCache
-from proxy.memory.store.vector_spill import MAX_PATCHES, REWRITE_AFTER, VectorSpill, read_parts, write_parts
+from proxy.memory.store.vector_spill import (
+    MAX_PATCHES,
+    REWRITE_AFTER,
+    VectorSpill,
+    read_parts,
+    upsert_bytes,
+    write_parts,
+)
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -179,8 +186,9 @@ async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: 
 
 
 async def test_writes_reach_spilled_users(tmp_path: Path) -> None:
-    """A patch of a spilled user (access times) is replayed when they are read back; a record written or
-    deleted drops their file (their next read loads them from LanceDB); dropping or clearing deletes files."""
+    """A write to a spilled user (access times, a record written) is replayed when they are read back; a
+    record deleted drops their file (their next read loads them from LanceDB); dropping or clearing deletes
+    files."""
     setup = spilling(tmp_path / "spill", 50, room=1.6)
     spill, cache, loads, read = setup.spill, setup.cache, setup.loads, setup.read
     for user in ("a", "b", "c", "d"):
@@ -188,19 +196,31 @@ async def test_writes_reach_spilled_users(tmp_path: Path) -> None:
     assert {"a", "b", "c"} <= {u for u in ("a", "b", "c", "d") if u in spill}
     at = T0 + timedelta(days=30)
     cache.patch("a", ["a-1", "a-2"], last_accessed_at=at)
-    cache.upsert(records("b", 1, start=70), unit_rows(1))
+    (turn,) = records("b", 1, start=70)
+    cache.upsert([turn], unit_rows(1, seed=7), [np.array([4, 5])])
     cache.remove("c", ["c-3"])
     assert "a" in spill
-    assert "b" not in spill
+    assert "b" in spill
     assert "c" not in spill
     loads.clear()
     entry = await read("a")
     assert loads == []
     assert [r.last_accessed_at for r in entry.records(["a-1", "a-2", "a-3"])] == [at, at, None]
     cache.patch("a", ["a-4"], last_accessed_at=at)  # a patch of a cached user with a file: the file's too
-    await read("b")
+    entry = await read("b")  # from its file, the new turn replayed
+    assert loads == []
+    assert entry.live == 51
+    assert entry.records([turn.id]) == [turn]
+    assert np.array_equal(entry.vector(turn.id), unit_rows(1, seed=7)[0])
+    assert [list(p) if p is not None else None for p in entry.pieces_of([turn.id])] == [[4, 5]]
+    (second,) = records("b", 1, start=71)
+    cache.upsert([second], unit_rows(1, seed=8))  # b in RAM with a file: the file gets it too
     await read("c")
-    assert loads == ["b", "c"]
+    assert loads == ["c"]
+    loads.clear()
+    entry = await read("b")  # b evicted again without a write, read back with both turns
+    assert loads == []
+    assert [r.id for r in entry.records([turn.id, second.id]) if r is not None] == [turn.id, second.id]
     loads.clear()
     entry = await read("a")  # from its file again, both patches replayed
     assert loads == []
@@ -288,6 +308,29 @@ async def test_a_file_with_many_patches_is_written_again_and_one_with_too_many_d
         cache.patch("a", ["a-2"], last_accessed_at=T0 + timedelta(days=i))
     assert "a" not in spill
     assert not again.path.exists()
+    assert spill.patch_bytes == 0
+
+
+async def test_the_patches_held_in_ram_stay_within_their_bound(tmp_path: Path) -> None:
+    """Records written to spilled users are held in RAM until their file is read or written again: past
+    ``MAX_PATCH_BYTES`` in all, the user written to loses their file (read from LanceDB next time)."""
+    setup = spilling(tmp_path / "spill", 20)
+    spill, cache = setup.spill, setup.cache
+    for user in ("a", "b", "c"):
+        await setup.read(user)
+    assert {"a", "b"} <= set(u for u in ("a", "b") if u in spill)
+    one = upsert_bytes(records("a", 1, start=30)[0], unit_rows(1)[0], None)  # "memory 3x": the same length
+    with patch.object(vector_spill, "MAX_PATCH_BYTES", int(one * 2.5)):
+        cache.upsert(records("a", 1, start=30), unit_rows(1))
+        cache.upsert(records("b", 1, start=30), unit_rows(1))
+        assert spill.patch_bytes == 2 * one
+        cache.upsert(records("b", 1, start=31), unit_rows(1))  # past the bound: b's file goes with its patches
+    assert "a" in spill
+    assert "b" not in spill
+    assert spill.patch_bytes == one
+    await setup.read("a")
+    await setup.read("b")
+    assert setup.loads == ["a", "b", "c", "b"]
 
 
 async def test_a_spill_that_cannot_write_leaves_reads_to_lancedb(tmp_path: Path) -> None:

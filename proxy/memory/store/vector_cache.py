@@ -24,7 +24,7 @@ import structlog
 
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.store.user_vectors import UserVectors
-from proxy.memory.store.vector_spill import VectorSpill
+from proxy.memory.store.vector_spill import VectorSpill, touch_bytes, upsert_bytes
 
 log = structlog.get_logger("memproxy.store")
 
@@ -196,12 +196,13 @@ class VectorCache:
         touched: set[str] = set()
         for i, (record, vector) in enumerate(zip(records, vectors, strict=True)):
             held = None if pieces is None else pieces[i]
-            if self._loading.get(record.user_id) is not None:
+            user_id = record.user_id
+            if self._loading.get(user_id) is not None or (self.spill is not None and user_id in self.spill):
                 write = functools.partial(UserVectors.upsert, record=record, vector=vector.copy(), pieces=held)
-                self._note_write(record.user_id, write)
-            if self.spill is not None:
-                self.spill.discard(record.user_id)  # read from LanceDB next time (a spill replays patches only)
-            entry = self._entries.get(record.user_id)
+                self._note_write(user_id, write)
+                if self.spill is not None:  # replayed onto the file's entry when it is read (a turn a chat adds)
+                    self.spill.patch(user_id, write, upsert_bytes(record, vector, held))
+            entry = self._entries.get(user_id)
             if entry is not None:
                 entry.upsert(record, vector, held)
                 touched.add(record.user_id)
@@ -215,7 +216,7 @@ class VectorCache:
             self.mirror("patch", (user_id, ids, changes))
         self._note_write(user_id, lambda loaded: loaded.patch(ids, **changes))
         if self.spill is not None:
-            self.spill.patch(user_id, lambda spilled: spilled.patch(ids, **changes))
+            self.spill.patch(user_id, lambda spilled: spilled.patch(ids, **changes), touch_bytes(ids))
         entry = self._entries.get(user_id)
         if entry is not None:
             entry.patch(ids, **changes)

@@ -7,10 +7,12 @@ LanceDB, sorting and transposing the vectors). The read still makes the records 
 not written: making them from the columns is the cheapest form there is), so a miss stays dearer than a hit.
 
 A file is exactly the evicted entry, and stays exact the way the RAM tier does: every write the store applies
-to the cache reaches this tier too (``VectorCache``): a record written or deleted drops the user's file (read from
-LanceDB next time), a patch (access times) is kept to replay onto the file's entry when it is read. So a file
-plus its patches is the user's entry as it is now, whether the entry is in RAM or not: a file read back stays,
-and when its user is evicted again it is kept as it is (no write) unless many patches piled up on it. Files
+to the cache reaches this tier too (``VectorCache``): a record written (the turns each exchange adds) or an access
+time is kept as a patch to replay onto the file's entry when it is read, a record deleted drops the user's file
+(read from LanceDB next time). So a file plus its patches is the user's entry as it is now, whether the entry is
+in RAM or not: a file read back stays, and when its user is evicted again it is kept as it is (no write) unless
+many patches piled up on it. Patches are held in RAM, bounded per user (``MAX_PATCHES``) and in all
+(``MAX_PATCH_BYTES``): past either, the user's file is dropped. Files
 live only as long as their process: each cache keeps its own directory, removed when it closes, and those of
 processes that died are removed when another writes its first. The files hold what LanceDB's own files hold
 (the same rows), in the same data directory; forgetting a user (``drop``) deletes theirs.
@@ -22,7 +24,7 @@ import contextlib
 import os
 import shutil
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,14 +35,19 @@ import orjson
 import pyarrow as pa
 import structlog
 
+from proxy.memory.store.records import MemoryRecord
 from proxy.memory.store.user_vectors import SpillParts, UserVectors
 
 log = structlog.get_logger("memproxy.store")
 
 SPILL_DIR = "vector-spill"  # under the data directory; one directory per process inside it
 MAX_PATCHES = 64  # patches kept for one user's file (in RAM); past it the file is dropped (read from LanceDB)
+MAX_PATCH_BYTES = 32 * 2**20  # patches kept for all files together (in RAM); past it, the patched user's is dropped
 REWRITE_AFTER = 16  # a user evicted with more patches on their file than this is written again
 MAX_WRITE_BYTES = 32 * 2**20  # entries bigger than this (~13k memories) are not written: ~20 ms on the event loop
+_RECORD_BYTES = 1_000
+_TOUCH_BYTES = 400  # the closure and the changes' dict
+_TOUCH_ID_BYTES = 80  # an id (its string, in the list)
 _MAGIC = b"MPVSPILL1\n"
 _HEADER = 4  # bytes of the header's length, after the magic
 _ARRAYS = ("vectors", "created", "kind", "valid", "alive", "base", "piece_values", "piece_offsets", "piece_held")
@@ -54,6 +61,7 @@ class Spilled:
     path: Path
     nbytes: int
     patches: list[Callable[[UserVectors], object]] = field(default_factory=list)
+    patch_bytes: int = 0  # what the patches hold in RAM (an estimate)
 
     def read(self, user_id: str, patches: int) -> UserVectors:
         """The entry the file holds, its first ``patches`` patches replayed."""
@@ -72,6 +80,7 @@ class VectorSpill:
         self.directory = root / str(os.getpid())
         self._files: OrderedDict[str, Spilled] = OrderedDict()  # oldest first
         self._total = 0
+        self.patch_bytes = 0  # RAM the files' patches hold, together
         self._written = 0  # files written: the next one's name
         self._made = False  # the directory (made at the first write)
 
@@ -127,21 +136,25 @@ class VectorSpill:
             self._files.move_to_end(user_id)
         return spilled
 
-    def patch(self, user_id: str, write: Callable[[UserVectors], object]) -> None:
-        """A patch of a user with a file, replayed whenever it is read (too many: the file is dropped)."""
+    def patch(self, user_id: str, write: Callable[[UserVectors], object], nbytes: int) -> None:
+        """A patch of a user with a file (``nbytes``: what it holds in RAM), replayed whenever it is read (too
+        many for the user, or too many bytes in all: the user's file is dropped)."""
         spilled = self._files.get(user_id)
         if spilled is None:
             return
-        if len(spilled.patches) >= MAX_PATCHES:
+        if len(spilled.patches) >= MAX_PATCHES or self.patch_bytes + nbytes > MAX_PATCH_BYTES:
             self.discard(user_id)
         else:
             spilled.patches.append(write)
+            spilled.patch_bytes += nbytes
+            self.patch_bytes += nbytes
 
     def discard(self, user_id: str) -> None:
         """Drop the user's file (their records changed, or they were forgotten, or it could not be read)."""
         spilled = self._files.pop(user_id, None)
         if spilled is not None:
             self._total -= spilled.nbytes
+            self.patch_bytes -= spilled.patch_bytes
             _remove(spilled.path)
 
     def clear(self) -> None:
@@ -152,8 +165,19 @@ class VectorSpill:
     def close(self) -> None:
         """Drop every file and the directory."""
         self._files.clear()
-        self._total = 0
+        self._total = self.patch_bytes = 0
         shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def upsert_bytes(record: MemoryRecord, vector: npt.NDArray[np.float32], pieces: npt.NDArray[np.int64] | None) -> int:
+    """What a patch writing ``record`` holds in RAM: the record (its text and ~1 kB of the rest), its vector
+    and word pieces."""
+    return _RECORD_BYTES + len(record.text) + vector.nbytes + (pieces.nbytes if pieces is not None else 0)
+
+
+def touch_bytes(ids: Sequence[str]) -> int:
+    """What a patch of access times on ``ids`` holds in RAM."""
+    return _TOUCH_BYTES + _TOUCH_ID_BYTES * len(ids)
 
 
 def parts_nbytes(parts: SpillParts) -> int:
