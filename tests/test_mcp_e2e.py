@@ -96,3 +96,6 @@ async def test_an_agent_adds_finds_and_deletes_a_memory_the_chat_carries(tmp_pat
                     headers={"Accept": "application/json, text/event-stream"},
                 )
                 assert nobody.status_code == 400
+                metrics = (await http.get(url.removesuffix("/v1") + "/metrics")).text
+                # every change was applied by every chat process before it answered, none after a timeout
+                assert "memproxy_mirror_unsettled_total 0.0" in metrics
