@@ -224,7 +224,7 @@ def rss_parts_mb(pid: int) -> dict[str, float]:
 def rss_kinds_mb(pid: int, data: Path) -> dict[str, dict[str, float]]:
     """Each memproxy process's resident memory by kind (``/proc``'s RssAnon: its own heap and buffers; RssFile:
     pages of files it maps, which the kernel can take back; RssShmem), and the mapped files' share by where they
-    are (``data:<top folder>`` inside the data directory, else ``other``), MB."""
+    are (``file:data/<top folder>`` inside the data directory, else ``file:other``: ``mapped_mb``), MB."""
     out = {}
     for child, role in sorted(process_tree(pid).items()):
         kinds: dict[str, float] = {}

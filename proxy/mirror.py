@@ -93,6 +93,11 @@ class Mirror:
             queue.put_nowait(frame)
         self.sent += 1
 
+    def gauges(self) -> dict[str, float]:
+        """Management changes answered before every chat process had applied them (``settled`` timed out), and
+        chat processes cut off for falling behind."""
+        return {"unsettled_total": float(self.unsettled), "followers_cut_off_total": float(self.cut_off)}
+
     async def settled(self, timeout_s: float = SETTLE_S) -> bool:
         """Wait until every chat process following now has applied every op sent before this call (each
         acknowledges a ``sync`` frame, ``acknowledged``); False if one had not within ``timeout_s``."""

@@ -19,7 +19,7 @@ import os
 import signal
 import socket
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import structlog
@@ -80,7 +80,7 @@ async def run_writer(settings: Settings, directory: Path, replica: str, ready_fd
                 yield service
                 return
             engine = opened[0]
-            metrics.add_gauges("memproxy_mirror", mirror_gauges(mirror))
+            metrics.add_gauges("memproxy_mirror", mirror.gauges)
             # The document model's threads (MiniLM int8 on every core) share the cores with the chat processes
             # rather than going before them: a turn they would be late for gets the static side's vectors instead
             # ([writer] quick_vectors_after_s), so the chat keeps its share and turns stay searchable in time.
@@ -106,12 +106,6 @@ async def run_writer(settings: Settings, directory: Path, replica: str, ready_fd
 
     await serve(settings, memory_factory=memory, unix_path=str(directory / MEMORY_SOCKET), started=started)
     return EXIT_RECYCLE if recycle else 0
-
-
-def mirror_gauges(mirror: Mirror) -> Callable[[], dict[str, float]]:
-    """The writer's link numbers: management changes answered before every chat process had applied them
-    (``Mirror.settled`` timed out) and chat processes cut off for falling behind."""
-    return lambda: {"unsettled_total": float(mirror.unsettled), "followers_cut_off_total": float(mirror.cut_off)}
 
 
 async def _recycle_check(engine: MemoryEngine, max_jobs: int, max_rss_mb: float, recycle: list[str]) -> None:

@@ -205,7 +205,7 @@ class VectorCache:
             entry = self._entries.get(user_id)
             if entry is not None:
                 entry.upsert(record, vector, held)
-                touched.add(record.user_id)
+                touched.add(user_id)
         for user_id in touched:
             if user_id in self._entries:
                 self._account(user_id)
