@@ -4,7 +4,10 @@ Starts the fake upstream (loopback, 5 ms) and ``memproxy serve`` over a copy of 
 (10k memories of one user), drives it with the load generator at ``--concurrency`` in ``--mode off`` (the
 proxy alone) or ``--mode read`` (the whole read path; every read given 5 s so none is cut short), and records
 its processes (the supervisor, the chat processes, the memory writer) with py-spy for ``--seconds`` at 200 Hz
-(all threads, active samples only). Prints the share of samples and the CPU per request of each process, per
+(all threads, active samples only). With ``--users N`` the store holds N users of ``--memories`` each and request i
+is user i's in ``bench/load.py``'s order (``user_sequence``); ``--vector-cache-mb`` sets each chat process's
+``store.vector_cache_bytes``, so the read path of users not cached (``memproxy-on-small-cache``) can be profiled.
+Prints the share of samples and the CPU per request of each process, per
 thread, per kind of code (the proxy's own, aiohttp, the event loop, onnxruntime, Tantivy, ...)
 and the hottest leaf frames, and the CPU per request. The raw py-spy file goes to ``--out``.
 """
@@ -24,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.load import OFF, ON, queries, seeded_store
+from bench.load import OFF, ON, queries, seeded_store, user_sequence
 from bench.loadgen import run
 from tests.support.processes import fake_upstream_process, memproxy_process, process_tree
 
@@ -42,10 +45,13 @@ def summary(raw: list[str], seconds: float, requests: int, roles: dict[int, str]
     for line in raw:
         stack, _, count = line.rpartition(" ")
         frames, n = stack.split(";"), int(count)
-        if frames[0].startswith("process "):  # --subprocesses: "process PID:\"command line\""
-            pid = int(frames[0].split()[1].split(":")[0])
+        nested = 0
+        while nested < len(frames) and frames[nested].startswith("process "):  # --subprocesses: "process
+            nested += 1  # PID:\"command line\"", one a level (the supervisor's, then its child's)
+        if nested:
+            pid = int(frames[nested - 1].split()[1].split(":")[0])
             processes[(roles or {}).get(pid, f"pid {pid}")] += n
-            frames = frames[1:]
+            frames = frames[nested:]
         total += n
         threads[frames[0].split(" (")[0] + " " + frames[0].rsplit(": ", 1)[-1][:30]] += n
         leaves[frames[-1][:110]] += n
@@ -88,9 +94,15 @@ def _kind(frames: list[str]) -> str:
 
 
 async def _drive(
-    url: str, headers: dict[str, str], concurrency: int, requests: int, texts: list[str], stream: bool = False
+    url: str,
+    headers: dict[str, str],
+    concurrency: int,
+    requests: int,
+    texts: list[str],
+    stream: bool = False,
+    users: list[str] | None = None,
 ) -> None:
-    await run(url, concurrency=concurrency, requests=requests, stream=stream, headers=headers, texts=texts)
+    await run(url, concurrency=concurrency, requests=requests, stream=stream, headers=headers, texts=texts, users=users)
 
 
 def main() -> None:
@@ -100,12 +112,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--stream", action="store_true", help="streamed requests (the load bench's other half)")
     parser.add_argument("--seconds", type=int, default=20, help="how long py-spy records")
-    parser.add_argument("--memories", type=int, default=10_000, help="memories of the read-mode user")
+    parser.add_argument("--memories", type=int, default=10_000, help="memories of the read-mode user (of each user)")
+    parser.add_argument("--users", type=int, default=1, help="users in the store, requests spread over them")
+    parser.add_argument("--vector-cache-mb", type=int, help="store.vector_cache_bytes (MiB) of a chat process")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "memproxy-profile.txt")
     args = parser.parse_args()
     if not PY_SPY.exists():
         sys.exit(f"{PY_SPY} missing: pip install -e '.[bench]' (make bench-profile does)")
-    seeded = seeded_store(args.memories)
+    seeded = seeded_store(args.memories, args.users)
+    users = user_sequence(args.users, 4096) if args.users > 1 else None
     headers = ON if args.mode == "read" else OFF
     texts = queries(random.Random(1), 6000)
     with tempfile.TemporaryDirectory() as tmp, fake_upstream_process(5.0) as (_, upstream):
@@ -119,10 +134,13 @@ def main() -> None:
             "MEMPROXY_MEMORY__READ_QUEUE_MS": "5000",
             "MEMPROXY_SERVER__WORKERS": "0",  # the product's default (the tests' helper starts one chat process)
         }
+        if args.vector_cache_mb is not None:
+            env["MEMPROXY_STORE__VECTOR_CACHE_BYTES"] = str(args.vector_cache_mb * 2**20)
         with memproxy_process(env, timeout=180.0) as (proc, proxy):
             url = f"{proxy}/chat/completions"
-            # warm: the user's caches load
-            asyncio.run(_drive(url, headers, args.concurrency, 100, texts[:100], args.stream))
+            # warm: the users' caches load
+            warm = max(100, 2 * args.users)
+            asyncio.run(_drive(url, headers, args.concurrency, warm, texts[:warm], args.stream, users))
             spy = subprocess.Popen(
                 [
                     str(PY_SPY),
@@ -147,13 +165,17 @@ def main() -> None:
             roles = process_tree(proc.popen.pid)
             size, requests, started = 10 * args.concurrency, 0, time.perf_counter()
             while spy.poll() is None:  # keep the load on for as long as py-spy records
-                batch = [texts[(100 + requests + i) % len(texts)] for i in range(size)]
-                asyncio.run(_drive(url, headers, args.concurrency, size, batch, args.stream))
+                batch = [texts[(warm + requests + i) % len(texts)] for i in range(size)]
+                who = [users[(warm + requests + i) % len(users)] for i in range(size)] if users else None
+                asyncio.run(_drive(url, headers, args.concurrency, size, batch, args.stream, who))
                 requests += size
             rate = requests / (time.perf_counter() - started)
     if spy.returncode != 0 or not args.out.exists():
         sys.exit(f"py-spy failed (exit {spy.returncode}); it needs ptrace rights over the memproxy process")
-    print(f"mode {args.mode}, concurrency {args.concurrency}, stream {args.stream}: {rate:.1f} req/s")
+    print(
+        f"mode {args.mode}, concurrency {args.concurrency}, stream {args.stream}, users {args.users}, "
+        f"vector cache {args.vector_cache_mb or 'default'} MiB: {rate:.1f} req/s"
+    )
     print(summary(args.out.read_text().splitlines(), args.seconds, round(rate * args.seconds), roles))
     print(f"raw py-spy output: {args.out}")
 

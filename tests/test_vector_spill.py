@@ -156,12 +156,53 @@ def test_a_spilled_entry_reads_back_as_it_was(
             target.upsert(record, unit_rows(1, seed + 100 + k)[0], np.array([k, k]))
         target.remove(ids[:5])
     assert_same(back, entry, ids + [r.id for r in more], seed)
+    for target in (back, entry):  # the file's entry changed and written again reads back the same too
+        target.patch(ids[5:9], last_accessed_at=T0 + timedelta(days=12))
+    write_parts(path, back.spill_parts())
+    again = UserVectors.from_spill("u", read_parts(path))
+    assert_same(again, entry, ids + [r.id for r in more], seed)
 
 
-async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: Path) -> None:
+def test_a_file_written_again_and_again_holds_only_its_live_rows(tmp_path: Path) -> None:
+    """A user read back, touched and evicted again many times: each write keeps one row of columns a live
+    record (the rows changed records replaced are dropped), in one chunk, and the entry's size stays put."""
+    entry = loaded("u", 60)
+    entry.remove(["u-0", "u-1"])
+    path = tmp_path / "u.spill"
+    sizes = []
+    for cycle in range(6):
+        ids = [f"u-{i}" for i in range(2 + cycle * 7, 12 + cycle * 7)]
+        entry.records(ids[:4])  # some made, some not: both kinds of changed record
+        entry.patch(ids, last_accessed_at=T0 + timedelta(days=cycle + 1))
+        write_parts(path, entry.spill_parts())
+        parts = read_parts(path)
+        assert parts.columns is not None
+        assert parts.columns.num_rows == entry.live == 58
+        assert parts.columns.column(0).num_chunks == 1
+        back = UserVectors.from_spill("u", parts)
+        assert_same(back, entry, [f"u-{i}" for i in range(60)], cycle)
+        entry = back
+        sizes.append(entry.nbytes)
+    assert max(sizes) == min(sizes)
+
+
+@pytest.mark.parametrize("inline", [True, False], ids=["on-the-loop", "in-a-thread"])
+async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
     """Past the RAM budget the least recently used user goes to the spill; their next read takes it from
     there (``spilled``), not from ``load``, and they hold what they held; the file stays theirs, and evicting
-    them again writes nothing."""
+    them again writes nothing. A small file is read on the event loop, a large one in a thread."""
+    threads: list[object] = []
+    to_thread = vector_cache.asyncio.to_thread
+
+    async def counted(func: Callable[..., object], *args: object) -> object:
+        threads.append(func)
+        return await to_thread(func, *args)
+
+    monkeypatch.setattr(vector_cache.asyncio, "to_thread", counted)
+    if not inline:
+        monkeypatch.setattr(vector_cache, "INLINE_READ_BYTES", 0)
     setup = spilling(tmp_path / "spill", 100)
     spill, cache = setup.spill, setup.cache
     seen: list[str] = []
@@ -181,6 +222,7 @@ async def test_an_evicted_user_is_read_back_from_the_spill_not_loaded(tmp_path: 
     assert sorted(p.name for p in spill.directory.iterdir()) == ["1.spill", "2.spill"]
     assert setup.loads == ["a", "b"]
     assert seen[-1] == "spilled"
+    assert len(threads) == (0 if inline else 2)
     await cache.aclose()
     assert not spill.directory.exists()
 
@@ -364,3 +406,32 @@ async def test_users_released_idle_are_written_the_most_recent_first_up_to_a_bou
     with patch.object(vector_spill, "MAX_WRITE_BYTES", 1):
         assert not spill.put("e", loaded("e", 5))
     assert "e" not in spill
+
+
+@pytest.mark.parametrize("keep", [0.0, 0.001, 0.5, 0.999])
+def test_a_file_cut_short_anywhere_is_refused_not_mapped_past_its_end(tmp_path: Path, keep: float) -> None:
+    path = tmp_path / "u.spill"
+    write_parts(path, loaded("u", 40).spill_parts())
+    whole = path.read_bytes()
+    path.write_bytes(whole[: int(len(whole) * keep)])
+    with pytest.raises(ValueError, match=r"cut short|not a vector spill file"):
+        read_parts(path)
+
+
+def test_a_file_written_over_leaves_the_entries_read_from_it_whole(tmp_path: Path) -> None:
+    """An entry read back maps its file: writing that path again (renamed over it) leaves the mapping whole, and
+    writes to the entry change its pages, not the file (... which reads back as written)."""
+    path = tmp_path / "u.spill"
+    entry = loaded("u", 40)
+    write_parts(path, entry.spill_parts())
+    back = UserVectors.from_spill("u", read_parts(path))
+    write_parts(path, loaded("u", 3, seed=9).spill_parts())
+    assert_same(back, entry, [f"u-{i}" for i in range(40)], 0)
+    assert UserVectors.from_spill("u", read_parts(path)).live == 3
+    write_parts(path, entry.spill_parts())
+    again = UserVectors.from_spill("u", read_parts(path))
+    for target in (again, entry):  # writes in place into the mapped arrays (private pages) ...
+        target.upsert(records("u", 1, start=5)[0].replace(text="changed"), unit_rows(1, 3)[0])
+        target.remove(["u-6"])
+    assert_same(again, entry, [f"u-{i}" for i in range(40)], 1)
+    assert_same(UserVectors.from_spill("u", read_parts(path)), loaded("u", 40), [f"u-{i}" for i in range(40)], 2)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import operator
 import uuid
@@ -269,6 +270,16 @@ _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _MICROSECOND = timedelta(microseconds=1)
 
 
+def to_micros(at: datetime) -> int:
+    """An aware datetime as whole microseconds since the epoch, exactly (``from_micros`` gives it back)."""
+    return (at - _EPOCH) // _MICROSECOND
+
+
+def from_micros(value: int) -> datetime:
+    """``to_micros``' datetime (UTC)."""
+    return _EPOCH + _MICROSECOND * value
+
+
 def _datetimes(column: pa.ChunkedArray) -> list[datetime | None]:
     """A ``timestamp[us, tz=UTC]`` column as aware datetimes: ~3x faster than Arrow's own conversion, which
     resolves the zone per value (a newly loaded user's read makes a record of each of its arms' hits, five such
@@ -276,13 +287,31 @@ def _datetimes(column: pa.ChunkedArray) -> list[datetime | None]:
     return [None if value is None else _EPOCH + _MICROSECOND * value for value in column.cast(pa.int64()).to_pylist()]
 
 
+_KIND_OF = {str(kind): kind for kind in Kind}
+
+
+def _kind(value: str) -> Kind:
+    """``Kind(value)`` at a dict lookup's cost (an Enum call costs several times it, for every record made)."""
+    kind = _KIND_OF.get(value)
+    return kind if kind is not None else Kind(value)
+
+
 # What a value read from Arrow (``to_pylist`` / ``to_pydict`` form) becomes in a record, by field.
 _CONVERSIONS: dict[str, Callable[[Any], Any]] = {
-    "kind": Kind,
+    "kind": _kind,
     "entities": _tuple,
     "source_ids": _tuple,
     "embedding": _list,
 }
+
+
+@functools.lru_cache(maxsize=64)
+def _defaults(names: tuple[str, ...]) -> list[tuple[str, Any]] | None:
+    """The record fields a table of these columns lacks, with their defaults (None: one of them has no plain
+    default, so its records go through the constructor); the same few schemas every time."""
+    missing = [field for field in dataclasses.fields(MemoryRecord) if field.name not in names]
+    plain = all(field.default is not dataclasses.MISSING for field in missing)  # ``embedding``, say: None
+    return [(f.name, f.default) for f in missing] if plain else None
 
 
 class RecordColumns:
@@ -309,11 +338,7 @@ class RecordColumns:
         elif any(column.num_chunks > 1 for column in kept.columns):
             kept = kept.combine_chunks()
         self._table = kept
-        names = set(self._table.column_names)
-        missing = [field for field in dataclasses.fields(MemoryRecord) if field.name not in names]
-        plain = all(field.default is not dataclasses.MISSING for field in missing)  # ``embedding``, say: None
-        # (a table without a column that has no plain default goes through the constructor)
-        self._defaults: list[tuple[str, Any]] | None = [(f.name, f.default) for f in missing] if plain else None
+        self._defaults = _defaults(tuple(kept.column_names))
 
     @property
     def nbytes(self) -> int:

@@ -21,7 +21,16 @@ import numpy.typing as npt
 import pyarrow as pa
 
 from proxy.memory.store.exact_search import KIND_CODES, dot, kind_table, top_k
-from proxy.memory.store.records import PIECES, Kind, MemoryRecord, Pool, RecordColumns, arrow_rows
+from proxy.memory.store.records import (
+    PIECES,
+    Kind,
+    MemoryRecord,
+    Pool,
+    RecordColumns,
+    arrow_rows,
+    from_micros,
+    to_micros,
+)
 
 # A materialised MemoryRecord with its own strings (~750 B under tracemalloc for a ~90-character turn) and an
 # id with its index entry and list slots (~190 B), each with the allocator's share: 100,000 records mirrored into
@@ -83,7 +92,8 @@ class UserVectors:
         self._base: list[int] = []  # row in self._columns, or -1 for records added after the load
         self._records: list[MemoryRecord | None] = []
         self._materialised = 0
-        # Ids whose record differs from its loaded row, or has none (written, patched or touched since the load):
+        # Ids whose record differs from its loaded row, or has none (written or patched since the load; an access
+        # time alone is in ``accessed``):
         # what a spill (``spill_parts``) writes from the records rather than the loaded columns.
         self._changed: set[str] = set()
         self._overrides: dict[str, dict[str, object]] = {}  # patched fields of records not made yet, by id
@@ -103,6 +113,10 @@ class UserVectors:
         self.kind = np.zeros(capacity, dtype=np.int8)
         self.valid = np.zeros(capacity, dtype=np.bool_)
         self.alive = np.zeros(capacity, dtype=np.bool_)
+        # Each row's access time (``to_micros``) noted since its record was loaded or written, 0 for none: the
+        # record shows it (``records_at``). A column rather than a changed record: a user read back from the
+        # spill, touched and evicted again writes the column, not the records reads touched (``spill_parts``).
+        self.accessed = np.zeros(capacity, dtype=np.int64)
 
     def _load(self, rows: pa.Table) -> None:
         count = rows.num_rows
@@ -144,7 +158,7 @@ class UserVectors:
     @property
     def nbytes(self) -> int:
         """Approximate memory held by the entry."""
-        arrays = self.vectors.nbytes + self.created.nbytes + self.kind.nbytes * 3
+        arrays = self.vectors.nbytes + self.created.nbytes + self.accessed.nbytes + self.kind.nbytes * 3
         arrays += self._piece_values.nbytes + len(self._piece_offsets) * _LIST_INT_BYTES
         arrays += self._fresh_bytes
         rows = self._columns_bytes
@@ -170,6 +184,7 @@ class UserVectors:
         self.created[row] = created
         self.kind[row] = code
         self.valid[row] = record.valid
+        self.accessed[row] = 0  # the record's own
         self._records[row] = record.replace(embedding=None)
         self._changed.add(record.id)
         self._overrides.pop(record.id, None)
@@ -191,7 +206,7 @@ class UserVectors:
         return row
 
     def _arrays(self) -> list[npt.NDArray[Any]]:
-        return [self.vectors, self.created, self.kind, self.valid, self.alive]
+        return [self.vectors, self.created, self.kind, self.valid, self.alive, self.accessed]
 
     def _grow(self, capacity: int) -> None:
         old = self._arrays()
@@ -201,13 +216,20 @@ class UserVectors:
 
     def patch(self, ids: Sequence[str], **changes: object) -> None:
         """Change fields that do not touch the vector or the filters (``last_accessed_at``, say); a record not
-        made yet gets them when it is (making each touched record at once cost more than the reads that follow)."""
+        made yet gets them when it is (making each touched record at once cost more than the reads that follow).
+        An access time alone goes in the ``accessed`` column."""
+        at = changes.get("last_accessed_at")
+        if len(changes) == 1 and isinstance(at, datetime):
+            self._note_accessed(ids, at, only_later=False)
+            return
         records, index = self._records, self.index
         for record_id in ids:
             row = index.get(record_id)
             if row is None:
                 continue
             record = records[row]
+            if "last_accessed_at" in changes:
+                self.accessed[row] = 0  # the record's, changed with the rest
             if record is None:
                 self._overrides.setdefault(record_id, {}).update(changes)
                 self._changed.add(record_id)
@@ -217,10 +239,24 @@ class UserVectors:
 
     def touch(self, record_id: str, at: datetime) -> None:
         """Note an access time on one record, unless it already shows a later one."""
-        record = self.records([record_id])[0]
-        if record is not None and (record.last_accessed_at is None or record.last_accessed_at < at):
-            self._records[self.index[record_id]] = record.replace(last_accessed_at=at)
-            self._changed.add(record_id)
+        self._note_accessed([record_id], at, only_later=True)
+
+    def _note_accessed(self, ids: Sequence[str], at: datetime, *, only_later: bool) -> None:
+        """Set the access time of these records (``only_later``: where it is later than the one they show):
+        in ``accessed``, and on the records already made."""
+        records, index, accessed, value = self._records, self.index, self.accessed, to_micros(at)
+        for record_id in ids:
+            row = index.get(record_id)
+            if row is None:
+                continue
+            if only_later:
+                shown = self.records_at([row])[0].last_accessed_at
+                if shown is not None and shown >= at:
+                    continue
+            accessed[row] = value
+            record = records[row]
+            if record is not None and record.last_accessed_at != at:
+                records[row] = record.replace(last_accessed_at=at)  # (a flush repeats a touch)
 
     def remove(self, ids: Sequence[str]) -> int:
         """Forget these records; returns how many were present."""
@@ -243,6 +279,7 @@ class UserVectors:
         self._overrides.pop(record_id, None)
         self._drop_fresh_pieces(record_id)
         self.alive[row] = False
+        self.accessed[row] = 0
         if self._records[row] is not None:
             self._materialised -= 1
         self._records[row] = None
@@ -417,9 +454,11 @@ class UserVectors:
         pending = list(dict.fromkeys(row for row in rows if records[row] is None))
         if pending:
             made = cast("RecordColumns", self._columns).records([self._base[row] for row in pending])
-            overrides, ids = self._overrides, self.ids
+            overrides, ids, accessed = self._overrides, self.ids, self.accessed
             for row, record in zip(pending, made, strict=True):
                 changes = overrides.pop(ids[row], None) if overrides else None
+                if accessed[row]:  # (made here: no one else holds it yet)
+                    object.__setattr__(record, "last_accessed_at", from_micros(int(accessed[row])))
                 records[row] = record if changes is None else record.replace(**changes)
             self._materialised += len(pending)
         return cast("list[MemoryRecord]", [records[row] for row in rows])
@@ -451,12 +490,22 @@ class UserVectors:
             table = added if table is None else pa.concat_tables([table, added.cast(table.schema)])
             base[changed] = start + np.arange(len(changed))
             values, offsets, held = _appended_pieces((values, offsets, held), _pieces_columns(made))
+        if table is not None and (changed or table.num_rows > self.live):
+            # Only the rows live records point at, in one chunk: the rows changed records replaced (and those of
+            # deleted ones) would otherwise stay in the file and grow it at every write (a user read back, touched
+            # and evicted again many times gained ~200 rows a write), and a read of a file of two chunks joined them.
+            live = np.flatnonzero(alive)
+            table = table.take(pa.array(base[live], pa.int64())).combine_chunks()
+            values, offsets, held = _taken_pieces((values, offsets, held), base[live])
+            base = np.full(n, -1, dtype=np.int64)
+            base[live] = np.arange(len(live))
         arrays: dict[str, npt.NDArray[Any]] = {
             "vectors": np.ascontiguousarray(self.vectors[:, :n]),
             "created": self.created[:n],
             "kind": self.kind[:n],
             "valid": self.valid[:n],
             "alive": alive,
+            "accessed": self.accessed[:n],
             "base": base,
             "piece_values": values,
             "piece_offsets": np.asarray(offsets, dtype=np.int64),
@@ -471,7 +520,7 @@ class UserVectors:
         entry = cls(user_id, parts.arrays["vectors"].shape[0])
         arrays, n = parts.arrays, parts.n
         entry.vectors, entry.created, entry.kind = arrays["vectors"], arrays["created"], arrays["kind"]
-        entry.valid, entry.alive = arrays["valid"], arrays["alive"]
+        entry.valid, entry.alive, entry.accessed = arrays["valid"], arrays["alive"], arrays["accessed"]
         entry.n, entry.dead, entry.generation = n, parts.dead, parts.generation
         entry.ids = parts.ids.to_pylist()
         entry.index = {entry.ids[row]: row for row in np.flatnonzero(entry.alive[:n]).tolist()}
@@ -511,8 +560,8 @@ class UserVectors:
 @dataclasses.dataclass(frozen=True)
 class SpillParts:
     """One entry as ``UserVectors.spill_parts`` gives it: its counts, its arrays (``vectors`` (dim, n) float32;
-    ``created``, ``base``, ``piece_values``, ``piece_offsets`` int64; ``kind`` int8; ``valid``, ``alive``,
-    ``piece_held`` bool), its ids and its record columns."""
+    ``created``, ``accessed``, ``base``, ``piece_values``, ``piece_offsets`` int64; ``kind`` int8; ``valid``,
+    ``alive``, ``piece_held`` bool), its ids and its record columns."""
 
     n: int
     dead: int
@@ -535,6 +584,17 @@ def _appended_pieces(first: _Pieces, then: _Pieces) -> _Pieces:
     joined = np.concatenate([values[:end], more_values[more_offsets[0] : more_offsets[-1]]])
     shifted = [end + offset - more_offsets[0] for offset in more_offsets[1:]]
     return joined, offsets + shifted, held + more_held
+
+
+def _taken_pieces(pieces: _Pieces, rows: npt.NDArray[np.int64]) -> _Pieces:
+    """``_pieces_columns`` of these rows of ``pieces``' rows, in this order."""
+    values, offsets, held = pieces
+    bounds = np.asarray(offsets, dtype=np.int64)
+    starts, lengths = bounds[rows], bounds[rows + 1] - bounds[rows]
+    kept = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=kept[1:])
+    at = np.repeat(starts - kept[:-1], lengths) + np.arange(int(kept[-1]), dtype=np.int64)
+    return values[at], kept.tolist(), [held[row] for row in rows.tolist()]
 
 
 def _vector_rows(column: pa.ChunkedArray, dim: int) -> npt.NDArray[np.float32]:

@@ -30,6 +30,7 @@ log = structlog.get_logger("memproxy.store")
 
 READS_IDLE_S = 5.0  # ``release_idle`` drops nothing while a read came this recently
 RELEASE_WRITE_BYTES = 64 * 2**20  # users ``release_idle`` writes to the spill at most, by their entries' bytes
+INLINE_READ_BYTES = 4 * 2**20  # a spilled file up to this size (~2,000 memories) is read back on the event loop
 MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past it the load is not kept
 
 
@@ -106,9 +107,28 @@ class VectorCache:
             return None
         if self.spill is not None and user_id in self.spill:
             self._observed("spilled")
+            entry = self._read_spilled_here(user_id)
+            if entry is not None:
+                return entry
             return await self._load(user_id, functools.partial(self._read_spilled, user_id, load))
         self._observed("miss")
         return await self._load(user_id, load)
+
+    def _read_spilled_here(self, user_id: str) -> UserVectors | None:
+        """The user's entry read back from a small file on the event loop, kept (None: their file is large, read
+        in a thread, or could not be read). The file is mapped, not copied (``vector_spill.read_parts``), so
+        the read is mostly the ids' index: well under a millisecond for ``INLINE_READ_BYTES``, less than the hop
+        to a thread and back, whose thread then competes with the event loop for the interpreter."""
+        spill = self.spill
+        spilled = spill.get(user_id) if spill is not None else None
+        if spill is None or spilled is None or spilled.nbytes > INLINE_READ_BYTES:
+            return None
+        try:
+            entry = spilled.read(user_id, len(spilled.patches))
+        except (OSError, ValueError, pa.ArrowException):  # the path in a thread tells and falls back to LanceDB
+            return None
+        self._put(user_id, entry)
+        return entry
 
     async def _read_spilled(
         self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]
