@@ -327,17 +327,20 @@ class RecordColumns:
 
     __slots__ = ("_defaults", "_table")
 
-    def __init__(self, table: pa.Table) -> None:
+    def __init__(self, table: pa.Table, *, compact: bool = False) -> None:
         # A copy in buffers of its own when the rows LanceDB returned are slices of its reads' larger buffers,
         # which a kept slice keeps whole (measured: twice the bytes the slices count); one chunk a column, for
         # ``take`` (over the ten chunks of a 10,000-row user's rows it took twice as long). From a compacted table
         # a small user's rows come in one chunk of their own, and the copy (~1.5 ms of 1,000 rows) is skipped.
+        # (``compact``: the caller knows the table is in one chunk, in buffers of its own, as a spill file's is:
+        # the check costs ~0.1 ms, ``nbytes`` measuring every string and list column's slices)
         kept = table.select([n for n in table.column_names if n in _FIELD_SET])
-        if kept.num_rows and kept.get_total_buffer_size() > _SLACK * kept.nbytes:
-            kept = kept.take(pa.array(range(kept.num_rows), pa.int64()))
-        elif any(column.num_chunks > 1 for column in kept.columns):
-            kept = kept.combine_chunks()
-        self._table = kept
+        if compact:
+            self._table = kept
+        elif kept.num_rows and kept.get_total_buffer_size() > _SLACK * kept.nbytes:
+            self._table = kept.take(pa.array(range(kept.num_rows), pa.int64()))
+        else:
+            self._table = kept.combine_chunks() if any(c.num_chunks > 1 for c in kept.columns) else kept
         self._defaults = _defaults(tuple(kept.column_names))
 
     @property

@@ -143,12 +143,10 @@ class UserVectors:
 
     def _sorted_prefix(self, count: int) -> None:
         """Note that rows [0, count) are ordered by (kind, created_at) and find each kind's block among them."""
-        codes = self.kind[:count]
+        codes, kinds = self.kind[:count], np.arange(len(KIND_CODES))
         self._sorted = count
-        self._blocks = [
-            (int(np.searchsorted(codes, code, "left")), int(np.searchsorted(codes, code, "right")))
-            for code in range(len(KIND_CODES))
-        ]
+        starts, ends = np.searchsorted(codes, kinds, "left").tolist(), np.searchsorted(codes, kinds, "right").tolist()
+        self._blocks = list(zip(starts, ends, strict=True))
 
     @property
     def live(self) -> int:
@@ -523,8 +521,11 @@ class UserVectors:
         entry.valid, entry.alive, entry.accessed = arrays["valid"], arrays["alive"], arrays["accessed"]
         entry.n, entry.dead, entry.generation = n, parts.dead, parts.generation
         entry.ids = parts.ids.to_pylist()
-        entry.index = {entry.ids[row]: row for row in np.flatnonzero(entry.alive[:n]).tolist()}
-        entry._columns = RecordColumns(parts.columns) if parts.columns is not None else None
+        if parts.dead:
+            entry.index = {entry.ids[row]: row for row in np.flatnonzero(entry.alive[:n]).tolist()}
+        else:
+            entry.index = dict(zip(entry.ids, range(n), strict=True))
+        entry._columns = RecordColumns(parts.columns, compact=True) if parts.columns is not None else None
         entry._columns_bytes = entry._columns.nbytes if entry._columns is not None else 0
         entry._piece_values = arrays["piece_values"]
         entry._piece_offsets = arrays["piece_offsets"].tolist()

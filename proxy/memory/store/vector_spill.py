@@ -26,6 +26,7 @@ processes that died are removed when another writes its first. The files hold wh
 from __future__ import annotations
 
 import contextlib
+import math
 import mmap
 import os
 import shutil
@@ -274,7 +275,7 @@ def read_parts(path: Path) -> SpillParts:
     arrays = {}
     for name, (dtype, shape, offset) in zip(_ARRAYS, header["arrays"], strict=True):
         kind = np.dtype(dtype)
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         if count == 0:
             arrays[name] = np.empty(shape, dtype=kind)
         else:
