@@ -40,7 +40,7 @@ class StoreTuning(BaseModel):
     # dropped (their next read loads them again); 0 keeps every user until the byte budget evicts them.
     vector_cache_idle_s: float = Field(20.0, ge=0)
     # Bytes of local disk (the data directory's ``vector-spill``, per process) for users the vector cache evicts
-    # for room or releases idle: their next read reads the file back (1-3 ms) instead of loading them from LanceDB
+    # for room or releases idle: their next read maps the file back (~1-2 ms) instead of loading them from LanceDB
     # (~11 ms of CPU for 1,000 memories). 0 turns it off.
     vector_spill_bytes: int = Field(2**30, ge=0)
     # LanceDB's own caches (opened indexes, file metadata and manifests). Its default (6 GB + 1 GB) kept the
