@@ -143,6 +143,10 @@ def test_a_spilled_entry_reads_back_as_it_was(
     for i in touched:
         entry.touch(f"u-{i}", T0 + timedelta(days=3, microseconds=i))
     entry.patch([f"u-{i}" for i in touched[:3]], last_accessed_at=T0 + timedelta(days=9))
+    # a patch of the access time with another field (a changed record), then an access time alone on some
+    entry.patch([f"u-{i}" for i in touched[2:5]], last_accessed_at=T0 + timedelta(days=10), importance=9)
+    entry.patch([f"u-{i}" for i in touched[4:6]], last_accessed_at=T0 + timedelta(days=11))
+    entry.patch([f"u-{i}" for i in touched[:1]], last_accessed_at=T0 + timedelta(days=9), importance=5)  # no change
     entry.records([f"u-{i}" for i in read])
     ids = [f"u-{i}" for i in range(81)]
 

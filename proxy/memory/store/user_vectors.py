@@ -226,14 +226,15 @@ class UserVectors:
             if row is None:
                 continue
             record = records[row]
-            if "last_accessed_at" in changes:
-                self.accessed[row] = 0  # the record's, changed with the rest
             if record is None:
                 self._overrides.setdefault(record_id, {}).update(changes)
-                self._changed.add(record_id)
             elif any(getattr(record, name) != value for name, value in changes.items()):
                 records[row] = record.replace(**changes)  # (a flush repeats a touch)
-                self._changed.add(record_id)
+            else:
+                continue
+            self._changed.add(record_id)
+            if "last_accessed_at" in changes:
+                self.accessed[row] = 0  # the changed record carries it (a spill writes the record)
 
     def touch(self, record_id: str, at: datetime) -> None:
         """Note an access time on one record, unless it already shows a later one."""
@@ -255,6 +256,8 @@ class UserVectors:
             record = records[row]
             if record is not None and record.last_accessed_at != at:
                 records[row] = record.replace(last_accessed_at=at)  # (a flush repeats a touch)
+            elif record is None and "last_accessed_at" in self._overrides.get(record_id, ()):
+                self._overrides[record_id]["last_accessed_at"] = at  # (applied after the column when made)
 
     def remove(self, ids: Sequence[str]) -> int:
         """Forget these records; returns how many were present."""
