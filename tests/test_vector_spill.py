@@ -34,6 +34,13 @@ T0 = datetime(2025, 1, 1, tzinfo=UTC)
 _KINDS = [Kind.FACT, Kind.TURN, Kind.SUMMARY, Kind.SUBJECT]
 
 
+@pytest.fixture(autouse=True, params=["mapped", "read"])
+def file_access(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test twice: files mapped (as a user of more than ~120 memories is) and read into memory (smaller)."""
+    monkeypatch.setattr(vector_spill, "MAP_MIN_BYTES", 0 if request.param == "mapped" else 2**40)
+    return str(request.param)
+
+
 def unit_rows(n: int, seed: int = 0) -> np.ndarray:
     rng = np.random.default_rng(seed)
     rows = rng.standard_normal((n, DIM)).astype(np.float32)

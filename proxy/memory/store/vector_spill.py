@@ -58,6 +58,7 @@ _TOUCH_ID_BYTES = 80  # an id (its string, in the list)
 _MAGIC = b"MPVSPILL2\n"
 _HEADER = 4  # bytes of the header's length, after the magic
 _ALIGN = 64  # each array and stream starts at a multiple of this many bytes (a cache line)
+MAP_MIN_BYTES = 256 * 2**10  # files this large are mapped (~120 memories), smaller ones read into memory
 _ARRAYS = (
     "vectors",
     "created",
@@ -262,7 +263,13 @@ def read_parts(path: Path) -> SpillParts:
         size = os.fstat(source.fileno()).st_size
         if size < len(_MAGIC) + _HEADER:
             raise ValueError(f"{path} is cut short")
-        mapped = mmap.mmap(source.fileno(), size, access=mmap.ACCESS_COPY)
+        mapped: mmap.mmap | bytearray
+        if size >= MAP_MIN_BYTES:
+            mapped = mmap.mmap(source.fileno(), size, access=mmap.ACCESS_COPY)
+        else:  # a small user's file is read: a mapping each would be thousands of them in a full cache
+            mapped = bytearray(size)
+            if source.readinto(mapped) != size:
+                raise ValueError(f"{path} is cut short")
     if mapped[: len(_MAGIC)] != _MAGIC:
         raise ValueError(f"{path} is not a vector spill file")
     start = len(_MAGIC) + _HEADER
