@@ -2,14 +2,15 @@
 
 A user the vector cache evicts for room (or releases idle) is written here as it was (``UserVectors.spill_parts``:
 arrays and Arrow data, no Python objects), and their next read maps the file back instead of querying LanceDB
-and building the entry again. Mapped, not read: the entry's arrays and columns are the file's pages where the
-OS page cache holds them (a private mapping: a write to the entry copies the page it changes), so reading a
-1,000-memory user back costs ~0.7 ms of CPU (the ids' index, mostly), small enough to do on the event loop,
-against ~11 ms to load them from LanceDB (a count and a scan, sorting and transposing the vectors) and ~2 ms to
-read the same file into new memory under load (page faults on fresh pages a third of it). The read still makes
-the records its arms return again (they are not written: making them from the columns is the cheapest form there
-is), so a miss stays dearer than a hit. A file is never changed where it lies: a write goes aside and is renamed
-over, so the mappings of the old one stay whole.
+and building the entry again. Mapped, not read (files of ``MAP_MIN_BYTES`` and more; a small user's is read):
+the entry's arrays and columns are the file's pages where the OS page cache holds them (a private mapping: a
+write to the entry copies the page it changes), so reading a 1,000-memory user back costs ~0.7 ms of CPU (the
+ids' index, mostly), small enough to do on the event loop, against ~11 ms to load them from LanceDB (a count and
+a scan, sorting and transposing the vectors) and ~2 ms to read the same file into new memory under load (page
+faults on fresh pages a third of it). The read still makes the records its arms return again (they are not
+written: making them from the columns is the cheapest form there is), so a miss stays dearer than a hit. A file
+is never changed where it lies: a write goes aside and is renamed over, so the mappings of the old one stay
+whole.
 
 A file is exactly the evicted entry, and stays exact the way the RAM tier does: every write the store applies
 to the cache reaches this tier too (``VectorCache``): a record written (the turns each exchange adds) or an access
@@ -255,10 +256,11 @@ def write_parts(path: Path, parts: SpillParts) -> None:
 
 
 def read_parts(path: Path) -> SpillParts:
-    """What ``write_parts`` wrote (ValueError if the file is not whole), mapped rather than read: the arrays
-    and the Arrow data are the file's pages as the OS page cache holds them (private: a write to an array
-    copies its page, the file stays as written), not a copy in newly allocated memory (reading a 1,000-memory
-    user's 2 MB into new arrays cost ~2 ms of a read under load, a third of it page faults)."""
+    """What ``write_parts`` wrote (ValueError if the file is not whole). A file of ``MAP_MIN_BYTES`` or more is
+    mapped rather than read: the arrays and the Arrow data are the file's pages as the OS page cache holds them
+    (private: a write to an array copies its page, the file stays as written), not a copy in newly allocated
+    memory (reading a 1,000-memory user's 2 MB into new arrays cost ~2 ms of a read under load, a third of it
+    page faults). A smaller one is read into one buffer the arrays and the Arrow data are views of."""
     with path.open("rb") as source:
         size = os.fstat(source.fileno()).st_size
         if size < len(_MAGIC) + _HEADER:
