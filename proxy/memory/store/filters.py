@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from datetime import datetime
 
 from proxy.memory.store.ids import check_user_id
-from proxy.memory.store.records import Kind
+from proxy.memory.store.records import Kind, to_micros
 
 
 def sql_string(value: str) -> str:
@@ -61,4 +61,4 @@ def due_filter(now: datetime, turns_before: datetime | None) -> str:
 def _micros(at: datetime) -> int:
     if at.tzinfo is None:
         raise ValueError("time filters must be timezone-aware")
-    return int(at.timestamp() * 1_000_000)
+    return to_micros(at)

@@ -271,7 +271,9 @@ _MICROSECOND = timedelta(microseconds=1)
 
 
 def to_micros(at: datetime) -> int:
-    """An aware datetime as whole microseconds since the epoch, exactly (``from_micros`` gives it back)."""
+    """An aware datetime as whole microseconds since the epoch, in integers as Arrow casts a timestamp column
+    (``timestamp() * 1e6`` goes through a float, exact only as far as its rounding allows); ``from_micros`` gives
+    it back. The store's one conversion: the vector cache's columns and the LanceDB filters use it."""
     return (at - _EPOCH) // _MICROSECOND
 
 

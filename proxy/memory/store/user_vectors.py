@@ -56,11 +56,6 @@ def grown(capacity: int) -> int:
     return max(_MIN_CAPACITY, capacity + capacity // 2)
 
 
-def micros(at: datetime) -> int:
-    """A timezone-aware datetime as integer microseconds since the epoch."""
-    return int(at.timestamp() * 1_000_000)
-
-
 def estimated_bytes(rows: int, dim: int) -> int:
     """What an entry of ``rows`` records of dimension ``dim`` is expected to cost, before loading it."""
     return rows * (dim * 4 + _ARROW_ROW_BYTES + 200 + _ID_OVERHEAD_BYTES + 16)
@@ -170,7 +165,7 @@ class UserVectors:
         """Add a record or replace the one with the same id (new text, vector, validity...), with its word pieces
         (None: none kept)."""
         row = self.index.get(record.id)
-        code, created = KIND_CODES[str(record.kind)], micros(record.created_at)
+        code, created = KIND_CODES[str(record.kind)], to_micros(record.created_at)
         if row is not None and row < self._sorted and (self.kind[row] != code or self.created[row] != created):
             self._forget(row, record.id)  # it would leave its place in the order: it goes after the sorted rows
             row = None
@@ -377,9 +372,9 @@ class UserVectors:
         for code in codes:
             lo, hi = self._blocks[code]
             if lo < hi and pool.since is not None:
-                lo += int(np.searchsorted(created[lo:hi], micros(pool.since), "left"))
+                lo += int(np.searchsorted(created[lo:hi], to_micros(pool.since), "left"))
             if lo < hi and pool.until is not None:
-                hi = lo + int(np.searchsorted(created[lo:hi], micros(pool.until), "right"))
+                hi = lo + int(np.searchsorted(created[lo:hi], to_micros(pool.until), "right"))
             if lo < hi:
                 runs.append((lo, hi))
         return runs
@@ -405,9 +400,9 @@ class UserVectors:
         if pool.kinds:
             mask &= kind_table(pool.kinds)[self.kind[at]]
         if pool.since is not None:
-            mask &= self.created[at] >= micros(pool.since)
+            mask &= self.created[at] >= to_micros(pool.since)
         if pool.until is not None:
-            mask &= self.created[at] <= micros(pool.until)
+            mask &= self.created[at] <= to_micros(pool.until)
         return mask
 
     def rows_in_pool(self, ids: Sequence[str], pool: Pool) -> tuple[list[int], list[int]]:
@@ -440,7 +435,7 @@ class UserVectors:
 
     def created_after(self, ids: Sequence[str], horizon: datetime) -> frozenset[str]:
         """Those of ``ids`` held here that were created after ``horizon``."""
-        index, created, after = self.index, self.created, micros(horizon)
+        index, created, after = self.index, self.created, to_micros(horizon)
         return frozenset(i for i in ids if (row := index.get(i)) is not None and created[row] > after)
 
     def records(self, ids: Sequence[str]) -> list[MemoryRecord | None]:
