@@ -24,9 +24,11 @@ import structlog
 
 from proxy.memory.store.records import MemoryRecord
 from proxy.memory.store.user_vectors import UserVectors
-from proxy.memory.store.vector_spill import VectorSpill, touch_bytes, upsert_bytes
+from proxy.memory.store.vector_spill import Spilled, VectorSpill, touch_bytes, upsert_bytes
 
 log = structlog.get_logger("memproxy.store")
+
+_UNREADABLE = (OSError, ValueError, pa.ArrowException)  # a spilled file that cannot be read back
 
 READS_IDLE_S = 5.0  # ``release_idle`` drops nothing while a read came this recently
 RELEASE_WRITE_BYTES = 64 * 2**20  # users ``release_idle`` writes to the spill at most, by their entries' bytes
@@ -105,47 +107,43 @@ class VectorCache:
         if user_id in self._too_big:
             self._observed("too_big")
             return None
-        if self.spill is not None and user_id in self.spill:
+        if self.spill is not None and (spilled := self.spill.get(user_id)) is not None:
             self._observed("spilled")
-            entry = self._read_spilled_here(user_id)
-            if entry is not None:
-                return entry
-            return await self._load(user_id, functools.partial(self._read_spilled, user_id, load))
+            if spilled.nbytes > INLINE_READ_BYTES:
+                return await self._load(user_id, functools.partial(self._read_spilled, user_id, load))
+            # A small file is read back here, on the event loop: it is mapped, not copied
+            # (``vector_spill.read_parts``), so the read is mostly the ids' index, well under a millisecond, less
+            # than the hop to a thread and back, whose thread would then compete with the loop for the interpreter.
+            try:
+                entry = spilled.read(user_id, len(spilled.patches))
+            except _UNREADABLE as exc:
+                self._unreadable(user_id, spilled, exc)
+                return await self._load(user_id, load)
+            self._put(user_id, entry)
+            return entry
         self._observed("miss")
         return await self._load(user_id, load)
-
-    def _read_spilled_here(self, user_id: str) -> UserVectors | None:
-        """The user's entry read back from a small file on the event loop, kept (None: their file is large, read
-        in a thread, or could not be read). The file is mapped, not copied (``vector_spill.read_parts``), so
-        the read is mostly the ids' index: well under a millisecond for ``INLINE_READ_BYTES``, less than the hop
-        to a thread and back, whose thread then competes with the event loop for the interpreter."""
-        spill = self.spill
-        spilled = spill.get(user_id) if spill is not None else None
-        if spill is None or spilled is None or spilled.nbytes > INLINE_READ_BYTES:
-            return None
-        try:
-            entry = spilled.read(user_id, len(spilled.patches))
-        except (OSError, ValueError, pa.ArrowException):  # the path in a thread tells and falls back to LanceDB
-            return None
-        self._put(user_id, entry)
-        return entry
 
     async def _read_spilled(
         self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]
     ) -> UserVectors | None:
         """The user's entry from their spilled file with the patches it has now (a write since dropped it, later
-        patches are replayed by ``_loading``), else from ``load``."""
+        patches are replayed by ``_loading``), read in a thread, else from ``load``."""
         spill = self.spill
         spilled = spill.get(user_id) if spill is not None else None
-        if spill is None or spilled is None:
+        if spilled is None:
             return await load()
         try:
             return await asyncio.to_thread(spilled.read, user_id, len(spilled.patches))
-        except (OSError, ValueError, pa.ArrowException) as exc:  # a file removed or cut short: LanceDB has it all
-            log.warning("store.vector_spill_unreadable", error=type(exc).__name__)
-            if spill.get(user_id) is spilled:
-                spill.discard(user_id)
+        except _UNREADABLE as exc:
+            self._unreadable(user_id, spilled, exc)
             return await load()
+
+    def _unreadable(self, user_id: str, spilled: Spilled, error: Exception) -> None:
+        """A file removed or cut short: told, and dropped (LanceDB has it all) unless the user has another now."""
+        log.warning("store.vector_spill_unreadable", error=type(error).__name__)
+        if self.spill is not None and self.spill.get(user_id) is spilled:
+            self.spill.discard(user_id)
 
     def _observed(self, result: str) -> None:
         if self.observe is not None:
