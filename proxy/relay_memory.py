@@ -30,7 +30,9 @@ def add_memory_relay(app: web.Application, directory: Path) -> None:
 
     async def session(app: web.Application):  # type: ignore[no-untyped-def]
         connector = aiohttp.UnixConnector(path=str(directory / MEMORY_SOCKET))
-        app[_SESSION] = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+        app[_SESSION] = aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        )
         yield
         await app[_SESSION].close()
 
@@ -54,11 +56,14 @@ async def relay(request: web.Request) -> web.StreamResponse:
 
 
 async def stream_back(request: web.Request, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-    """Another process's answer to ``request``, streamed back as it comes (hop-by-hop headers left out)."""
+    """Another process's answer to ``request``, streamed back as it comes (hop-by-hop headers left out; its
+    ``Content-Length`` kept: the session passes the bytes as they came, ``auto_decompress`` off)."""
     response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
     for key, value in upstream.headers.items():
         if key.lower() not in HOP:
             response.headers.add(key, value)
+    if upstream.content_length is not None and "chunked" not in upstream.headers.get("Transfer-Encoding", ""):
+        response.content_length = upstream.content_length
     await response.prepare(request)
     async for chunk in upstream.content.iter_any():
         await response.write(chunk)

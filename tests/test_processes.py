@@ -264,3 +264,73 @@ def test_a_request_whose_chat_process_is_not_there_is_served_where_it_arrived(tm
 
     assert asyncio.run(relay()) is None
     assert router.gauges()["owner_unreachable_total"] == 1
+
+
+def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(tmp_path: Path) -> None:
+    """The owner's answer comes back as it was sent (its ``Content-Length``, compressed bytes untouched), to a
+    request that carries no header aiohttp would add; after the owner's process is gone and another listens on
+    its socket, the next relay reaches the new one."""
+    router = ChatRouter(tmp_path, index=0, processes=2)
+    connections: list[str] = []
+    gzipped = b"\x1f\x8b\x08\x00not-really-gzip"
+
+    async def owner_app(name: str) -> web.AppRunner:
+        async def answer(request: web.Request) -> web.Response:
+            assert request.headers[ROUTED_HEADER] == "0"
+            assert "Accept-Encoding" not in request.headers  # the client sent none; the relay adds none
+            body = await request.read()
+            if body == b"gzip":
+                return web.Response(body=gzipped, headers={"Content-Encoding": "gzip"})
+            return web.Response(body=name.encode() + b":" + body, content_type="application/json")
+
+        def seen(protocol: Any) -> None:
+            connections.append(name)
+
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", answer)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.UnixSite(runner, str(tmp_path / "chat-1.sock"))
+        await site.start()
+        server = runner.server
+        assert server is not None
+        original = server.connection_made
+        server.connection_made = lambda handler, transport: (seen(handler), original(handler, transport))[1]  # type: ignore[method-assign]
+        return runner
+
+    async def through(payload: bytes) -> tuple[bytes, dict[str, str]]:
+        request = make_mocked_request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"})
+        sent: list[bytes] = []
+
+        async def write(data: bytes) -> None:
+            sent.append(bytes(data))
+
+        request._payload_writer.write = write  # type: ignore[attr-defined]
+        response = await router.relay(request, payload, 1)
+        assert response is not None
+        return b"".join(sent), dict(response.headers)
+
+    async def scenario() -> None:
+        first = await owner_app("first")
+        try:
+            body_a, headers_a = await through(b"a")
+            body_b, _ = await through(b"b")
+            assert (body_a, body_b) == (b"first:a", b"first:b")
+            assert headers_a["Content-Length"] == str(len(b"first:a"))
+            assert "Transfer-Encoding" not in headers_a
+            body_z, headers_z = await through(b"gzip")
+            assert body_z == gzipped
+            assert headers_z["Content-Encoding"] == "gzip"
+            assert connections == ["first"] * 3  # a connection each (none kept to a process that may die)
+        finally:
+            await first.cleanup()  # the owner's process gone: its connections closed
+        second = await owner_app("second")
+        try:
+            body_c, _ = await through(b"c")
+            assert body_c == b"second:c"
+            assert router.gauges() == {"relayed_total": 4.0, "owner_unreachable_total": 0.0}
+        finally:
+            await router.aclose()
+            await second.cleanup()
+
+    asyncio.run(scenario())
