@@ -42,6 +42,7 @@ from proxy.memory.read import (
 )
 from proxy.memory.read import inject as inject_block
 from proxy.memory.store import MemoryStore, StorageHealth, Ticker, utcnow
+from proxy.memory.store.vector_cache import holding
 
 log = structlog.get_logger("memproxy.memory")
 
@@ -139,19 +140,20 @@ class ReadSide:
         self, user_id: str, conversation_id: str | None, messages: list[dict[str, Any]], *, explain: bool
     ) -> RetrievalResult:
         adapter = await self.adapters.get(user_id) if self.retrieval.query_adapter else None
-        return await retrieve(
-            self.store,
-            self.embedder,
-            messages,
-            user_id,
-            self.retrieval,
-            utcnow(),
-            conversation_id=conversation_id,
-            names=self.names,
-            reranker=self.reranker,
-            explain=explain,
-            adapter=adapter,
-        )
+        with holding():  # the arms' lookups of the user share the first one's entry
+            return await retrieve(
+                self.store,
+                self.embedder,
+                messages,
+                user_id,
+                self.retrieval,
+                utcnow(),
+                conversation_id=conversation_id,
+                names=self.names,
+                reranker=self.reranker,
+                explain=explain,
+                adapter=adapter,
+            )
 
     async def inject(self, request: ReadRequest) -> Injection:
         """Retrieve the user's memories and plan where the block goes in the request (its chat view, whatever

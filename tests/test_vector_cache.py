@@ -1,4 +1,4 @@
-"""The per-user vector cache: exact search, filters, coherence with writes, LRU eviction by bytes."""
+"""The per-user vector cache: exact search, filters, coherence with writes, SIEVE eviction by bytes."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from proxy.memory.store import exact_search, user_vectors
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.user_vectors import UserVectors, estimated_bytes
-from proxy.memory.store.vector_cache import READS_IDLE_S, VectorCache
+from proxy.memory.store.vector_cache import READS_IDLE_S, VectorCache, holding
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -200,9 +200,9 @@ def test_compaction_after_many_deletes_keeps_results_right() -> None:
     assert [i for i, _ in got] == [i for i, _ in expected]
 
 
-async def test_lru_eviction_by_bytes() -> None:
-    """Past the byte budget the least recently used user is evicted, the recent one kept; each lookup is told
-    to ``observe`` (a hit, or a miss that loaded the user)."""
+async def test_eviction_by_bytes() -> None:
+    """Past the byte budget a user not read since they came is evicted, the one read again kept; each lookup is
+    told to ``observe`` (a hit, or a miss that loaded the user)."""
     one = UserVectors("a", DIM)
     for record, vector in zip(records("a", 100), unit_rows(100), strict=True):
         one.upsert(record, vector)
@@ -223,6 +223,73 @@ async def test_lru_eviction_by_bytes() -> None:
     assert cache.nbytes <= cache.max_bytes
     await cache.get_or_load("b", lambda: load("b"))  # evicted: loaded again
     assert seen == ["miss", "miss", "hit", "miss", "miss"]
+
+
+def _cache_of(users: int) -> VectorCache:
+    """A cache with room for ``users`` users of 100 memories (and not one more)."""
+    one = entry_with("a", records("a", 100), unit_rows(100))
+    return VectorCache(max_bytes=int(one.nbytes * (users + 0.5)))
+
+
+async def _load(user: str) -> UserVectors:
+    return entry_with(user, records(user, 100), unit_rows(100))
+
+
+async def test_a_user_read_again_outlasts_users_seen_once() -> None:
+    """SIEVE: a user read again since they came stays while users read once pass through (LRU would evict them
+    at the third newcomer)."""
+    cache = _cache_of(3)
+    for user in ("a", "b", "c"):
+        await cache.get_or_load(user, lambda user=user: _load(user))
+    await cache.get_or_load("a", lambda: _load("a"))
+    for user in ("d", "e", "f"):
+        await cache.get_or_load(user, lambda user=user: _load(user))
+        assert "a" in cache
+    assert [user for user in "abcdef" if user in cache] == ["a", "e", "f"]
+    assert cache.nbytes <= cache.max_bytes
+
+
+async def test_users_who_need_more_than_the_budget_still_find_some_cached() -> None:
+    """Users read in turn, twice as many as fit, in a new random order each round: LRU would find none cached (each
+    comes back after more others than fit); SIEVE keeps a steady part of them, near the share that fits."""
+    cache = _cache_of(4)
+    seen: list[str] = []
+    cache.observe = seen.append
+    users = [f"u{i}" for i in range(8)]
+    rng = np.random.default_rng(3)
+    for _ in range(60):
+        for user in rng.permutation(users):
+            await cache.get_or_load(str(user), lambda user=str(user): _load(user))
+    hits = seen.count("hit") / len(seen)
+    assert 0.25 <= hits <= 0.5, hits
+
+
+async def test_one_read_looks_its_user_up_once() -> None:
+    """Within ``holding`` (one read of the chat path), a user's later lookups return the entry the first one got,
+    even one the cache did not keep, with no load and no use marked; a delete since makes it look up again; outside
+    it, each lookup goes to the cache."""
+    cache = _cache_of(1)
+    loads: list[str] = []
+    seen: list[str] = []
+    cache.observe = seen.append
+
+    async def load(user: str) -> UserVectors:
+        loads.append(user)
+        return await _load(user)
+
+    await cache.get_or_load("a", lambda: load("a"))
+    with holding():
+        first = await cache.get_or_load("b", lambda: load("b"))  # evicts a
+        assert await cache.get_or_load("a", lambda: load("a")) is not None  # evicts b
+        assert "b" not in cache
+        assert await cache.get_or_load("b", lambda: load("b")) is first  # not loaded again
+        assert await cache.get_or_load("a", lambda: load("a")) is cache.peek("a")
+        cache.remove("b", ["b-0"])  # deleted since: the held entry of b, not cached, is stale
+        assert await cache.get_or_load("b", lambda: load("b")) is not first
+    assert loads == ["a", "b", "a", "b"]
+    assert seen == ["miss", "miss", "miss", "hit", "hit", "miss"]
+    await cache.get_or_load("b", lambda: load("b"))
+    assert seen[-1] == "hit"
 
 
 async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read() -> None:
