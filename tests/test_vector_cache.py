@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from proxy.memory.store import exact_search, user_vectors
 from proxy.memory.store.records import Kind, MemoryRecord, Pool, arrow_rows
 from proxy.memory.store.user_vectors import UserVectors, estimated_bytes
-from proxy.memory.store.vector_cache import READS_IDLE_S, VectorCache, holding
+from proxy.memory.store.vector_cache import READS_IDLE_S, VectorCache, _Sieve, holding
 
 DIM = 16
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -538,3 +538,64 @@ def test_records_by_pool_gives_each_pools_records_in_order() -> None:
         ["u-1", "u-5", "u-0"],
     ]
     assert entry._materialised == 4  # u-1 made once
+
+
+class _ListSieve:
+    """SIEVE as the paper states it, over a list (oldest first): the model ``vector_cache._Sieve`` must follow."""
+
+    def __init__(self) -> None:
+        self.keys: list[str] = []
+        self.marked: dict[str, bool] = {}
+        self.hand: int | None = None
+
+    def add(self, key: str) -> None:
+        if key not in self.marked:
+            self.keys.append(key)
+            self.marked[key] = False
+
+    def mark(self, key: str) -> None:
+        if key in self.marked:
+            self.marked[key] = True
+
+    def victim(self) -> str:
+        i = 0 if self.hand is None else self.hand
+        while self.marked[self.keys[i]]:
+            self.marked[self.keys[i]] = False
+            i = (i + 1) % len(self.keys)
+        self.hand = i
+        return self.keys[i]
+
+    def remove(self, key: str) -> None:
+        if key not in self.marked:
+            return
+        j = self.keys.index(key)
+        if self.hand is not None and j < self.hand:
+            self.hand -= 1
+        elif self.hand == j and j == len(self.keys) - 1:
+            self.hand = None  # the hand was on the newest: it starts from the oldest again
+        del self.keys[j]
+        del self.marked[key]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["add", "mark", "evict", "remove"]), st.integers(0, 7)), max_size=80))
+def test_sieve_queue_follows_the_list_model(steps: list[tuple[str, int]]) -> None:
+    """``_Sieve`` (a linked queue) picks the victims a plain list implementation of SIEVE picks."""
+    queue, model = _Sieve(), _ListSieve()
+    for action, n in steps:
+        key = f"k{n}"
+        if action == "add":
+            queue.add(key)
+            model.add(key)
+        elif action == "mark":
+            queue.mark(key)
+            model.mark(key)
+        elif action == "remove":
+            queue.remove(key)
+            model.remove(key)
+        elif model.keys:
+            victim = queue.victim()
+            assert victim == model.victim()
+            queue.remove(victim)
+            model.remove(victim)
+        assert len(queue) == len(model.keys)
