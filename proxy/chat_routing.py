@@ -30,13 +30,12 @@ import structlog
 from aiohttp import web
 
 from proxy.errors import ServiceUnavailable
-from proxy.relay_memory import HOP, stream_back
+from proxy.relay_memory import NOT_ADDED, REQUEST_HOP, stream_back
 
 log = structlog.get_logger("memproxy.routing")
 
 ROUTED_HEADER = "X-Memproxy-Routed"
-_REQUEST_HOP = HOP - {"host"}  # the owner checks the client's Host (``server.allowed_hosts``) as it came
-_NOT_ADDED = ("Accept", "Accept-Encoding", "User-Agent")  # the owner sees the client's headers, none of aiohttp's
+_REQUEST_HOP = REQUEST_HOP - {"host"}  # the owner checks the client's Host (``server.allowed_hosts``) as it came
 
 
 def owner_of(user_id: str, processes: int) -> int:
@@ -97,7 +96,7 @@ class ChatRouter:
                 timeout=aiohttp.ClientTimeout(total=None),
                 cookie_jar=aiohttp.DummyCookieJar(),
                 auto_decompress=False,
-                skip_auto_headers=_NOT_ADDED,
+                skip_auto_headers=NOT_ADDED,
             )
         return session
 

@@ -18,6 +18,14 @@ from proxy.mirror import MEMORY_SOCKET
 
 MEMORY_PATHS = ("/v1/memory", "/v1/memory/{tail:.*}", "/mcp", "/mcp/{tail:.*}", "/ui", "/ui/{tail:.*}")
 HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "content-length"})
+# A request's headers not passed on: those and its Content-Encoding (aiohttp's server hands the body over
+# decompressed, so the header would make the other process decompress it again: a 400)
+REQUEST_HOP = HOP | {"content-encoding"}
+NOT_ADDED = (
+    "Accept",
+    "Accept-Encoding",
+    "User-Agent",
+)  # the other process sees the client's headers, none of aiohttp's
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("memory_relay_session", aiohttp.ClientSession)
 UNAVAILABLE = orjson.dumps(
     {"error": {"message": "memory management is restarting; try again shortly", "type": "server_error",
@@ -31,7 +39,11 @@ def add_memory_relay(app: web.Application, directory: Path) -> None:
     async def session(app: web.Application):  # type: ignore[no-untyped-def]
         connector = aiohttp.UnixConnector(path=str(directory / MEMORY_SOCKET))
         app[_SESSION] = aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None),
+            cookie_jar=aiohttp.DummyCookieJar(),
+            auto_decompress=False,
+            skip_auto_headers=NOT_ADDED,
         )
         yield
         await app[_SESSION].close()
@@ -43,7 +55,7 @@ def add_memory_relay(app: web.Application, directory: Path) -> None:
 
 async def relay(request: web.Request) -> web.StreamResponse:
     """One request to the writer's app, the answer streamed back."""
-    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in REQUEST_HOP}
     headers["X-Forwarded-For"] = request.remote or ""
     body = await request.read() if request.body_exists else None  # bounded by server.max_body_bytes
     try:

@@ -268,8 +268,8 @@ def test_a_request_whose_chat_process_is_not_there_is_served_where_it_arrived(tm
 
 def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(tmp_path: Path) -> None:
     """The owner's answer comes back as it was sent (its ``Content-Length``, compressed bytes untouched), to a
-    request that carries no header aiohttp would add; after the owner's process is gone and another listens on
-    its socket, the next relay reaches the new one."""
+    request that carries no header aiohttp would add, nor the Content-Encoding of a body aiohttp decoded; after
+    the owner's process is gone and another listens on its socket, the next relay reaches the new one."""
     router = ChatRouter(tmp_path, index=0, processes=2)
     connections: list[str] = []
     gzipped = b"\x1f\x8b\x08\x00not-really-gzip"
@@ -278,6 +278,7 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
         async def answer(request: web.Request) -> web.Response:
             assert request.headers[ROUTED_HEADER] == "0"
             assert "Accept-Encoding" not in request.headers  # the client sent none; the relay adds none
+            assert "Content-Encoding" not in request.headers  # the body is passed on as aiohttp decoded it
             body = await request.read()
             if body == b"gzip":
                 return web.Response(body=gzipped, headers={"Content-Encoding": "gzip"})
@@ -299,7 +300,8 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
         return runner
 
     async def through(payload: bytes) -> tuple[bytes, dict[str, str]]:
-        request = make_mocked_request("POST", "/v1/chat/completions", headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+        request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
         sent: list[bytes] = []
 
         async def write(data: bytes) -> None:

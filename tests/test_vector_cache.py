@@ -265,18 +265,22 @@ async def test_users_who_need_more_than_the_budget_still_find_some_cached() -> N
 
 
 async def test_one_read_looks_its_user_up_once() -> None:
-    """Within ``holding`` (one read of the chat path), a user's later lookups return the entry the first one got,
-    even one the cache did not keep, with no load and no use marked; a delete since makes it look up again; outside
-    it, each lookup goes to the cache."""
+    """Within ``holding`` (one read of the chat path), a user's later lookups return what the first one got, even
+    an entry the cache did not keep, with no load, no use marked and no lookup counted; arms that look up at once
+    wait for the first lookup rather than load again; a delete since makes a held entry the cache does not hold
+    look up again; outside it, each lookup goes to the cache."""
     cache = _cache_of(1)
     loads: list[str] = []
     seen: list[str] = []
     cache.observe = seen.append
+    release = asyncio.Event()
 
     async def load(user: str) -> UserVectors:
         loads.append(user)
+        await release.wait()
         return await _load(user)
 
+    release.set()
     await cache.get_or_load("a", lambda: load("a"))
     with holding():
         first = await cache.get_or_load("b", lambda: load("b"))  # evicts a
@@ -287,9 +291,21 @@ async def test_one_read_looks_its_user_up_once() -> None:
         cache.remove("b", ["b-0"])  # deleted since: the held entry of b, not cached, is stale
         assert await cache.get_or_load("b", lambda: load("b")) is not first
     assert loads == ["a", "b", "a", "b"]
-    assert seen == ["miss", "miss", "miss", "hit", "hit", "miss"]
+    assert seen == ["miss", "miss", "miss", "miss"]
     await cache.get_or_load("b", lambda: load("b"))
     assert seen[-1] == "hit"
+
+    release.clear()
+    with holding():  # three arms at once, a user not cached: one load, one entry, one lookup counted
+        arms = [asyncio.create_task(cache.get_or_load("c", lambda: load("c"))) for _ in range(3)]
+        await asyncio.sleep(0)
+        release.set()
+        got = await asyncio.gather(*arms)
+    assert loads[-1] == "c"
+    assert loads.count("c") == 1
+    assert got[0] is got[1] is got[2]
+    assert seen[-1] == "miss"
+    assert seen.count("hit") == 1
 
 
 async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read() -> None:

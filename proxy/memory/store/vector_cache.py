@@ -16,9 +16,10 @@ SIEVE keeps a steady set of those read again and sends a user seen once out firs
 order of users: 15% of reads find their user against LRU's 4%, of the 25% the budget's share of the users allows).
 
 One read of the chat path (``holding``) looks its user up two or three times (the dense arm, the keyword arm,
-the newest records): the first lookup's entry serves the others, whether or not the cache kept it, and only the
-first counts as a use of it. Otherwise a user the cache could not keep would be read back once per arm, and every
-user would look used again at each read.
+the newest records), often at once: the first lookup's answer serves the others (they wait for it), whether or
+not the cache kept the entry, and only the first counts as a use and as a lookup
+(``memproxy_vector_cache_lookups_total``). Otherwise a user the cache could not keep would be read back once per
+arm, every user would look used again at each read, and the lookups counted would be arms, not reads.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ RELEASE_WRITE_BYTES = 64 * 2**20  # users ``release_idle`` writes to the spill a
 INLINE_READ_BYTES = 4 * 2**20  # a spilled file up to this size (~2,000 memories) is read back on the event loop
 MAX_REPLAYED_WRITES = 10_000  # writes kept for one user's load in flight; past it the load is not kept
 
-# The entries one read has looked up (``holding``): (the cache's id, user) -> (the cache's ``_drops`` then, entry)
-_HELD: ContextVar[dict[tuple[int, str], tuple[int, UserVectors]] | None] = ContextVar("vector_cache_held", default=None)
+# The entries one read has looked up (``holding``): (the cache's id, user) -> (the cache's ``_drops`` then, the
+# first lookup's answer: an entry, None, or ``_FAILED``)
+_Held = dict[tuple[int, str], tuple[int, "asyncio.Future[object]"]]
+_HELD: ContextVar[_Held | None] = ContextVar("vector_cache_held", default=None)
+_FAILED = object()  # the first lookup raised (a deadline, a failed load): the others look up for themselves
 
 
 @contextlib.contextmanager
 def holding() -> Iterator[None]:
     """Within this block (one read of the chat path, its arms' tasks included), a user's lookups after the first
-    return the entry the first one got, without marking it used again; an entry dropped or cleared meanwhile (a
-    delete, a forgotten user) is looked up again."""
-    held: dict[tuple[int, str], tuple[int, UserVectors]] = {}
+    return what the first one got (waiting for it when the arms look up at once), without marking it used or
+    counting a lookup again; an entry not in the cache is looked up again once a delete or drop came since."""
+    held: _Held = {}
     token = _HELD.set(held)
     try:
         yield
@@ -200,19 +204,28 @@ class VectorCache:
 
     async def get_or_load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
         """The cached entry, else one loaded by ``load`` (None: the user does not fit, search elsewhere); within
-        ``holding``, the entry this read got before."""
+        ``holding``, what this read's first lookup of the user got (awaited if it is still under way; not counted
+        as a lookup again)."""
         held = _HELD.get()
         if held is None:
             return await self._get_or_load(user_id, load)
         key = (id(self), user_id)
         kept = held.get(key)
-        # (the cached entry itself is current: writes apply to it; another one is, unless a delete came since)
-        if kept is not None and (self._entries.get(user_id) is kept[1] or kept[0] == self._drops):
-            self._observed("hit")
-            return kept[1]
-        entry = await self._get_or_load(user_id, load)
-        if entry is not None:
-            held[key] = (self._drops, entry)
+        if kept is not None:
+            drops, first = kept
+            found = await asyncio.shield(first)  # (a caller's deadline cancels its wait, not the first lookup)
+            # (the cached entry itself is current: writes apply to it; another one is, unless a delete came since)
+            if found is not _FAILED and (found is None or self._entries.get(user_id) is found or drops == self._drops):
+                return cast("UserVectors | None", found)
+        first = asyncio.get_running_loop().create_future()
+        held[key] = (self._drops, first)
+        try:
+            entry = await self._get_or_load(user_id, load)
+        except BaseException:
+            held.pop(key, None)
+            first.set_result(_FAILED)  # the others look up for themselves
+            raise
+        first.set_result(entry)
         return entry
 
     async def _get_or_load(self, user_id: str, load: Callable[[], Awaitable[UserVectors | None]]) -> UserVectors | None:
