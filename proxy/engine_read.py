@@ -41,8 +41,7 @@ from proxy.memory.read import (
     text_caches,
 )
 from proxy.memory.read import inject as inject_block
-from proxy.memory.store import MemoryStore, StorageHealth, Ticker, utcnow
-from proxy.memory.store.vector_cache import holding
+from proxy.memory.store import MemoryStore, StorageHealth, Ticker, holding, utcnow
 
 log = structlog.get_logger("memproxy.memory")
 

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from proxy.memory.store.replicated import ReplicatedStore, shared_table
     from proxy.memory.store.runtime import ClusterRuntime
     from proxy.memory.store.settings import StoreSettings, StoreTuning
+    from proxy.memory.store.vector_cache import holding
 
 # What the face exports, and the module that defines it (imported on first use).
 _WHERE = {
@@ -52,6 +53,7 @@ _WHERE = {
     "StoreTuning": "proxy.memory.store.settings",
     "Ticker": "proxy.memory.store.background",
     "fault_reason": "proxy.memory.store.faults",
+    "holding": "proxy.memory.store.vector_cache",
     "is_storage_fault": "proxy.memory.store.faults",
     "migrate_data_dir": "proxy.memory.store.migrations",
     "new_id": "proxy.memory.store.records",
@@ -79,6 +81,7 @@ __all__ = [
     "StoreTuning",
     "Ticker",
     "fault_reason",
+    "holding",
     "is_storage_fault",
     "migrate_data_dir",
     "new_id",
