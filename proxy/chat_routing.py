@@ -23,6 +23,7 @@ the answer's bytes come back as they were sent (``auto_decompress`` off), with t
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -67,12 +68,15 @@ class ChatRouter:
         self.index = index
         self.processes = processes
         self._sessions: dict[int, aiohttp.ClientSession] = {}
-        self.relayed = 0
+        self.relayed = 0  # this process's relays, and those that found nobody there
         self.unreachable = 0
+        # Told of each relay ("relayed") and each that found nobody there ("owner_unreachable"):
+        # ``memproxy_routing_relayed_total`` / ``memproxy_routing_owner_unreachable_total``, summed over the processes
+        self.observe: Callable[[str], object] | None = None
 
-    def gauges(self) -> dict[str, float]:
-        """This process's requests relayed to their users' chat processes, and relays that found nobody there."""
-        return {"relayed_total": float(self.relayed), "owner_unreachable_total": float(self.unreachable)}
+    def _observed(self, outcome: str) -> None:
+        if self.observe is not None:
+            self.observe(outcome)
 
     async def aclose(self) -> None:
         """Close the connections to the other chat processes."""
@@ -113,6 +117,7 @@ class ChatRouter:
             )
         except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as error:
             self.unreachable += 1
+            self._observed("owner_unreachable")
             log.info("routing.owner_unreachable", owner=owner, error=type(error).__name__)
             return None
         except aiohttp.ClientConnectionError as error:  # it took the request, then went away
@@ -120,4 +125,5 @@ class ChatRouter:
             raise ServiceUnavailable("the process serving this user stopped; try again", code="restarting") from None
         async with upstream:
             self.relayed += 1
+            self._observed("relayed")
             return await stream_back(request, upstream)

@@ -149,6 +149,19 @@ class Metrics:
         self._lookups = {
             result: self.vector_cache_lookups.labels(result) for result in ("hit", "spilled", "miss", "too_big")
         }
+        # ``memproxy serve``'s chat processes (``chat_routing``): summed over them, as every counter here
+        self._routing = {
+            "relayed": Counter(
+                "memproxy_routing_relayed",
+                "Chats relayed to their user's chat process",
+                registry=self.registry,
+            ),
+            "owner_unreachable": Counter(
+                "memproxy_routing_owner_unreachable",
+                "Relays that found their user's chat process away (served where they arrived)",
+                registry=self.registry,
+            ),
+        }
         self._stages: dict[str, Histogram] = {}
         self._refreshers: list[Refresh] = []
         self.injected = Histogram(
@@ -196,6 +209,11 @@ class Metrics:
     def vector_cache_lookup(self, result: str) -> None:
         """Count one read's vector cache lookup (``VectorCache.observe``)."""
         self._lookups[result].inc()
+
+    def routed(self, outcome: str) -> None:
+        """Count one chat relayed to its user's chat process (``relayed``) or one whose process was away
+        (``owner_unreachable``): ``ChatRouter.observe``."""
+        self._routing[outcome].inc()
 
     def add_memory_parts(self, source: GaugeSource) -> None:
         """Expose ``memproxy_memory_bytes{part}``: bytes each bounded part of this process holds (``source``)."""

@@ -165,7 +165,7 @@ async def serve(
     app = build_app(settings, memory_factory=memory_factory, memory_relay=memory_relay)
     if chat_router is not None:
         app[STATE].chat_router = chat_router
-        app[STATE].metrics.add_gauges("memproxy_routing", chat_router.gauges)
+        chat_router.observe = app[STATE].metrics.routed
         unix_path = str(chat_socket(chat_router.directory, chat_router.index))
     runner = AppRunner(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
