@@ -31,7 +31,7 @@ import structlog
 from aiohttp import web
 
 from proxy.errors import ServiceUnavailable
-from proxy.relay_memory import NOT_ADDED, REQUEST_HOP, stream_back
+from proxy.relay_memory import REQUEST_HOP, relay_session, stream_back
 
 log = structlog.get_logger("memproxy.routing")
 
@@ -68,8 +68,6 @@ class ChatRouter:
         self.index = index
         self.processes = processes
         self._sessions: dict[int, aiohttp.ClientSession] = {}
-        self.relayed = 0  # this process's relays, and those that found nobody there
-        self.unreachable = 0
         # Told of each relay ("relayed") and each that found nobody there ("owner_unreachable"):
         # ``memproxy_routing_relayed_total`` / ``memproxy_routing_owner_unreachable_total``, summed over the processes
         self.observe: Callable[[str], object] | None = None
@@ -95,13 +93,7 @@ class ChatRouter:
         session = self._sessions.get(owner)
         if session is None or session.closed:
             connector = aiohttp.UnixConnector(path=str(chat_socket(self.directory, owner)), force_close=True)
-            session = self._sessions[owner] = aiohttp.ClientSession(
-                connector=connector,
-                timeout=aiohttp.ClientTimeout(total=None),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                auto_decompress=False,
-                skip_auto_headers=NOT_ADDED,
-            )
+            session = self._sessions[owner] = relay_session(connector)
         return session
 
     async def relay(self, request: web.Request, body: bytes, owner: int) -> web.StreamResponse | None:
@@ -116,7 +108,6 @@ class ChatRouter:
                 request.method, f"http://chat{request.rel_url}", headers=headers, data=body, allow_redirects=False
             )
         except (aiohttp.ClientConnectorError, FileNotFoundError, ConnectionRefusedError) as error:
-            self.unreachable += 1
             self._observed("owner_unreachable")
             log.info("routing.owner_unreachable", owner=owner, error=type(error).__name__)
             return None
@@ -124,6 +115,5 @@ class ChatRouter:
             log.warning("routing.owner_lost", owner=owner, error=type(error).__name__, detail=str(error))
             raise ServiceUnavailable("the process serving this user stopped; try again", code="restarting") from None
         async with upstream:
-            self.relayed += 1
             self._observed("relayed")
             return await stream_back(request, upstream)

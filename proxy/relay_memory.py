@@ -21,11 +21,6 @@ HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "host", "conte
 # A request's headers not passed on: those and its Content-Encoding (aiohttp's server hands the body over
 # decompressed, so the header would make the other process decompress it again: a 400)
 REQUEST_HOP = HOP | {"content-encoding"}
-NOT_ADDED = (
-    "Accept",
-    "Accept-Encoding",
-    "User-Agent",
-)  # the other process sees the client's headers, none of aiohttp's
 _SESSION: web.AppKey[aiohttp.ClientSession] = web.AppKey("memory_relay_session", aiohttp.ClientSession)
 UNAVAILABLE = orjson.dumps(
     {"error": {"message": "memory management is restarting; try again shortly", "type": "server_error",
@@ -37,20 +32,26 @@ def add_memory_relay(app: web.Application, directory: Path) -> None:
     """Relay the management API, MCP and the web page to the writer at ``directory``."""
 
     async def session(app: web.Application):  # type: ignore[no-untyped-def]
-        connector = aiohttp.UnixConnector(path=str(directory / MEMORY_SOCKET))
-        app[_SESSION] = aiohttp.ClientSession(
-            connector=connector,
-            timeout=aiohttp.ClientTimeout(total=None),
-            cookie_jar=aiohttp.DummyCookieJar(),
-            auto_decompress=False,
-            skip_auto_headers=NOT_ADDED,
-        )
+        app[_SESSION] = relay_session(aiohttp.UnixConnector(path=str(directory / MEMORY_SOCKET)))
         yield
         await app[_SESSION].close()
 
     app.cleanup_ctx.append(session)
     for path in MEMORY_PATHS:
         app.router.add_route("*", path, relay)
+
+
+def relay_session(connector: aiohttp.UnixConnector) -> aiohttp.ClientSession:
+    """A session that relays requests to another memproxy process as they came: no timeout of its own, no
+    cookies kept, no header aiohttp would add (the other process sees the client's), the answer's bytes as they
+    were sent (``auto_decompress`` off: ``stream_back`` passes them on with their ``Content-Length``)."""
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        cookie_jar=aiohttp.DummyCookieJar(),
+        auto_decompress=False,
+        skip_auto_headers=("Accept", "Accept-Encoding", "User-Agent"),
+    )
 
 
 async def relay(request: web.Request) -> web.StreamResponse:
@@ -128,4 +129,4 @@ def _labelled(sample: str) -> str:
     return f'{name}{{process="writer"}} {value}'
 
 
-__all__ = ["add_memory_relay", "merged_metrics", "relay", "writer_metrics"]
+__all__ = ["add_memory_relay", "merged_metrics", "relay", "relay_session", "writer_metrics"]

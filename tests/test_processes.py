@@ -261,6 +261,8 @@ def test_a_request_whose_chat_process_is_not_there_is_served_where_it_arrived(tm
     """Nothing listens on the owner's socket (it is restarting): ``relay`` says so (None) and the request is
     served by the process it reached; the routing header from a client (not the private socket) is ignored."""
     router = ChatRouter(tmp_path, index=0, processes=2)
+    told: list[str] = []
+    router.observe = told.append
     user = next(f"u{i}" for i in range(100) if owner_of(f"u{i}", 2) == 1)
     request = make_mocked_request("POST", "/v1/chat/completions", headers={ROUTED_HEADER: "1"})
     assert router.owner(request, user) == 1  # a client's header does not stop the routing
@@ -273,7 +275,7 @@ def test_a_request_whose_chat_process_is_not_there_is_served_where_it_arrived(tm
             await router.aclose()
 
     assert asyncio.run(relay()) is None
-    assert router.unreachable == 1
+    assert told == ["owner_unreachable"]
 
 
 def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(tmp_path: Path) -> None:
@@ -281,6 +283,8 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
     request that carries no header aiohttp would add, nor the Content-Encoding of a body aiohttp decoded; after
     the owner's process is gone and another listens on its socket, the next relay reaches the new one."""
     router = ChatRouter(tmp_path, index=0, processes=2)
+    told: list[str] = []
+    router.observe = told.append
     connections: list[str] = []
     gzipped = b"\x1f\x8b\x08\x00not-really-gzip"
 
@@ -340,7 +344,7 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
         try:
             body_c, _ = await through(b"c")
             assert body_c == b"second:c"
-            assert (router.relayed, router.unreachable) == (4, 0)
+            assert told == ["relayed"] * 4
         finally:
             await router.aclose()
             await second.cleanup()
