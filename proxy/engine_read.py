@@ -159,15 +159,16 @@ class ReadSide:
         the API)."""
         started = time.perf_counter()
         view = cast("list[dict[str, Any]]", request.messages)  # read only: retrieval never changes the messages
-        result = await self._retrieve(request.user_id, request.conversation_id, view, explain=False)
-        chosen: list[MemoryItem] = []
-        if result.items and result.query is not None:
-            chosen = choose(request.messages, result.items, result.query.terms, self.injection)
-        planned = self._plan(request, chosen)
-        carried = set(planned.carried)
-        used = tuple(i.id for i in chosen if i.id in carried)  # what this request's retrieval chose and sent
-        if used:
-            await self.touch(request.user_id, used)
+        with holding():  # (the access times noted below are judged on the entry the arms searched)
+            result = await self._retrieve(request.user_id, request.conversation_id, view, explain=False)
+            chosen: list[MemoryItem] = []
+            if result.items and result.query is not None:
+                chosen = choose(request.messages, result.items, result.query.terms, self.injection)
+            planned = self._plan(request, chosen)
+            carried = set(planned.carried)
+            used = tuple(i.id for i in chosen if i.id in carried)  # what this request's retrieval chose and sent
+            if used:
+                await self.touch(request.user_id, used)
         return Injection(
             plan=planned.plan,
             injected_ids=planned.carried,

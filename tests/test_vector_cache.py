@@ -308,6 +308,26 @@ async def test_one_read_looks_its_user_up_once() -> None:
     assert seen.count("hit") == 1
 
 
+async def test_what_a_read_does_after_its_arms_sees_the_entry_they_searched() -> None:
+    """``current``: within ``holding``, the entry the read's first lookup got, even once another read's miss has
+    evicted it (term matching's stored word pieces, the access times the read notes), unless a delete came since;
+    else what the cache holds, without marking it used. A ``holding`` within another is the outer one's."""
+    cache = _cache_of(1)
+    with holding():
+        first = await cache.get_or_load("a", lambda: _load("a"))
+        with holding():  # (the read's own retrieval inside ``inject``'s scope)
+            assert await cache.get_or_load("b", lambda: _load("b")) is not None  # evicts a
+        assert "a" not in cache
+        assert cache.current("a") is first
+        assert cache.current("b") is cache.peek("b")
+        cache.remove("a", ["a-0"])  # deleted since: what the read held is no longer current
+        assert cache.current("a") is None
+    assert cache.current("b") is cache.peek("b")
+    assert cache.current("a") is None
+    with holding():
+        assert cache.current("b") is cache.peek("b")  # not looked up in this read: the cache's
+
+
 async def test_users_no_read_used_lately_are_released_and_reload_on_their_next_read() -> None:
     """``release_idle`` drops the users last read ``idle_s`` ago or more (a write does not count as a read),
     keeps the others, and gives their bytes back; a released user's next read loads them again."""

@@ -339,7 +339,7 @@ class MemoryStore:
     def young_of(self, user_id: str, ids: Sequence[str], at: datetime) -> frozenset[str]:
         """Those of ``ids`` created within the touch granularity before ``at``, as far as the vector cache holds
         the user (their access time is shown, never written: ``touches.TouchBuffer``)."""
-        entry, granularity = self._cache.peek(user_id), self._touches.granularity
+        entry, granularity = self._cache.current(user_id), self._touches.granularity
         return entry.created_after(ids, at - granularity) if entry is not None and granularity else frozenset()
 
     async def delete(self, user_id: str, id: str) -> bool:

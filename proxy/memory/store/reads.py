@@ -115,7 +115,7 @@ class StoreReads:
     ) -> builtins.list[npt.NDArray[np.int64] | None]:
         """The word pieces kept for these records of the user, where the vector cache holds them (None where it
         does not, and for all of them when ``vectors`` are not this store's model's)."""
-        entry = self._cache.peek(user_id)
+        entry = self._cache.current(user_id)
         if entry is None or vectors is not term_vectors_of(self._embedder):
             return [None] * len(ids)
         return entry.pieces_of(ids)

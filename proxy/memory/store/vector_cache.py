@@ -62,7 +62,12 @@ _FAILED = object()  # the first lookup raised (a deadline, a failed load): the o
 def holding() -> Iterator[None]:
     """Within this block (one read of the chat path, its arms' tasks included), a user's lookups after the first
     return what the first one got (waiting for it when the arms look up at once), without marking it used or
-    counting a lookup again; an entry not in the cache is looked up again once a delete or drop came since."""
+    counting a lookup again; an entry not in the cache is looked up again once a delete or drop came since. What
+    the read does after its arms (term matching's stored word pieces, the access times it notes) sees the same
+    entry (``VectorCache.current``). A block within a block is the outer one's."""
+    if _HELD.get() is not None:
+        yield
+        return
     held: _Held = {}
     token = _HELD.set(held)
     try:
@@ -192,6 +197,19 @@ class VectorCache:
     def peek(self, user_id: str) -> UserVectors | None:
         """The user's entry if cached, without marking it used: what the write side and the management API
         read must not keep a user the read side left in the cache (``release_idle``)."""
+        return self._entries.get(user_id)
+
+    def current(self, user_id: str) -> UserVectors | None:
+        """The user's entry this read looked up (``holding``), even if the cache has let it go since (with more
+        users than fit, another read's miss often evicts it before this read's fusion asks for its word pieces:
+        those were then made again from the texts), else the cached one; neither marked used."""
+        held = _HELD.get()
+        kept = None if held is None else held.get((id(self), user_id))
+        if kept is not None and kept[1].done():
+            drops, first = kept
+            found = first.result()
+            if isinstance(found, UserVectors) and (self._entries.get(user_id) is found or drops == self._drops):
+                return found
         return self._entries.get(user_id)
 
     def get(self, user_id: str) -> UserVectors | None:
