@@ -5,9 +5,12 @@ carries the requests of many users (an app's connection pool). Each chat process
 path needs: the vector cache, the read caches, the memory each conversation already carries (the prompt-cache
 placement: a conversation whose requests alternated between processes got a new block, and lost the provider's
 cached prefix, at every switch) and the Responses chains. So a request is served by its user's owner
-(``owner_of``: a stable hash of the user id over the chat processes): another chat process relays it there as it
-came, over the owner's private socket (``chat-<index>.sock``), and streams the answer back unchanged. Each user's
-state is then held once, not once per process, and a user's requests all see it.
+(``owner_of``: a stable hash of the user id over the chat processes). Another chat process hands the client's
+connection itself to the owner (``chat_handoff``), which serves that request and the connection's next ones as if
+it had accepted it; where a connection cannot be handed (pipelined requests, a Unix socket) or the owner does
+not take it, the request is relayed there as it came, over the owner's private socket (``chat-<index>.sock``), and
+the answer streamed back unchanged. Each user's state is then held once, not once per process, and a user's
+requests all see it.
 
 A relayed request carries ``X-Memproxy-Routed``, which makes the owner serve it itself; the header is accepted
 only on the private socket (from a client it is ignored). If the owner cannot be reached (it is restarting:
@@ -30,6 +33,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from proxy.chat_handoff import hand_off, handoff_socket
 from proxy.errors import ServiceUnavailable
 from proxy.relay_memory import REQUEST_HOP, relay_session, stream_back
 
@@ -95,6 +99,14 @@ class ChatRouter:
             connector = aiohttp.UnixConnector(path=str(chat_socket(self.directory, owner)), force_close=True)
             session = self._sessions[owner] = relay_session(connector)
         return session
+
+    async def hand_off(self, request: web.Request, body: bytes, owner: int) -> bool:
+        """Hand the request's connection to the owner (``chat_handoff``); True once it has taken it, False if the
+        request is still to be relayed (or served) here."""
+        if not await hand_off(request, body, handoff_socket(self.directory, owner)):
+            return False
+        self._observed("handed_off")
+        return True
 
     async def relay(self, request: web.Request, body: bytes, owner: int) -> web.StreamResponse | None:
         """The owner's answer to the request, streamed back as it comes; None if the owner cannot be reached

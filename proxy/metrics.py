@@ -156,6 +156,11 @@ class Metrics:
                 "Chats relayed to their user's chat process",
                 registry=self.registry,
             ),
+            "handed_off": Counter(
+                "memproxy_routing_handed_off",
+                "Client connections handed to their user's chat process with a chat (served there from then on)",
+                registry=self.registry,
+            ),
             "owner_unreachable": Counter(
                 "memproxy_routing_owner_unreachable",
                 "Relays that found their user's chat process away (served where they arrived)",
@@ -211,8 +216,8 @@ class Metrics:
         self._lookups[result].inc()
 
     def routed(self, outcome: str) -> None:
-        """Count one chat relayed to its user's chat process (``relayed``) or one whose process was away
-        (``owner_unreachable``): ``ChatRouter.observe``."""
+        """Count one chat relayed to its user's chat process (``relayed``), one whose connection was handed to
+        it (``handed_off``) or one whose process was away (``owner_unreachable``): ``ChatRouter.observe``."""
         self._routing[outcome].inc()
 
     def add_memory_parts(self, source: GaugeSource) -> None:

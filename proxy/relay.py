@@ -151,6 +151,9 @@ class MemoryCall:
         router = self.state.chat_router
         if router is not None and identity.mode is not Mode.OFF:
             owner = router.owner(self.request, identity.user_id)
+            if owner is not None and await router.hand_off(self.request, raw, owner):
+                self.relayed = True  # the connection is the owner's now: it answers, logs and counts
+                return web.Response()  # (never sent: this process has let the connection go)
             relayed = None if owner is None else await router.relay(self.request, raw, owner)
             if relayed is not None:  # served, logged and counted by the user's own chat process
                 self.relayed = True

@@ -27,6 +27,7 @@ from aiohttp.web_protocol import RequestHandler
 from tqdm import tqdm
 
 from proxy.app import MemoryFactory, build_app
+from proxy.chat_handoff import HandoffReceiver, handoff_socket
 from proxy.chat_routing import ChatRouter, chat_socket
 from proxy.config import Settings
 from proxy.errors import BadRequest, ProxyError, error_response
@@ -171,6 +172,11 @@ async def serve(
         app, handler_cancellation=True, access_log=None, shutdown_timeout=settings.server.shutdown_grace_s
     )
     await runner.setup()
+    handoffs = None
+    if chat_router is not None and runner.server is not None:  # connections other chat processes hand over,
+        path = handoff_socket(chat_router.directory, chat_router.index)  # served as if accepted here
+        handoffs = HandoffReceiver(path, runner.server)
+        await handoffs.start()
     gc.freeze()  # the start-up objects live as long as the process: no collection needs to walk them again
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -194,6 +200,8 @@ async def serve(
         log.info("server.stopping", grace_s=server.shutdown_grace_s)
         app[STATE].stopping = True
     finally:
+        if handoffs is not None:
+            await handoffs.aclose()
         await runner.cleanup()
         if chat_router is not None:
             await chat_router.aclose()

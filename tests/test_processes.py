@@ -9,6 +9,7 @@ stored exactly once. A writer started again gets the users' latest chats and key
 from __future__ import annotations
 
 import asyncio
+import gzip
 import os
 import signal
 import time
@@ -23,7 +24,9 @@ import orjson
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
+from multidict import CIMultiDict
 
+from proxy.chat_handoff import request_bytes
 from proxy.chat_routing import ROUTED_HEADER, ChatRouter, owner_of
 from tests.support.processes import fake_upstream_process, memproxy_process, process_tree
 
@@ -205,13 +208,9 @@ def test_each_users_chats_are_served_by_that_users_chat_process(upstream: str, t
         for user in users:
             assert served[f"{user}-I keep bees on the roof"] == f"chat-{owner_of(user, 2)}"
 
-        # The relays are counted over both chat processes: any scrape (either process answers it) says the same.
-        def relayed() -> float:
-            with urllib.request.urlopen(f"{base.removesuffix('/v1')}/metrics", timeout=10) as scraped:  # noqa: S310
-                lines = scraped.read().decode().splitlines()
-            return sum(float(line.split()[-1]) for line in lines if line.startswith("memproxy_routing_relayed_total"))
-
-        counts = {relayed() for _ in range(8)}
+        # The connections handed over are counted over both chat processes: any scrape (either process answers
+        # it) says the same.
+        counts = {_scraped(base, "memproxy_routing_handed_off_total") for _ in range(8)}
         assert len(counts) == 1, counts
         assert counts.pop() >= 1
 
@@ -245,6 +244,80 @@ def test_each_users_chats_are_served_by_that_users_chat_process(upstream: str, t
         systems = {orjson.dumps(messages[0]) for messages in sent}
         assert len(systems) == 1
         assert b"bees" in systems.pop()
+
+
+def _scraped(base: str, name: str) -> float:
+    """A counter's value as ``/metrics`` shows it."""
+    with urllib.request.urlopen(f"{base.removesuffix('/v1')}/metrics", timeout=10) as scraped:  # noqa: S310
+        lines = scraped.read().decode().splitlines()
+    return sum(float(line.split()[-1]) for line in lines if line.startswith(name))
+
+
+def test_one_connection_of_many_users_is_handed_to_each_users_chat_process(upstream: str, tmp_path: Path) -> None:
+    """One kept-alive connection carries chats of users of both chat processes, as an app's pooled connection
+    does, with a large body, a compressed one and a streamed answer among them: each chat is served by its
+    user's own chat process, which the connection is handed to (``chat_handoff``) rather than each request
+    relayed, and the client never opens another connection."""
+    env = _env(upstream, tmp_path, MEMPROXY_SERVER__MAX_BODY_BYTES=str(4 * 2**20))
+    with memproxy_process(env) as (proc, base):
+        users = [f"pool-{i}" for i in range(12)]
+        assert {owner_of(user, 2) for user in users} == {0, 1}
+        opened: list[object] = []
+        trace = aiohttp.TraceConfig()
+
+        async def on_open(*_: object) -> None:
+            opened.append(object())
+
+        trace.on_connection_create_end.append(on_open)
+        answers: dict[str, str] = {}
+
+        async def chats() -> None:
+            connector = aiohttp.TCPConnector(limit=1)
+            async with aiohttp.ClientSession(connector=connector, trace_configs=[trace]) as session:
+                for round_ in range(2):
+                    for i, user in enumerate(users):
+                        text = f"my note {round_} {i} " + ("lots " * 60_000 if i == 3 else "")
+                        body = {"model": "fake-echo", "messages": [{"role": "user", "content": text}]}
+                        stream = i == 5
+                        if stream:
+                            body["stream"] = True
+                        headers = {"Authorization": "Bearer sk-client", "X-Memory-User": user,
+                                   "X-Request-Id": f"{user}-{round_}"}  # fmt: skip
+                        data = orjson.dumps(body)
+                        if i == 7:
+                            data, headers["Content-Encoding"] = gzip.compress(data), "gzip"
+                        headers["Content-Type"] = "application/json"
+                        async with session.post(f"{base}/chat/completions", data=data, headers=headers) as response:
+                            got = await response.read()
+                            assert response.status == 200, got[:300]
+                            answers[f"{user}-{round_}"] = got.decode()
+
+        asyncio.run(chats())
+        assert len(opened) == 1  # one connection, handed from process to process
+        whole = {k: "data: [DONE]" in v if k.startswith("pool-5-") else "my note" in v for k, v in answers.items()}
+        assert all(whole.values()), whole
+        _eventually(lambda: len(_served_by(proc.lines)) >= 2 * len(users), timeout=10)
+        served = _served_by(proc.lines)
+        for user in users:
+            for round_ in range(2):
+                assert served[f"{user}-{round_}"] == f"chat-{owner_of(user, 2)}"
+        assert _scraped(base, "memproxy_routing_handed_off_total") >= 2
+        assert _scraped(base, "memproxy_routing_relayed_total") == 0
+
+
+def test_a_handed_request_reaches_the_owner_as_read_here() -> None:
+    """The request the owner's parser reads (``request_bytes``): its line and headers as the client sent them,
+    but the body's framing (it comes as read: decompressed, whole, with its length) and a 100-continue already
+    answered."""
+    headers = CIMultiDict(
+        [("Host", "memproxy.local"), ("Transfer-Encoding", "chunked"), ("Content-Encoding", "gzip"),
+         ("Expect", "100-continue"), ("X-Memory-User", "ana"), ("X-Memory-User", "twice")]
+    )  # fmt: skip
+    request = make_mocked_request("POST", "/v1/chat/completions?x=1", headers=headers)
+    assert request_bytes(request, b'{"a": 1}') == (
+        b"POST /v1/chat/completions?x=1 HTTP/1.1\r\nHost: memproxy.local\r\nX-Memory-User: ana\r\n"
+        b'X-Memory-User: twice\r\nContent-Length: 8\r\n\r\n{"a": 1}'
+    )
 
 
 def _served_by(lines: list[str]) -> dict[str, str]:
