@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
+from proxy.as_sent import AS_SENT
 from proxy.config import ClientSettings, Settings
 from proxy.errors import Forbidden, MisdirectedRequest, Unauthorized, UnsupportedMediaType
 from proxy.identity import Identity
@@ -162,6 +163,7 @@ def _authenticated(request: web.Request, settings: Settings) -> web.Request:
         headers.popall("x-api-key", None)
     clone = request.clone(headers=headers)
     clone[NAMESPACE] = client.namespace
+    clone[AS_SENT] = request
     return clone
 
 

@@ -33,6 +33,7 @@ import aiohttp
 import structlog
 from aiohttp import web
 
+from proxy.as_sent import as_sent
 from proxy.chat_handoff import hand_off, handoff_socket
 from proxy.errors import ServiceUnavailable
 from proxy.relay_memory import REQUEST_HOP, relay_session, stream_back
@@ -111,7 +112,8 @@ class ChatRouter:
     async def relay(self, request: web.Request, body: bytes, owner: int) -> web.StreamResponse | None:
         """The owner's answer to the request, streamed back as it comes; None if the owner cannot be reached
         (serve it here)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_HOP}
+        sent = as_sent(request).headers  # (with the client's key: the owner checks it again)
+        headers = {k: v for k, v in sent.items() if k.lower() not in _REQUEST_HOP}
         headers[ROUTED_HEADER] = str(self.index)
         if request.remote:
             headers.setdefault("X-Forwarded-For", request.remote)

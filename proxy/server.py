@@ -63,10 +63,14 @@ class _JsonProtocolErrors(RequestHandler):
     head_timeout_s = 0.0  # set by the server that made it (``_JsonErrorServer``); 0: no deadline
     _head_timer: asyncio.TimerHandle | None = None
     _heads_seen = 0
+    primed = b""  # a request another chat process handed over with the connection (``chat_handoff``)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._arm_head_timer()
+        if self.primed:  # the connection's first bytes, before anything read from the socket
+            request, self.primed = self.primed, b""
+            self.data_received(request)
 
     def data_received(self, data: bytes) -> None:
         if self._head_timer is None and self._between_requests():
@@ -133,6 +137,12 @@ class _JsonErrorServer(web.Server):
         handler.head_timeout_s = self.head_timeout_s
         return handler
 
+    def primed(self, request: bytes) -> RequestHandler:
+        """A connection's handler that reads ``request`` (a handed-over one) first."""
+        handler = self()
+        cast(_JsonProtocolErrors, handler).primed = request
+        return handler
+
 
 class AppRunner(web.AppRunner):
     """``web.AppRunner`` whose connections answer protocol errors as OpenAI error JSON and time out slow request
@@ -173,9 +183,9 @@ async def serve(
     )
     await runner.setup()
     handoffs = None
-    if chat_router is not None and runner.server is not None:  # connections other chat processes hand over,
-        path = handoff_socket(chat_router.directory, chat_router.index)  # served as if accepted here
-        handoffs = HandoffReceiver(path, runner.server)
+    if chat_router is not None:  # connections other chat processes hand over, served as if accepted here
+        path = handoff_socket(chat_router.directory, chat_router.index)
+        handoffs = HandoffReceiver(path, cast(_JsonErrorServer, runner.server).primed)
         await handoffs.start()
     gc.freeze()  # the start-up objects live as long as the process: no collection needs to walk them again
     stop = asyncio.Event()

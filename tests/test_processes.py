@@ -26,6 +26,8 @@ from aiohttp import web
 from aiohttp.test_utils import make_mocked_request
 from multidict import CIMultiDict
 
+from proxy.access import key_hash
+from proxy.as_sent import AS_SENT
 from proxy.chat_handoff import request_bytes
 from proxy.chat_routing import ROUTED_HEADER, ChatRouter, owner_of
 from tests.support.processes import fake_upstream_process, memproxy_process, process_tree
@@ -257,11 +259,15 @@ def test_one_connection_of_many_users_is_handed_to_each_users_chat_process(upstr
     """One kept-alive connection carries chats of users of both chat processes, as an app's pooled connection
     does, with a large body, a compressed one and a streamed answer among them: each chat is served by its
     user's own chat process, which the connection is handed to (``chat_handoff``) rather than each request
-    relayed, and the client never opens another connection."""
-    env = _env(upstream, tmp_path, MEMPROXY_SERVER__MAX_BODY_BYTES=str(4 * 2**20))
+    relayed, and the client never opens another connection. The app authenticates with a client key
+    (``[[clients]]``), which the owner checks again: the handler's copy of the request lacks it."""
+    config = tmp_path / "memproxy.toml"
+    config.write_text(f'[[clients]]\nnamespace = "appA"\nkey_sha256 = "{key_hash("ck-pool")}"\n')
+    env = _env(upstream, tmp_path / "data", MEMPROXY_SERVER__MAX_BODY_BYTES=str(4 * 2**20),
+               MEMPROXY_CONFIG=str(config), MEMPROXY_UPSTREAM__API_KEY="sk-upstream")  # fmt: skip
     with memproxy_process(env) as (proc, base):
         users = [f"pool-{i}" for i in range(12)]
-        assert {owner_of(user, 2) for user in users} == {0, 1}
+        assert {owner_of(f"appA:{user}", 2) for user in users} == {0, 1}
         opened: list[object] = []
         trace = aiohttp.TraceConfig()
 
@@ -281,7 +287,7 @@ def test_one_connection_of_many_users_is_handed_to_each_users_chat_process(upstr
                         stream = i == 5
                         if stream:
                             body["stream"] = True
-                        headers = {"Authorization": "Bearer sk-client", "X-Memory-User": user,
+                        headers = {"Authorization": "Bearer ck-pool", "X-Memory-User": user,
                                    "X-Request-Id": f"{user}-{round_}"}  # fmt: skip
                         data = orjson.dumps(body)
                         if i == 7:
@@ -300,7 +306,7 @@ def test_one_connection_of_many_users_is_handed_to_each_users_chat_process(upstr
         served = _served_by(proc.lines)
         for user in users:
             for round_ in range(2):
-                assert served[f"{user}-{round_}"] == f"chat-{owner_of(user, 2)}"
+                assert served[f"{user}-{round_}"] == f"chat-{owner_of(f'appA:{user}', 2)}"
         assert _scraped(base, "memproxy_routing_handed_off_total") >= 2
         assert _scraped(base, "memproxy_routing_relayed_total") == 0
 
@@ -364,6 +370,7 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
     async def owner_app(name: str) -> web.AppRunner:
         async def answer(request: web.Request) -> web.Response:
             assert request.headers[ROUTED_HEADER] == "0"
+            assert request.headers["Authorization"] == "Bearer ck-sent"  # as the client sent it (checked again)
             assert "Accept-Encoding" not in request.headers  # the client sent none; the relay adds none
             assert "Content-Encoding" not in request.headers  # the body is passed on as aiohttp decoded it
             body = await request.read()
@@ -388,7 +395,11 @@ def test_a_relay_passes_the_owners_answer_as_sent_and_reaches_a_restarted_owner(
 
     async def through(payload: bytes) -> tuple[bytes, dict[str, str]]:
         headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
-        request = make_mocked_request("POST", "/v1/chat/completions", headers=headers)
+        original = make_mocked_request(
+            "POST", "/v1/chat/completions", headers={**headers, "Authorization": "Bearer ck-sent"}
+        )
+        request = original.clone(headers=CIMultiDict(headers))  # the handlers' copy, without the key
+        request[AS_SENT] = original
         sent: list[bytes] = []
 
         async def write(data: bytes) -> None:
