@@ -94,7 +94,9 @@ async def hand_off(request: web.Request, body: bytes, path: Path) -> bool:
                 await loop.sock_connect(channel, str(path))
             sent = socket.send_fds(channel, [payload[:_FIRST]], [sock.fileno()])
             handed = True
-            await loop.sock_sendall(channel, payload[sent:])
+            if sent < len(payload):
+                with contextlib.suppress(OSError):  # (the owner stopped reading: its answer says why)
+                    await loop.sock_sendall(channel, payload[sent:])
             answer = await loop.sock_recv(channel, 1)
     except (OSError, TimeoutError) as error:
         log.info("routing.handoff_failed", error=type(error).__name__, handed=handed)
