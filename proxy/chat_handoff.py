@@ -195,7 +195,7 @@ class HandoffReceiver:
                     raise
                 taken = True  # the request is this process's now
                 await loop.sock_sendall(channel, _TAKEN)
-            except (OSError, TimeoutError, ValueError) as error:
+            except Exception as error:  # (not a cancellation: the process is stopping, the sender sees it go)
                 log.info("routing.handoff_not_taken" if not taken else "routing.handoff_unacknowledged",
                          error=type(error).__name__)  # fmt: skip
                 if not taken:
