@@ -208,9 +208,14 @@ class VectorCache:
         if kept is not None and kept[1].done():
             drops, first = kept
             found = first.result()
-            if isinstance(found, UserVectors) and (self._entries.get(user_id) is found or drops == self._drops):
+            if isinstance(found, UserVectors) and self._still_current(user_id, drops, found):
                 return found
         return self._entries.get(user_id)
+
+    def _still_current(self, user_id: str, drops: int, found: UserVectors) -> bool:
+        """Whether an entry a read looked up (when ``_drops`` was ``drops``) is the user's still: the cached
+        entry itself is (writes apply to it); another one is unless a delete or drop came since."""
+        return self._entries.get(user_id) is found or drops == self._drops
 
     def get(self, user_id: str) -> UserVectors | None:
         """The user's entry if cached (and mark it used)."""
@@ -232,9 +237,8 @@ class VectorCache:
         if kept is not None:
             drops, first = kept
             found = await asyncio.shield(first)  # (a caller's deadline cancels its wait, not the first lookup)
-            # (the cached entry itself is current: writes apply to it; another one is, unless a delete came since)
-            if found is not _FAILED and (found is None or self._entries.get(user_id) is found or drops == self._drops):
-                return cast("UserVectors | None", found)
+            if found is None or (isinstance(found, UserVectors) and self._still_current(user_id, drops, found)):
+                return found
         first = asyncio.get_running_loop().create_future()
         held[key] = (self._drops, first)
         try:
