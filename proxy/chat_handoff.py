@@ -87,16 +87,22 @@ async def hand_off(request: web.Request, body: bytes, path: Path) -> bool:
     transport.pause_reading()
     handed, answer = False, b""
     try:
-        payload = _LENGTH.pack(len(raw := request_bytes(request, body))) + raw
+        raw = request_bytes(request, body)
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as channel:
             channel.setblocking(False)
             async with asyncio.timeout(_CONNECT_S):
                 await loop.sock_connect(channel, str(path))
-            sent = socket.send_fds(channel, [payload[:_FIRST]], [sock.fileno()])
+            # the length, then the request, sent from where they lie (not joined into one more copy)
+            length, rest = _LENGTH.pack(len(raw)), memoryview(raw)
+            sent = socket.send_fds(channel, [length, rest[:_FIRST]], [sock.fileno()])
             handed = True
-            if sent < len(payload):
-                with contextlib.suppress(OSError):  # (the owner stopped reading: its answer says why)
-                    await loop.sock_sendall(channel, payload[sent:])
+            left: list[bytes | memoryview] = (
+                [length[sent:], rest] if sent < len(length) else [rest[sent - len(length) :]]
+            )
+            with contextlib.suppress(OSError):  # (the owner stopped reading: its answer says why)
+                for part in left:
+                    if part:
+                        await loop.sock_sendall(channel, part)
             answer = await loop.sock_recv(channel, 1)
     except (OSError, TimeoutError) as error:
         log.info("routing.handoff_failed", error=type(error).__name__, handed=handed)
